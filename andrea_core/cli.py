@@ -1,0 +1,133 @@
+"""`andrea`: the operator's command line (also `python -m andrea_core`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import posixpath
+import sys
+
+import fsspec
+
+from andrea_core.checkpoint import region_stats
+from andrea_core.config import ConfigError, load_run_config
+from andrea_core.lock import LockError
+from andrea_core.loss_log import LossEntry, ema, read_history
+from andrea_core.rundir import RunDir
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from andrea_core.trainer import Trainer  # torch import only for the commands that need it
+
+    cfg = load_run_config(args.config) if args.config else None
+    trainer = Trainer(args.run_dir, cfg, max_steps=args.max_steps, device=args.device, pace=args.pace)
+    result = trainer.train()
+    return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
+
+
+def format_inspect(report: dict) -> str:
+    verdict = "VALID" if report["valid"] else f"INVALID: {report['problem']}"
+    lines = [
+        f"{report['file']}: {verdict}",
+        f"  step {report['step']}  n_params {report['n_params']}  {report['bytes']:,} bytes",
+    ]
+    for region, st in (report.get("regions") or {}).items():
+        fmt = lambda v: "n/a" if v is None else f"{v:.6g}"  # noqa: E731
+        lines.append(
+            f"  {region:<8} min {fmt(st['min']):>12}  max {fmt(st['max']):>12}  "
+            f"mean {fmt(st['mean']):>12}  non-finite {st['non_finite']}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    with fsspec.open(args.file, "rb") as f:
+        data = f.read()
+    report = region_stats(data, posixpath.basename(args.file.rstrip("/")))
+    print(json.dumps(report, indent=1) if args.json else format_inspect(report))
+    return 0 if report["valid"] else 1
+
+
+def plot_loss(history: list[LossEntry], out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    steps = [e.step for e in history]
+    ax.plot(steps, [e.loss for e in history], lw=0.8, alpha=0.5, label="loss")
+    smooth, acc = [], None
+    for e in history:
+        acc = e.loss if acc is None else 0.95 * acc + 0.05 * e.loss
+        smooth.append(acc)
+    ax.plot(steps, smooth, lw=1.5, label="EMA (0.05)")
+    ax.set(xlabel="step", ylabel="training loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with fsspec.open(out, "wb") as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+
+
+def cmd_loss(args: argparse.Namespace) -> int:
+    run = RunDir(args.run_dir)
+    history = read_history(run)
+    if not history:
+        print(f"{run.url}: no loss history yet", file=sys.stderr)
+        return 1
+    last = history[-1]
+    summary = {
+        "run": run.url,
+        "steps": len(history),
+        "last_step": last.step,
+        "last_loss": last.loss,
+        "ema_loss": ema([e.loss for e in history]),
+        "segments": len({e.segment for e in history}),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"{run.url}: step {last.step}  loss {last.loss:.4f}  EMA {summary['ema_loss']:.4f}  "
+            f"({summary['steps']} steps over {summary['segments']} segment(s))"
+        )
+    if args.plot:
+        plot_loss(history, args.plot, run.url)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="andrea", description="Train and audit ANDREA GPT runs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="create or resume a run and train it")
+    t.add_argument("--config", help="config name under configs/ or a YAML path (new runs)")
+    t.add_argument("--run-dir", required=True, help="run directory: a path or fsspec URL")
+    t.add_argument("--max-steps", type=int, help="train up to this step (default: the config's)")
+    t.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    t.add_argument("--pace", type=float, default=0.0, help="minimum seconds per step (demos, tests)")
+    t.set_defaults(fn=cmd_train)
+
+    i = sub.add_parser("inspect", help="check a checkpoint file and summarise its regions")
+    i.add_argument("file", help="a step_NNNNNN.bin path or URL")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(fn=cmd_inspect)
+
+    lo = sub.add_parser("loss", help="summarise a run's canonical loss history")
+    lo.add_argument("run_dir")
+    lo.add_argument("--plot", help="write a PNG plot of the loss curve here")
+    lo.add_argument("--json", action="store_true")
+    lo.set_defaults(fn=cmd_loss)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, LockError, FileNotFoundError) as e:
+        print(f"andrea: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,189 @@
+"""Run configuration: typed dataclasses loaded from YAML with strict validation.
+
+A bad config is rejected before any work starts, with an error that names the field (`train.lr`),
+what is wrong with it and the file it came from. Unknown keys are errors, not silently ignored: a
+typo such as `lerning_rate` would otherwise train a week with the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from andrea_core.model import ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field and the source."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 1337
+    batch_size: int = 8
+    max_steps: int = 1000
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    # The cosine decay length is frozen separately from max_steps so that the learning rate stays a
+    # pure function of the step: extending a run with --max-steps must not rewrite its past schedule.
+    lr_decay_steps: int = 10_000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    sample_every: int | None = None  # None: same as checkpoint_every, so every checkpoint has an audit
+    log_every: int = 10
+    # Part of the frozen run: CPU results are bit-reproducible only at a fixed intra-op thread count.
+    num_threads: int = 2
+    compile: bool = False
+
+    @property
+    def audit_every(self) -> int:
+        return self.sample_every or self.checkpoint_every
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    policy: str = "stdlib-only"  # a name under configs/policies/ or a path
+    tokenizer: str = "bytes"  # "bytes" (vocab 256) or "bpe" (trained per run, frozen in the run dir)
+    val_fraction: float = 0.05
+    max_source_bytes: int = 8_000_000  # per arm: bounds the token cache on small machines
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    model: ModelConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, overrides: dict[str, Any], source: str = "overrides") -> RunConfig:
+        """A copy with dotted-key overrides applied (`{"train.lr": 1e-3}`), validated like a file."""
+        raw = self.to_dict()
+        for dotted, value in overrides.items():
+            node = raw
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                if not isinstance(node.get(key), dict):
+                    raise ConfigError(f"{source}: {dotted}: no such section {key!r}")
+                node = node[key]
+            if leaf not in node:
+                raise ConfigError(f"{source}: {dotted}: unknown field")
+            node[leaf] = value
+        return parse_run_config(raw, source)
+
+
+def _check_value(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item_type,) = typing.get_args(tp)
+        return [_check_value(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)  # YAML reads 1e4 as float; a whole number is what was meant
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build_dataclass(cls: type, raw: Any, where: str) -> Any:
+    """`cls` from a mapping, each value type-checked; errors name the dotted field path."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{where}.{name}" if where else name
+        if name in raw:
+            kwargs[name] = _check_value(raw[name], hints[name], sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{sub}: missing required field")
+    return cls(**kwargs)
+
+
+def _check_ranges(cfg: RunConfig, source: str) -> None:
+    m, t, d = cfg.model, cfg.train, cfg.data
+    checks = [
+        (m.vocab_size > 0, "model.vocab_size", "must be positive"),
+        (m.block_size > 0, "model.block_size", "must be positive"),
+        (m.n_layer > 0, "model.n_layer", "must be positive"),
+        (m.n_head > 0 and m.n_embd % m.n_head == 0, "model.n_head", "must divide model.n_embd"),
+        (0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)"),
+        (t.batch_size > 0, "train.batch_size", "must be positive"),
+        (t.max_steps > 0, "train.max_steps", "must be positive"),
+        (t.lr > 0 and t.min_lr >= 0, "train.lr", "lr must be > 0 and min_lr >= 0"),
+        (t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0"),
+        (t.lr_decay_steps > 0, "train.lr_decay_steps", "must be positive"),
+        (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)"),
+        (t.checkpoint_every > 0, "train.checkpoint_every", "must be positive"),
+        (t.sample_every is None or t.sample_every > 0, "train.sample_every", "must be positive"),
+        (t.log_every > 0, "train.log_every", "must be positive"),
+        (t.num_threads > 0, "train.num_threads", "must be positive"),
+        (d.tokenizer in ("bytes", "bpe"), "data.tokenizer", "must be 'bytes' or 'bpe'"),
+        (d.tokenizer != "bytes" or m.vocab_size == 256, "model.vocab_size", "must be 256 with bytes"),
+        (0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)"),
+    ]
+    for ok, name, why in checks:
+        if not ok:
+            raise ConfigError(f"{source}: {name} {why}")
+
+
+def parse_run_config(raw: Any, source: str = "<config>") -> RunConfig:
+    try:
+        cfg = build_dataclass(RunConfig, raw, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    _check_ranges(cfg, source)
+    return cfg
+
+
+def resolve_config_path(name_or_path: str, subdir: str = "") -> Path:
+    """A path as given if it exists, else a named file under configs/ (`andrea-tiny`)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    named = CONFIG_DIR / subdir / f"{name_or_path}.yaml"
+    if named.is_file():
+        return named
+    available = sorted(q.stem for q in (CONFIG_DIR / subdir).glob("*.yaml"))
+    raise ConfigError(f"config {name_or_path!r} not found (a path, or one of: {', '.join(available)})")
+
+
+def load_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+
+
+def load_run_config(name_or_path: str) -> RunConfig:
+    path = resolve_config_path(name_or_path)
+    return parse_run_config(load_yaml(path.read_text(), str(path)), str(path))

@@ -1,0 +1,108 @@
+"""Where each arm's text comes from: only text that every machine already has, read offline.
+
+A source is a deterministic, sorted list of documents plus a fingerprint (paths, sizes, mtimes), so
+that a token cache is rebuilt exactly when its source changes and never otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import site
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from andrea_core.data.policy import ArmSpec
+
+DEFAULT_DOCSTRING_PACKAGES = ["torch", "numpy", "prefect", "fsspec", "yaml", "pydantic", "sqlalchemy"]
+
+
+class SourceUnavailable(RuntimeError):
+    """An arm's source is gone or empty on this machine (the zombie-arm case)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    arm: ArmSpec
+    files: list[Path]
+    max_bytes: int
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(f"{self.arm.kind}|{self.max_bytes}".encode())
+        for f in self.files:
+            st = f.stat()
+            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()[:16]
+
+    def documents(self) -> Iterator[str]:
+        """The arm's documents in a fixed order, stopping once max_bytes of text were produced."""
+        produced = 0
+        for f in self.files:
+            for doc in _extract(self.arm.kind, f):
+                if produced >= self.max_bytes:
+                    return
+                doc = doc[: self.max_bytes - produced]
+                produced += len(doc.encode())
+                yield doc
+
+
+def _extract(kind: str, f: Path) -> Iterator[str]:
+    text = f.read_text(encoding="utf-8", errors="replace")
+    if kind != "docstrings":
+        yield text
+        return
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) > 40:  # one-liners are mostly noise ("Return x.")
+                yield doc
+
+
+def _site_packages() -> list[Path]:
+    return sorted({Path(p) for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]})
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _files_for(arm: ArmSpec) -> list[Path]:
+    if arm.kind == "python-stdlib":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    if arm.kind == "docstrings":
+        files = []
+        for pkg in arm.packages or DEFAULT_DOCSTRING_PACKAGES:
+            root = _package_dir(pkg)
+            if root is not None:
+                files.extend(sorted(root.rglob("*.py")))
+        return files
+    if arm.kind == "prose":
+        roots = [Path(p) for p in arm.paths] if arm.paths else _site_packages()
+        files = []
+        for root in roots:
+            if root.is_file():
+                files.append(root)
+            elif root.is_dir():
+                for pattern in ("*.md", "*.rst", "*.txt", "METADATA"):
+                    files.extend(root.rglob(pattern))
+        return sorted({f for f in files if f.is_file() and f.stat().st_size > 200})
+    raise ValueError(f"unknown arm kind {arm.kind!r}")
+
+
+def open_source(arm: ArmSpec, max_bytes: int) -> Source:
+    files = _files_for(arm)
+    if not files:
+        raise SourceUnavailable(f"arm {arm.name!r} ({arm.kind}): no source files found on this machine")
+    return Source(arm, files, max_bytes)

@@ -1,0 +1,30 @@
+"""AdamW and the learning-rate schedule, a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from andrea_core.config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
+    # Decay matrices (linear and embedding weights), not norms: the usual GPT recipe.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.startswith("cuda"))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr, cosine decay to min_lr over lr_decay_steps, then min_lr."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    if step >= cfg.lr_decay_steps:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / max(cfg.lr_decay_steps - cfg.warmup_steps, 1)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

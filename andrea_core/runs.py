@@ -1,0 +1,89 @@
+"""run.yaml (contract): the frozen run config, its lineage and the environment it was created in."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import yaml
+
+from andrea_core.config import ConfigError, RunConfig, load_yaml, parse_run_config
+from andrea_core.data.policy import Policy, load_policy, parse_policy
+from andrea_core.rundir import POLICY_YAML, RUN_YAML, RunDir
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, str]:
+    """What bit-exact CPU results depend on besides the thread count (which is in the config)."""
+    return {"torch": str(torch.__version__), "machine": platform.machine(), "cpu": cpu_model()}
+
+
+@dataclass
+class RunRecord:
+    config: RunConfig
+    lineage: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def to_yaml(self) -> str:
+        doc = {**self.config.to_dict(), "lineage": self.lineage, "environment": self.environment}
+        return yaml.safe_dump(doc, sort_keys=False)
+
+
+def read_run(run: RunDir) -> RunRecord:
+    source = run.path(RUN_YAML)
+    raw = load_yaml(run.read_text(RUN_YAML), source)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: not a mapping")
+    lineage = raw.pop("lineage", None) or {}
+    env = raw.pop("environment", None) or {}
+    return RunRecord(parse_run_config(raw, source), lineage, env)
+
+
+def create_run(
+    run: RunDir, cfg: RunConfig, policy_text: str | None = None, lineage: dict | None = None
+) -> RunRecord:
+    """Freeze `cfg` into a new run directory and install its data policy."""
+    if run.exists(RUN_YAML):
+        raise ConfigError(f"{run.url} already holds a run ({RUN_YAML} exists)")
+    if policy_text is None:
+        _, policy_text = load_policy(cfg.data.policy)
+    record = RunRecord(
+        cfg,
+        {"parent": None, "parent_step": None, "created_at": time.time(), **(lineage or {})},
+        environment(),
+    )
+    run.makedirs()
+    run.write_text(POLICY_YAML, policy_text)
+    run.write_text(RUN_YAML, record.to_yaml())
+    return record
+
+
+def read_policy(run: RunDir) -> Policy:
+    source = run.path(POLICY_YAML)
+    return parse_policy(load_yaml(run.read_text(POLICY_YAML), source), source)
+
+
+def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted names of the fields where two configs differ."""
+
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    fa, fb = flat(a.to_dict()), flat(b.to_dict())
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))

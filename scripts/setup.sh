@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root when missing and install the pinned dependencies and the
+# `andrea` package (editable). Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.andrea-installed
+if [ ! -f "$stamp" ] || ! cmp -s requirements.txt "$stamp"; then
+  echo "setup: installing pinned dependencies (requirements.txt)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e . 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  .venv/bin/python -c "import torch, prefect, fsspec, yaml, numpy" \
+    || { echo "setup: dependencies failed to import" >&2; exit 1; }
+  cp requirements.txt "$stamp"
+fi
+echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

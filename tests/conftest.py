@@ -1,0 +1,68 @@
+"""Shared test helpers: real trainer processes on the tiny config, a shared token cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("ANDREA_SHARED", REPO.parent / "shared"))
+TINY = str(REPO / "configs" / "andrea-tiny.yaml")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_dir(tmp_path_factory) -> Path:
+    """One token cache for the whole session: arms are tokenized once, as on a real machine."""
+    d = Path(os.environ.get("ANDREA_TEST_CACHE_DIR") or tmp_path_factory.mktemp("token-cache"))
+    os.environ["ANDREA_CACHE_DIR"] = str(d)
+    return d
+
+
+def andrea(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the `andrea` CLI as a real process, as an operator would."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "andrea_core", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+        cwd=REPO,
+    )
+    if check and proc.returncode != 0:
+        cmd = " ".join(args)
+        raise AssertionError(f"andrea {cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def start_trainer(*args: str, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "andrea_core", "train", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+        cwd=REPO,
+    )
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
