@@ -152,9 +152,16 @@ def n_params_of(model: torch.nn.Module) -> int:
 
 @torch.no_grad()
 def snapshot(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: torch.Tensor | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    out: torch.Tensor | None = None,
+    non_blocking: bool = False,
 ) -> torch.Tensor:
-    """Copy weights, m and v into one float32 CPU vector [weights | m | v] (reusing `out`)."""
+    """Copy weights, m and v into one float32 CPU vector [weights | m | v] (reusing `out`).
+
+    `non_blocking` with a pinned `out` only queues the device-to-host copies on the current stream:
+    `out` must not be read before an event recorded after this call has completed.
+    """
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     if out is None:
@@ -168,7 +175,7 @@ def snapshot(
             if src is None:  # before the first step AdamW has no moments yet: they are zero
                 dst.zero_()
             else:
-                dst.copy_(src.detach().reshape(-1))
+                dst.copy_(src.detach().reshape(-1), non_blocking=non_blocking)
             offset += k
     return out
 
