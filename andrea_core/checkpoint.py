@@ -101,6 +101,8 @@ def decode(data: bytes | memoryview, name: str, expected_n_params: int | None = 
         raise CheckpointError(name, f"n_params {n} does not match the model's {expected_n_params}")
     flat = np.frombuffer(data, dtype="<f4", offset=HEADER.size, count=3 * n)
     ckpt = Checkpoint(step, n, flat)
+    if np.isfinite(flat).all() and not (ckpt.v < 0).any():
+        return ckpt  # one pass for the common case; the scan below names the first bad value
     for region, values in ckpt.regions().items():
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
@@ -174,6 +176,10 @@ def snapshot(
             src = p if key is None else optimizer.state.get(p, {}).get(key)
             if src is None:  # before the first step AdamW has no moments yet: they are zero
                 dst.zero_()
+            elif src.device.type == "cpu" and src.dtype == torch.float32:
+                # A plain memcpy: torch's multi-threaded copy costs more than it saves on a CPU that
+                # trains with every core (5-15x more, measured, on one shared with other work).
+                np.copyto(dst.numpy(), src.detach().reshape(-1).numpy())
             else:
                 dst.copy_(src.detach().reshape(-1), non_blocking=non_blocking)
             offset += k

@@ -34,7 +34,8 @@ from andrea_core.rundir import RunDir
 from andrea_core.trainer import Trainer
 
 F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)  # Linux: F_LINUX_SPECIFIC_BASE + 0
-REFERENCE_STEPS = (100, 200, 300, 350)
+EVERY = 20  # checkpoint_every of these tests' runs: the tiny config, on a finer grid
+REFERENCE_STEPS = (20, 40, 60, 70)
 
 
 def temp_name(step: int, pid: int) -> str:
@@ -79,7 +80,7 @@ def last_logged_step(run: Path) -> int:
     return json.loads(lines[-1])["step"] if lines[-1] else 0
 
 
-def wait_stalled(run: Path, proc, quiet: float = 1.0) -> int:
+def wait_stalled(run: Path, proc, quiet: float = 2.0) -> int:
     """The step at which training stopped making progress (no new loss line for `quiet` seconds)."""
     step, since = last_logged_step(run), time.monotonic()
     deadline = since + 60
@@ -94,16 +95,16 @@ def wait_stalled(run: Path, proc, quiet: float = 1.0) -> int:
     raise AssertionError("training never stalled")
 
 
-def sync_config(tmp: Path) -> str:
+def tiny_config(tmp: Path, async_checkpoint: bool = True) -> str:
     raw = yaml.safe_load(Path(TINY).read_text())
-    raw["train"]["async_checkpoint"] = False
-    path = tmp / "andrea-tiny-sync.yaml"
+    raw["train"].update(checkpoint_every=EVERY, async_checkpoint=async_checkpoint)
+    path = tmp / f"andrea-tiny-every{EVERY}-{'async' if async_checkpoint else 'sync'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
 
 
 class Reference:
-    """An uninterrupted run to step 350 with the synchronous writer."""
+    """An uninterrupted run to step 70 with the synchronous writer."""
 
     def __init__(self, run: Path):
         self.run = run
@@ -116,14 +117,14 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Reference:
     tmp = tmp_path_factory.mktemp("reference")
-    andrea("train", "--config", sync_config(tmp), "--run-dir", str(tmp / "run"), "--max-steps", "350")
+    andrea("train", "--config", tiny_config(tmp, False), "--run-dir", str(tmp / "run"), "--max-steps", "70")
     return Reference(tmp / "run")
 
 
 def sync_checkpoints(tmp: Path, steps: list[int]) -> dict[int, bytes]:
     """Checkpoints at arbitrary steps from synchronous runs (one start per step, each a resume)."""
     run = tmp / "sync-run"
-    config = sync_config(tmp)
+    config = tiny_config(tmp, async_checkpoint=False)
     for step in sorted(steps):
         args = ["--config", config] if not run.exists() else []
         andrea("train", *args, "--run-dir", str(run), "--max-steps", str(step))
@@ -210,33 +211,32 @@ def test_sigusr1_and_sigterm_wait_for_the_write_in_flight(tmp_path, reference, s
     run = tmp_path / "run"
     run.mkdir()
     log = tmp_path / "train.log"
-    proc = start_trainer(
-        "--config", TINY, "--run-dir", str(run), "--max-steps", "300", "--pace", "0.02", log=log
-    )
-    held = HeldOpen(run / temp_name(100, proc.pid))
+    args = ["--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "100", "--pace", "0.05"]
+    proc = start_trainer(*args, log=log)
+    held = HeldOpen(run / temp_name(20, proc.pid))
     later = None
     try:
-        wait_for(lambda: len(sigio) >= 1, what="the write of step 100 to start")
-        wait_for(lambda: last_logged_step(run) >= 110, what="training to go on past step 110")
-        assert not (run / checkpoint_name(100)).exists()
+        wait_for(lambda: len(sigio) >= 1, what="the write of step 20 to start")
+        wait_for(lambda: last_logged_step(run) >= 24, what="training to go on past step 24")
+        assert not (run / checkpoint_name(20)).exists()
 
         proc.send_signal(signal.SIGUSR1)
         usr1_step = wait_stalled(run, proc)  # its checkpoint waits for the write in flight
-        assert usr1_step > 110
-        assert not (run / checkpoint_name(100)).exists()
+        assert 24 <= usr1_step < 40
+        assert not (run / checkpoint_name(20)).exists()
         assert not (run / checkpoint_name(usr1_step)).exists()
 
-        later = HeldOpen(run / temp_name(200, proc.pid))
+        later = HeldOpen(run / temp_name(40, proc.pid))
         held.release()
         wait_for(lambda: (run / checkpoint_name(usr1_step)).exists(), what="the SIGUSR1 checkpoint")
-        wait_for(lambda: len(sigio) >= 2, what="the write of step 200 to start")
+        wait_for(lambda: len(sigio) >= 2, what="the write of step 40 to start")
         assert proc.poll() is None  # SIGUSR1 trains on
-        wait_for(lambda: last_logged_step(run) >= 210, what="training to go on past step 210")
+        wait_for(lambda: last_logged_step(run) >= 44, what="training to go on past step 44")
 
         proc.send_signal(signal.SIGTERM)
         term_step = wait_stalled(run, proc)  # finishes its step, then waits for the write in flight
-        assert term_step > 210
-        assert not (run / checkpoint_name(200)).exists()
+        assert 44 <= term_step < 60
+        assert not (run / checkpoint_name(40)).exists()
         later.release()
         assert proc.wait(timeout=60) == 0
     finally:
@@ -249,10 +249,9 @@ def test_sigusr1_and_sigterm_wait_for_the_write_in_flight(tmp_path, reference, s
     assert f"SIGUSR1: checkpoint of step {usr1_step} requested" in text
     assert f"SIGTERM: stopped at step {term_step}, checkpoint {checkpoint_name(term_step)}" in text
     assert read_history(RunDir(run))[-1].step == term_step
-    steps = RunDir(run).checkpoint_steps()
-    assert steps == [100, usr1_step, 200, term_step]
-    assert (run / checkpoint_name(100)).read_bytes() == reference[100]
-    assert (run / checkpoint_name(200)).read_bytes() == reference[200]
+    assert RunDir(run).checkpoint_steps() == [20, usr1_step, 40, term_step]
+    assert (run / checkpoint_name(20)).read_bytes() == reference[20]
+    assert (run / checkpoint_name(40)).read_bytes() == reference[40]
     expected = sync_checkpoints(tmp_path, [usr1_step, term_step])
     for step in (usr1_step, term_step):
         assert (run / checkpoint_name(step)).read_bytes() == expected[step], step
@@ -263,29 +262,28 @@ def test_failed_write_is_logged_and_retried_at_the_next_boundary(tmp_path, refer
     run = tmp_path / "run"
     run.mkdir()
     log = tmp_path / "train.log"
-    proc = start_trainer(
-        "--config", TINY, "--run-dir", str(run), "--max-steps", "350", "--pace", "0.005", log=log
-    )
-    # The disk is full for step 200's write and for the first try of the final step's (350).
-    (run / temp_name(200, proc.pid)).symlink_to("/dev/full")
-    (run / temp_name(350, proc.pid)).symlink_to("/dev/full")
+    args = ["--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "70", "--pace", "0.02"]
+    proc = start_trainer(*args, log=log)
+    # The disk is full for step 40's write and for the first try of the final step's (70).
+    (run / temp_name(40, proc.pid)).symlink_to("/dev/full")
+    (run / temp_name(70, proc.pid)).symlink_to("/dev/full")
     try:
-        wait_for(lambda: (run / checkpoint_name(100)).exists(), what="step_000100.bin")
-        first = sha(run / checkpoint_name(100))
+        wait_for(lambda: (run / checkpoint_name(20)).exists(), what="step_000020.bin")
+        first = sha(run / checkpoint_name(20))
         assert proc.wait(timeout=180) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    for step in (200, 350):
-        assert (
-            f"ERROR: checkpoint {checkpoint_name(step)} was NOT written: OSError: [Errno 28] "
-            "No space left on device" in text
+    for step in (40, 70):
+        error = (
+            f"ERROR: checkpoint {checkpoint_name(step)} was NOT written: OSError: [Errno 28] No space left"
         )
-    assert f"checkpoint {checkpoint_name(300)} (" in text and f"checkpoint {checkpoint_name(350)} (" in text
-    assert sha(run / checkpoint_name(100)) == first
-    assert RunDir(run).checkpoint_steps() == [100, 300, 350]
-    for step in (100, 300, 350):
+        assert error in text
+    assert f"checkpoint {checkpoint_name(60)} (" in text and f"checkpoint {checkpoint_name(70)} (" in text
+    assert sha(run / checkpoint_name(20)) == first
+    assert RunDir(run).checkpoint_steps() == [20, 60, 70]
+    for step in (20, 60, 70):
         assert (run / checkpoint_name(step)).read_bytes() == reference[step], step
     assert not [p for p in run.iterdir() if ".tmp." in p.name]
 
@@ -294,17 +292,19 @@ def test_final_checkpoint_that_cannot_be_written_fails_the_exit(tmp_path, refere
     run = tmp_path / "run"
     run.mkdir()
     log = tmp_path / "train.log"
-    proc = start_trainer("--config", TINY, "--run-dir", str(run), "--max-steps", "150", log=log)
-    (run / temp_name(150, proc.pid)).mkdir()  # in the way of both tries
+    proc = start_trainer(
+        "--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "30", log=log
+    )
+    (run / temp_name(30, proc.pid)).mkdir()  # in the way of both tries
     assert proc.wait(timeout=180) == 1
     text = log.read_text()
-    assert text.count(f"ERROR: checkpoint {checkpoint_name(150)} was NOT written") == 2
+    assert text.count(f"ERROR: checkpoint {checkpoint_name(30)} was NOT written") == 2
     assert (
-        "ERROR: completed at step 150, but its checkpoint could not be written; the newest checkpoint "
-        f"on disk is {checkpoint_name(100)}" in text
-    )
-    assert (run / checkpoint_name(100)).read_bytes() == reference[100]
-    assert RunDir(run).checkpoint_steps() == [100]
+        "ERROR: completed at step 30, but its checkpoint could not be written; "
+        f"the newest checkpoint on disk is {checkpoint_name(20)}"
+    ) in text
+    assert (run / checkpoint_name(20)).read_bytes() == reference[20]
+    assert RunDir(run).checkpoint_steps() == [20]
 
 
 # --- the mixer hears of each loss at the same point, resumed or not --------------------------------
@@ -343,7 +343,7 @@ def record_training(run: Path, max_steps: int, on_choose=None) -> tuple[list, st
             super()._build()
             self.data.mixer = RecordingMixer(self.data.mixer, events, on_choose)
 
-    cfg = None if (run / "run.yaml").exists() else load_run_config(TINY)
+    cfg = None if (run / "run.yaml").exists() else load_run_config(tiny_config(run.parent))
     result = RecordingTrainer(str(run), cfg, max_steps=max_steps, log=lambda _: None).train()
     return events, result.reason
 
@@ -351,24 +351,24 @@ def record_training(run: Path, max_steps: int, on_choose=None) -> tuple[list, st
 def test_observation_schedule_is_the_same_in_resumed_runs(tmp_path):
     """Step s's loss reaches the mixer after batch s+1 is drawn and before batch s+2, whether or not a
     checkpoint, SIGUSR1, SIGTERM or a restart came in between."""
-    straight, _ = record_training(tmp_path / "a", 150)
-    for s in range(1, 149):
+    straight, _ = record_training(tmp_path / "a", 50)
+    for s in range(1, 49):
         i = straight.index(("choose", s + 1))
         assert straight[i + 1][:2] == ("observe", s) and straight[i + 2] == ("choose", s + 2)
-    assert [e for e in straight if e[0] == "observe"][-1][1] == 149  # step 150's loss: nobody left to hear
+    assert [e for e in straight if e[0] == "observe"][-1][1] == 49  # step 50's loss: nobody left to hear
 
     def signals(step: int) -> None:
-        if step == 70:
-            os.kill(os.getpid(), signal.SIGUSR1)  # an off-grid checkpoint of step 70
-        if step == 110:
-            os.kill(os.getpid(), signal.SIGTERM)  # checkpoint of step 110, exit
+        if step == 15:
+            os.kill(os.getpid(), signal.SIGUSR1)  # an off-grid checkpoint of step 15
+        if step == 30:
+            os.kill(os.getpid(), signal.SIGTERM)  # checkpoint of step 30, exit
 
-    first, reason = record_training(tmp_path / "b", 150, on_choose=signals)
+    first, reason = record_training(tmp_path / "b", 50, on_choose=signals)
     assert reason == "SIGTERM"
-    assert RunDir(tmp_path / "b").checkpoint_steps() == [70, 100, 110]
-    resumed, reason = record_training(tmp_path / "b", 150)
+    assert RunDir(tmp_path / "b").checkpoint_steps() == [15, 20, 30]
+    resumed, reason = record_training(tmp_path / "b", 50)
     assert reason == "completed"
-    assert resumed[:3] == [("choose", 111), straight[straight.index(("choose", 111)) + 1], ("choose", 112)]
+    assert resumed[:3] == [("choose", 31), straight[straight.index(("choose", 31)) + 1], ("choose", 32)]
     assert first + resumed == straight
 
 
@@ -381,30 +381,30 @@ def test_bit_exact_resume_across_signals_and_kill(tmp_path, reference):
     run.mkdir()
 
     def start(*extra: str):
-        return start_trainer(*extra, "--run-dir", str(run), "--max-steps", "300", "--pace", "0.01")
+        return start_trainer(*extra, "--run-dir", str(run), "--max-steps", "70", "--pace", "0.05")
 
-    proc = start("--config", TINY)
-    wait_for(lambda: last_logged_step(run) >= 60, what="step 60")
+    proc = start("--config", tiny_config(tmp_path))
+    wait_for(lambda: last_logged_step(run) >= 12, what="step 12")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     stopped = RunDir(run).checkpoint_steps()[-1]
 
     proc = start()
-    wait_for(lambda: last_logged_step(run) >= 150, what="step 150")
+    wait_for(lambda: last_logged_step(run) >= 30, what="step 30")
     proc.send_signal(signal.SIGUSR1)
     wait_for(lambda: len(RunDir(run).checkpoint_steps()) >= 3, what="the SIGUSR1 checkpoint")
-    wait_for(lambda: last_logged_step(run) >= 230, what="step 230")
+    wait_for(lambda: last_logged_step(run) >= 50, what="step 50")
     proc.kill()
     proc.wait(timeout=60)
-    (run / temp_name(200, 999_999)).write_bytes(b"left by a writer killed mid-write")
+    (run / temp_name(40, 999_999)).write_bytes(b"left by a writer killed mid-write")
 
     log = tmp_path / "last.log"
-    proc = start_trainer("--run-dir", str(run), "--max-steps", "300", log=log)
+    proc = start_trainer("--run-dir", str(run), "--max-steps", "70", log=log)
     assert proc.wait(timeout=180) == 0
-    assert f"removed {temp_name(200, 999_999)}" in log.read_text()
+    assert f"removed {temp_name(40, 999_999)}" in log.read_text()
     assert not [p for p in run.iterdir() if ".tmp." in p.name]
-    assert (run / checkpoint_name(300)).read_bytes() == reference[300]
+    assert (run / checkpoint_name(70)).read_bytes() == reference[70]
     history = read_history(RunDir(run))
-    assert [e.step for e in history] == list(range(1, 301))
-    assert len({e.segment for e in history}) == 3 and stopped > 60
-    assert [e.loss for e in history] == [e.loss for e in read_history(RunDir(reference.run))][:300]
+    assert [e.step for e in history] == list(range(1, 71))
+    assert len({e.segment for e in history}) == 3 and stopped >= 12
+    assert [e.loss for e in history] == [e.loss for e in read_history(RunDir(reference.run))]
