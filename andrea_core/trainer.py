@@ -28,6 +28,7 @@ from andrea_core.loss_log import LossWriter
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
 from andrea_core.progress import Progress
+from andrea_core.retention import apply_retention
 from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
 from andrea_core.runs import config_differences, create_run, environment, read_policy, read_run
 
@@ -126,6 +127,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run, self.model, self.optimizer)
         self.data = DataPipeline(self.cfg, read_policy(self.run), warn=self.log)
         self.start_step = 0
+        self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
         ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
@@ -170,6 +172,7 @@ class Trainer:
         self.loss_log.flush(durable=True)
         name = self.checkpointer.save(step)
         self.log(f"checkpoint {name} ({self.checkpointer.last_write_s:.2f}s)")
+        apply_retention(self.run, self.cfg.retention, self.model.n_params, self.log, newest=step)
         return name
 
     def train(self) -> TrainResult:

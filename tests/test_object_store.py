@@ -1,0 +1,191 @@
+"""Run directories on any fsspec filesystem, against a real local S3 server (moto, own process)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from conftest import TINY, andrea, start_trainer, wait_for
+
+from andrea_core import cli
+from andrea_core.checkpoint import checkpoint_name, decode, encode
+from andrea_core.config import load_run_config
+from andrea_core.fork import BranchSpec, fork, fork_records
+from andrea_core.loss_log import LossWriter, canonical, parse_lines, read_history
+from andrea_core.objstore import ConcurrentWriteError
+from andrea_core.pivot import pivot_run_directory
+from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.trainer import Trainer
+
+MiB = 2**20
+
+
+def run_urls(tmp_path: Path, s3_bucket: str) -> dict[str, str]:
+    return {
+        "path": str(tmp_path / "run"),
+        "file": f"file://{tmp_path}/run",
+        "memory": f"memory://{tmp_path.name}/run",
+        "s3": f"{s3_bucket}/runs/run",
+    }
+
+
+def uploads_in_progress(s3_server, bucket_url: str) -> list[str]:
+    bucket = bucket_url.removeprefix("s3://").split("/")[0]
+    listing = s3_server.client().call_s3("list_multipart_uploads", Bucket=bucket)
+    return [u["Key"] for u in listing.get("Uploads", [])]
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """Make s3fs (and so RunDir) upload in 5 MiB parts, S3's minimum, instead of 50 MiB."""
+    monkeypatch.setitem(fsspec.config.conf.setdefault("s3", {}), "default_block_size", 5 * MiB)
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "memory", "s3"])
+def test_write_atomic_and_append_on_every_filesystem(kind, tmp_path, s3_bucket):
+    run = RunDir(run_urls(tmp_path, s3_bucket)[kind])
+    run.makedirs()
+    floats = np.arange(1000, dtype="<f4")
+    run.write_atomic("step_000001.bin", [b"header!!", memoryview(floats)])  # float views count floats
+    assert run.read_bytes("step_000001.bin") == b"header!!" + floats.tobytes()
+    run.write_atomic("step_000001.bin", b"replaced")
+    assert run.read_bytes("step_000001.bin") == b"replaced"
+    assert run.listdir() == ["step_000001.bin"]  # no temporary left behind
+    run.append(FORKS, b"one\n", durable=True)
+    run.append(FORKS, b"two\n", durable=True)
+    assert run.read_bytes(FORKS) == b"one\ntwo\n"
+    assert RunDir(run.url).read_bytes(FORKS) == b"one\ntwo\n"  # the canonical URL names the same place
+
+
+def test_large_checkpoint_is_streamed_as_one_multipart_upload(s3_bucket, s3_server, small_parts):
+    run = RunDir(f"{s3_bucket}/run")
+    floats = np.random.default_rng(0).random(3 * MiB // 4 * 4, dtype=np.float32)  # 12 MiB
+    run.write_atomic("step_000100.bin", [b"12345678", memoryview(floats)])
+    assert run.read_bytes("step_000100.bin") == b"12345678" + floats.tobytes()
+    # An S3 ETag "<md5>-N" is the mark of an N-part upload: 12 MiB + 8 B in 5 MiB parts, the last
+    # part taking the remainder (never under S3's minimum).
+    assert run.fs.info(run.path("step_000100.bin"))["ETag"].strip('"').endswith("-2")
+    assert uploads_in_progress(s3_server, s3_bucket) == []
+
+
+def test_failed_multipart_upload_is_aborted_and_publishes_nothing(s3_bucket, s3_server, small_parts):
+    run = RunDir(f"{s3_bucket}/run")
+    run.write_atomic("step_000100.bin", b"the previous, complete version")
+    chunk = np.ones(4 * MiB // 4, dtype=np.float32)
+
+    def snapshot_that_fails():  # the writer fails after two parts have gone up
+        for _ in range(4):
+            yield memoryview(chunk)
+        raise RuntimeError("snapshot failed mid-checkpoint")
+
+    with pytest.raises(RuntimeError, match="snapshot failed"):
+        run.write_atomic("step_000100.bin", snapshot_that_fails())
+    assert run.read_bytes("step_000100.bin") == b"the previous, complete version"
+    assert uploads_in_progress(s3_server, s3_bucket) == []  # aborted: no stored, billed parts
+
+
+def test_discard_incomplete_writes_aborts_only_this_runs_uploads(s3_bucket, s3_server):
+    client = s3_server.client()
+    bucket = s3_bucket.removeprefix("s3://")
+    for key in ("run/step_000200.bin", "run-fork100-a/step_000200.bin"):
+        client.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    logged = []
+    assert RunDir(f"{s3_bucket}/run").discard_incomplete_writes(logged.append) == ["run/step_000200.bin"]
+    assert uploads_in_progress(s3_server, s3_bucket) == ["run-fork100-a/step_000200.bin"]
+    assert "run/step_000200.bin" in logged[0]
+
+
+def test_local_discard_incomplete_writes_removes_dead_temporaries(tmp_path):
+    run = RunDir(tmp_path)
+    (tmp_path / ".step_000200.bin.tmp.4242").write_bytes(b"half a checkpoint")
+    (tmp_path / "step_000100.bin").write_bytes(b"kept")
+    assert run.discard_incomplete_writes(lambda m: None) == [".step_000200.bin.tmp.4242"]
+    assert run.listdir() == ["step_000100.bin"]
+
+
+def line(step: int, segment: int) -> dict:
+    return {"step": step, "loss": 1.0 / step, "lr": 1e-3, "arm": "a", "tokens": 8, "segment": segment, "time": 0}
+
+
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_loss_log_without_append_is_mirrored_and_published_at_durable_flushes(
+    kind, tmp_path, s3_bucket, monkeypatch
+):
+    run = RunDir(run_urls(tmp_path, s3_bucket)[kind])
+    run.makedirs()
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "machine-a"))
+    writer = LossWriter(run)
+    published = []
+    for step in range(1, 8):
+        writer.log(step, 1.0 / step, 1e-3, "a", 8, 0.0)
+        writer.flush()  # every step: into the local mirror only
+        assert run.exists(LOSS_LOG) == bool(published)
+        if step % 3 == 0:  # a checkpoint: published whole, in one put
+            writer.flush(durable=True)
+            published.append(run.read_bytes(LOSS_LOG))
+            assert writer._file.path.read_bytes() == published[-1]
+            assert str(tmp_path / "machine-a") in str(writer._file.path)
+    assert [s for s in (e["step"] for e in parse_lines(published[-1])[0])] == list(range(1, 7))
+    # The process dies here: step 7 was only in machine A's mirror. Machine B knows only the URL.
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "machine-b"))
+    resumed = LossWriter(run)
+    assert resumed.segment == 2
+    resumed.log(7, 0.5, 1e-3, "a", 8, 0.0)
+    resumed.close()  # at exit: published
+    published.append(run.read_bytes(LOSS_LOG))
+    for earlier, later in zip(published, published[1:], strict=False):
+        assert later.startswith(earlier) and len(later) > len(earlier)
+    assert [(e.step, e.segment) for e in read_history(run)] == [(s, 1) for s in range(1, 7)] + [(7, 2)]
+
+
+def test_published_log_is_never_replaced_over_a_version_it_did_not_see(tmp_path, s3_bucket, monkeypatch):
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path))
+    run = RunDir(f"{s3_bucket}/run")
+    writer = LossWriter(run)
+    writer.log(1, 1.0, 1e-3, "a", 8, 0.0)
+    writer.flush(durable=True)
+    foreign = json.dumps(line(1, 9)).encode() + b"\n"
+    run.write_atomic(LOSS_LOG, foreign)  # someone else replaced it
+    writer.log(2, 0.5, 1e-3, "a", 8, 0.0)
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        writer.flush(durable=True)
+    assert run.read_bytes(LOSS_LOG) == foreign  # nothing lost, nothing clobbered
+
+
+def tiny_config(**train):
+    overrides = {f"train.{k}": v for k, v in {"checkpoint_every": 10, "log_every": 10, **train}.items()}
+    return load_run_config(TINY).with_overrides(overrides)
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "memory", "s3"])
+def test_trainer_cli_fork_and_pivot_on_every_filesystem(kind, tmp_path, s3_bucket, capsys):
+    url = run_urls(tmp_path, s3_bucket)[kind]
+    logged: list[str] = []
+    assert Trainer(url, tiny_config(), max_steps=20, device="cpu", log=logged.append).train().step == 20
+    run = RunDir(url)
+    assert run.checkpoint_steps() == [10, 20]
+    assert [e.step for e in read_history(run)] == list(range(1, 21))
+
+    (branch_url,) = fork(url, [BranchSpec("a")], step=10)
+    assert branch_url == f"{run.url}-fork10-a"
+    assert RunDir(branch_url).read_bytes(checkpoint_name(10)) == run.read_bytes(checkpoint_name(10))
+    assert [r["step"] for r in fork_records(run)] == [10]
+
+    pivot_run_directory(run, 20, Path(TINY).parent.joinpath("policies", "default.yaml").read_text())
+    assert run.listdir("archive") == ["phase_001_step_000020"]
+
+    result = Trainer(url, None, max_steps=30, device="cpu", log=logged.append).train()
+    assert result.step == 30 and f"resuming {run.url} from step_000020.bin" in logged
+    capsys.readouterr()  # the trainers' progress lines
+    assert cli.main(["loss", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["last_step"] == 30
+    assert cli.main(["inspect", f"{run.url}/{checkpoint_name(30)}"]) == 0
+    assert "VALID" in capsys.readouterr().out
+    assert cli.main(["lineage", url]) == 0
+    tree = capsys.readouterr().out
+    assert "fork at step 10: a" in tree and "phase 2  steps 20..30 (current)  policy default" in tree
