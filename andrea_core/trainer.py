@@ -112,7 +112,7 @@ class Trainer:
         for key, was in record.environment.items():
             if now.get(key) != was and self.device == "cpu":
                 self.log(
-                    f"warning: {key} is {now.get(key)!r} but the run was created with {was!r}: "
+                    f"warning: {key} is {now.get(key)!r} here but the run was created with {was!r}: "
                     "resumed CPU results will match the original only to rounding, not bit for bit"
                 )
         threads = self.cfg.train.num_threads

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY, andrea, start_trainer, wait_for
 
 from andrea_core import cli
-from andrea_core.checkpoint import checkpoint_name, decode, encode
+from andrea_core.checkpoint import checkpoint_name, decode
 from andrea_core.config import load_run_config
 from andrea_core.fork import BranchSpec, fork, fork_records
 from andrea_core.loss_log import LossWriter, canonical, parse_lines, read_history
@@ -109,7 +109,15 @@ def test_local_discard_incomplete_writes_removes_dead_temporaries(tmp_path):
 
 
 def line(step: int, segment: int) -> dict:
-    return {"step": step, "loss": 1.0 / step, "lr": 1e-3, "arm": "a", "tokens": 8, "segment": segment, "time": 0}
+    return {
+        "step": step,
+        "loss": 1.0 / step,
+        "lr": 1e-3,
+        "arm": "a",
+        "tokens": 8,
+        "segment": segment,
+        "time": 0,
+    }
 
 
 @pytest.mark.parametrize("kind", ["memory", "s3"])
@@ -189,3 +197,170 @@ def test_trainer_cli_fork_and_pivot_on_every_filesystem(kind, tmp_path, s3_bucke
     assert cli.main(["lineage", url]) == 0
     tree = capsys.readouterr().out
     assert "fork at step 10: a" in tree and "phase 2  steps 20..30 (current)  policy default" in tree
+
+
+def test_resume_elsewhere_warns_naming_each_environment_difference(s3_bucket, capsys):
+    url = f"{s3_bucket}/run"
+    logged: list[str] = []
+    Trainer(url, tiny_config(), max_steps=10, device="cpu", log=logged.append).train()
+    run = RunDir(url)
+    record = run.read_text("run.yaml")
+    here = yaml_env(record)
+    run.write_text("run.yaml", record.replace(f"cpu: {here['cpu']}", "cpu: Imaginary CPU 9000"))
+    logged.clear()
+    Trainer(url, None, max_steps=20, device="cpu", log=logged.append).train()
+    warnings = [m for m in logged if m.startswith("warning:")]
+    assert warnings == [
+        f"warning: cpu is {here['cpu']!r} here but the run was created with 'Imaginary CPU 9000': "
+        "resumed CPU results will match the original only to rounding, not bit for bit"
+    ]
+    assert f"resuming {run.url} from step_000010.bin" in logged
+
+
+def yaml_env(run_yaml: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(run_yaml)["environment"]
+
+
+def s3_versions(client, url: str, name: str) -> list[bytes]:
+    """Every version ever published of a file in a versioned bucket, oldest first."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    key = f"{prefix}/{name}"
+    listing = client.call_s3("list_object_versions", Bucket=bucket, Prefix=key)
+    versions = [v for v in listing.get("Versions", []) if v["Key"] == key][::-1]  # listed newest first
+    out = []
+    for v in versions:
+        obj = client.call_s3("get_object", Bucket=bucket, Key=key, VersionId=v["VersionId"])
+        out.append(_read_body(client, obj))
+    return out
+
+
+def _read_body(client, obj) -> bytes:
+    async def read():
+        async with obj["Body"] as body:
+            return await body.read()
+
+    return fsspec.asyn.sync(client.loop, read)
+
+
+def history_of(url: str) -> list[tuple]:
+    return [(e.step, e.loss, e.lr, e.arm, e.tokens) for e in read_history(RunDir(url))]
+
+
+@pytest.mark.slow
+def test_bit_exact_resume_with_the_run_directory_on_s3(s3_bucket, s3_server, tmp_path, monkeypatch):
+    """A runs uninterrupted; B is SIGTERM'd, restarted, SIGKILLed after a checkpoint, and finished on
+    "another machine" (a fresh run cache, only the URL). Final checkpoints byte-identical, canonical
+    loss histories equal, and every version .loss.json ever had on the store a prefix of the next."""
+    client = s3_server.client()
+    client.call_s3(
+        "put_bucket_versioning",
+        Bucket=s3_bucket.removeprefix("s3://"),
+        VersioningConfiguration={"Status": "Enabled"},
+    )
+    a, b = f"{s3_bucket}/a", f"{s3_bucket}/b"
+    andrea("train", "--config", TINY, "--run-dir", a, "--max-steps", "300", "--device", "cpu")
+
+    def steps_of_b() -> list[int]:
+        return RunDir(b).checkpoint_steps()
+
+    args = ("--run-dir", b, "--max-steps", "300", "--device", "cpu", "--pace", "0.02")
+    first = start_trainer("--config", TINY, *args, log=tmp_path / "b1.log")
+    wait_for(lambda: 100 in steps_of_b(), timeout=300, what="B's checkpoint 100")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 0
+    (stopped_at,) = set(steps_of_b()) - {100}
+    assert 100 < stopped_at < 200
+
+    second = start_trainer(*args, log=tmp_path / "b2.log")
+    wait_for(lambda: 200 in steps_of_b(), timeout=300, what="B's checkpoint 200")
+    time.sleep(1.0)  # steps past 200 reach only this machine's mirror of .loss.json
+    second.kill()
+    second.wait()
+    assert steps_of_b() == [100, stopped_at, 200]
+    published = parse_lines(RunDir(b).read_bytes(LOSS_LOG))[0]
+    assert published[-1]["step"] == 200  # what the SIGKILL took was never published
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "another-machine"))
+    third = andrea("train", "--run-dir", b, "--max-steps", "300", "--device", "cpu")
+    assert f"resuming {b} from step_000200.bin" in third.stdout + third.stderr
+    assert "warning:" not in third.stdout + third.stderr
+
+    assert RunDir(a).read_bytes(checkpoint_name(300)) == RunDir(b).read_bytes(checkpoint_name(300))
+    assert history_of(a) == history_of(b)
+    assert [e.step for e in read_history(RunDir(b))] == list(range(1, 301))
+
+    versions = s3_versions(client, b, LOSS_LOG)
+    for earlier, later in zip(versions, versions[1:], strict=False):
+        assert later.startswith(earlier) and len(later) > len(earlier)
+    # Each checkpoint's durable flush published the log up to exactly that step.
+    ends = {parse_lines(v)[0][-1]["step"] for v in versions}
+    assert {100, stopped_at, 200, 300} <= ends
+    segments = canonical(parse_lines(versions[-1])[0])
+    assert {e.segment for e in segments} == {1, 2, 3}
+
+
+def bigger_model_config(tmp_path: Path) -> str:
+    """andrea-tiny widened to 1.7M parameters: a 21 MB checkpoint, uploaded in 5 MiB parts."""
+    import yaml
+
+    doc = yaml.safe_load(Path(TINY).read_text())
+    doc["model"].update(n_embd=256, n_head=4)
+    doc["train"].update(checkpoint_every=10, log_every=10)
+    path = tmp_path / "wide.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_upload_leaves_no_torn_checkpoint(
+    s3_bucket, s3_server, tmp_path, monkeypatch
+):
+    """A trainer killed while its checkpoint is being uploaded (over a slow link, so the upload is
+    in flight for seconds) leaves nothing under that step_*.bin name; the next start aborts the
+    orphaned upload and resumes from the previous checkpoint."""
+    from s3_server import ThrottledLink
+
+    url = f"{s3_bucket}/run"
+    link = ThrottledLink(s3_server.port, rate=2 * MiB)
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", link.endpoint)
+    monkeypatch.setenv("FSSPEC_S3_DEFAULT_BLOCK_SIZE", str(5 * MiB))
+    config = bigger_model_config(tmp_path)
+    trainer = start_trainer(
+        "--config",
+        config,
+        "--run-dir",
+        url,
+        "--max-steps",
+        "30",
+        "--device",
+        "cpu",
+        log=tmp_path / "killed.log",
+    )
+    key = f"{url.removeprefix('s3://').partition('/')[2]}/{checkpoint_name(20)}"
+    try:
+        wait_for(
+            lambda: key in uploads_in_progress(s3_server, s3_bucket),
+            timeout=300,
+            what="the upload of step_000020.bin to start",
+        )
+        time.sleep(0.5)  # its parts are on the wire
+        trainer.kill()
+    finally:
+        trainer.wait()
+        link.close()
+    run = RunDir(url)
+    assert uploads_in_progress(s3_server, s3_bucket) == [key]  # the kill did land mid-upload
+    assert run.checkpoint_steps() == [10]  # nothing under the final name of the one in flight
+    decode(run.read_bytes(checkpoint_name(10)), checkpoint_name(10))
+
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", s3_server.endpoint)
+    resumed = andrea("train", "--run-dir", url, "--max-steps", "30", "--device", "cpu")
+    out = resumed.stdout + resumed.stderr
+    assert f"aborted an unfinished upload of {url}/{checkpoint_name(20)} (its writer died)" in out
+    assert f"resuming {url} from step_000010.bin" in out
+    assert run.checkpoint_steps() == [10, 20, 30]
+    for step in (10, 20, 30):
+        decode(run.read_bytes(checkpoint_name(step)), checkpoint_name(step))
+    assert uploads_in_progress(s3_server, s3_bucket) == []
