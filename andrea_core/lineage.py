@@ -48,6 +48,7 @@ class Lineage:
     parent: str | None
     parent_step: int | None
     branch: str | None
+    overrides: dict  # a branch's config changes from its parent
     newest_checkpoint: int | None
     phases: list[Phase]
 
@@ -87,7 +88,9 @@ def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
                 continue
             try:
                 branches.append(Branch(name, branch_url, read_lineage(branch_url, seen)))
-            except (FileNotFoundError, ConfigError) as e:
+            except FileNotFoundError:
+                branches.append(Branch(name, branch_url, None, "missing: no run.yaml there"))
+            except ConfigError as e:
                 branches.append(Branch(name, branch_url, None, f"unreadable: {e}"))
         fork = Fork(int(record_line["step"]), record_line.get("time"), branches)
         _phase_of(tree, fork).forks.append(fork)
@@ -97,6 +100,7 @@ def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
         record.lineage.get("parent"),
         record.lineage.get("parent_step"),
         record.lineage.get("branch"),
+        record.lineage.get("overrides") or {},
         steps[-1] if steps else None,
         tree,
     )
@@ -134,7 +138,8 @@ def _nodes(lin: Lineage) -> list[tuple[str, list]]:
 
 def _run_node(lin: Lineage) -> tuple[str, list]:
     newest = checkpoint_name(lin.newest_checkpoint) if lin.newest_checkpoint is not None else "none"
-    return f"{lin.url}  newest checkpoint {newest}", _nodes(lin)
+    changes = "".join(f"  {k}={v}" for k, v in sorted(lin.overrides.items()))
+    return f"{lin.url}{changes}  newest checkpoint {newest}", _nodes(lin)
 
 
 def format_lineage(lin: Lineage) -> str:
