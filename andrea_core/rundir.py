@@ -270,13 +270,15 @@ class MirroredAppendFile:
     """An append-only file on a store without append. Writes go to a mirror in the run cache, which
     starts as a copy of the published file (never from an older mirror: the run is the truth, and
     another machine may have extended it). A durable write publishes the whole mirror with one atomic
-    put, and only over the version this handle last published, so the published file only grows."""
+    put, and only over the version this handle last published, so the published file only grows.
+    The mirror is this process's own (two forks of one parent may append at once) and is removed at
+    a clean close; one a crash leaves behind holds the tail that was never published."""
 
     def __init__(self, run: RunDir, name: str):
         self.run = run
         self.name = name
         data, self._version = run._read_versioned(name)
-        self.path = run.cache_path(name)
+        self.path = run.cache_path(f"{name}.{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "w+b")
         self._f.write(data)
@@ -301,7 +303,10 @@ class MirroredAppendFile:
         self._version = self.run._put(self.name, self.read(), expect=self._version)
 
     def close(self) -> None:
+        published = self._f.tell() == self._version.size
         self._f.close()
+        if published:
+            self.path.unlink()
 
     def __enter__(self) -> MirroredAppendFile:
         return self

@@ -137,15 +137,17 @@ def test_loss_log_without_append_is_mirrored_and_published_at_durable_flushes(
             writer.flush(durable=True)
             published.append(run.read_bytes(LOSS_LOG))
             assert writer._file.path.read_bytes() == published[-1]
-            assert str(tmp_path / "machine-a") in str(writer._file.path)
+            assert writer._file.path.is_relative_to(tmp_path / "machine-a")
     assert [s for s in (e["step"] for e in parse_lines(published[-1])[0])] == list(range(1, 7))
     # The process dies here: step 7 was only in machine A's mirror. Machine B knows only the URL.
     monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "machine-b"))
     resumed = LossWriter(run)
     assert resumed.segment == 2
     resumed.log(7, 0.5, 1e-3, "a", 8, 0.0)
-    resumed.close()  # at exit: published
+    resumed.close()  # at exit: published, and the mirror is no longer needed
     published.append(run.read_bytes(LOSS_LOG))
+    assert not resumed._file.path.exists()
+    assert b'"step":7,' in writer._file.path.read_bytes()  # the crashed mirror: the unpublished tail
     for earlier, later in zip(published, published[1:], strict=False):
         assert later.startswith(earlier) and len(later) > len(earlier)
     assert [(e.step, e.segment) for e in read_history(run)] == [(s, 1) for s in range(1, 7)] + [(7, 2)]
