@@ -154,5 +154,11 @@ def test_retention_over_a_2000_step_run_with_a_pivot_and_a_fork_on_s3(s3_bucket,
     assert "  step_001100.bin  keep          pivot boundary (phase 1)\n" in dry
     assert dry.endswith("8 kept, 0 would delete\n")
     lineage = andrea("lineage", parent).stdout
-    assert f"fork at step 300: a\n│   │   └── {branch}  newest checkpoint step_000800.bin" in lineage
-    assert "phase 2  steps 1100..2000 (current)  policy default" in lineage
+    assert lineage == (
+        f"{parent}  newest checkpoint step_002000.bin\n"
+        "├── phase 1  steps 0..1100  policy stdlib-only  [archive/phase_001_step_001100]\n"
+        "│   └── fork at step 300: a\n"
+        f"│       └── {branch}  newest checkpoint step_000800.bin\n"
+        "│           └── phase 1  steps 300..800 (current)  policy stdlib-only\n"
+        "└── phase 2  steps 1100..2000 (current)  policy default\n"
+    )
