@@ -33,6 +33,7 @@ from andrea_core.loss_log import LossWriter, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
 from andrea_core.progress import Progress
+from andrea_core.retention import apply_retention
 from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
 from andrea_core.runs import config_differences, create_run, environment, read_policy, read_run
 
@@ -127,7 +128,7 @@ class Trainer:
         for key, was in record.environment.items():
             if now.get(key) != was and self.device == "cpu":
                 self.log(
-                    f"warning: {key} is {now.get(key)!r} but the run was created with {was!r}: "
+                    f"warning: {key} is {now.get(key)!r} here but the run was created with {was!r}: "
                     "resumed CPU results will match the original only to rounding, not bit for bit"
                 )
         threads = self.cfg.train.num_threads
@@ -149,6 +150,7 @@ class Trainer:
         self.checkpointer.remove_stale_temps()
         self.data = DataPipeline(self.cfg, read_policy(self.run), warn=self.log)
         self.start_step = 0
+        self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
         ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
@@ -200,7 +202,14 @@ class Trainer:
         """Checkpoint `step` (written in the background unless train.async_checkpoint is false): the
         writer makes the loss log durable before the checkpoint, so every checkpoint has its history."""
         self.loss_log.flush()
-        return self.checkpointer.save(step, before_write=lambda _: self.loss_log.sync())
+        return self.checkpointer.save(
+            step,
+            before_write=lambda _: self.loss_log.sync(),
+            # Retention deletes only once this newer checkpoint is published (and re-validated).
+            after_publish=lambda s: apply_retention(
+                self.run, self.cfg.retention, self.model.n_params, self.log, newest=s
+            ),
+        )
 
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
