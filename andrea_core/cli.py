@@ -9,6 +9,7 @@ import sys
 
 import fsspec
 
+from andrea_core import signals
 from andrea_core.checkpoint import region_stats
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.lock import LockError
@@ -17,10 +18,18 @@ from andrea_core.rundir import RunDir
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from andrea_core.trainer import Trainer  # torch import only for the commands that need it
+    signals.install()  # before the slow torch import: a SIGTERM during start-up still exits cleanly
+    from andrea_core.trainer import Trainer
 
     cfg = load_run_config(args.config) if args.config else None
-    trainer = Trainer(args.run_dir, cfg, max_steps=args.max_steps, device=args.device, pace=args.pace)
+    trainer = Trainer(
+        args.run_dir,
+        cfg,
+        max_steps=args.max_steps,
+        device=args.device,
+        pace=args.pace,
+        keep_signal_handlers=True,
+    )
     result = trainer.train()
     return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
 
@@ -95,6 +104,43 @@ def cmd_loss(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from andrea_core import lock
+    from andrea_core.fork import run_n_params
+    from andrea_core.retention import apply_retention, format_plan
+    from andrea_core.runs import read_run
+
+    run = RunDir(args.run_dir)
+    if not run.exists("run.yaml"):
+        raise ConfigError(f"{run.url}: not a run directory (no run.yaml)")
+    record = read_run(run)
+    overrides = {
+        f"retention.{k}": v for k, v in (("keep_last", args.keep_last), ("keep_every", args.keep_every))
+    }
+    cfg = record.config.with_overrides({k: v for k, v in overrides.items() if v is not None}, "andrea gc")
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.dry_run:
+        plan = apply_retention(run, cfg.retention, run_n_params(record), log, dry_run=True)
+    else:
+        me = lock.acquire(run, log=log)  # a trainer applies retention itself; none may start meanwhile
+        try:
+            run.discard_incomplete_writes(log)
+            plan = apply_retention(run, cfg.retention, run_n_params(record), log)
+        finally:
+            lock.release(run, me)
+    print(f"{run.url}:")
+    print(format_plan(plan, args.dry_run))
+    return 0
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from andrea_core.lineage import format_lineage, read_lineage
+
+    lineage = read_lineage(args.run_dir)
+    print(json.dumps(lineage.to_dict(), indent=1) if args.json else format_lineage(lineage))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea", description="Train and audit ANDREA GPT runs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -117,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--plot", help="write a PNG plot of the loss curve here")
     lo.add_argument("--json", action="store_true")
     lo.set_defaults(fn=cmd_loss)
+
+    g = sub.add_parser("gc", help="delete the checkpoints the run's retention releases")
+    g.add_argument("run_dir")
+    g.add_argument("--dry-run", action="store_true", help="only show what would be deleted")
+    g.add_argument("--keep-last", type=int, help="override the run's retention.keep_last")
+    g.add_argument("--keep-every", type=int, help="override the run's retention.keep_every")
+    g.set_defaults(fn=cmd_gc)
+
+    li = sub.add_parser("lineage", help="print the tree of a run's phases (pivots) and forks")
+    li.add_argument("run_dir")
+    li.add_argument("--json", action="store_true")
+    li.set_defaults(fn=cmd_lineage)
     return p
 
 
