@@ -10,6 +10,7 @@ from andrea_core import pivot, supervise
 from andrea_core.config import ConfigError
 from andrea_core.data.policy import load_policy
 from andrea_core.data.sources import SourceUnavailable, open_source
+from andrea_core.fork import run_n_params
 from andrea_core.lock import live_trainer
 from andrea_core.rundir import SAMPLES, STATE, RunDir
 from andrea_core.runs import read_policy, read_run
@@ -61,7 +62,7 @@ def newest_checkpoint(run_dir: str) -> int:
     run = RunDir(run_dir)
     if live_trainer(run) is not None:
         raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
-    ckpt = run.newest_valid_checkpoint(warn=get_run_logger().warning)
+    ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=get_run_logger().warning)
     if ckpt is None:
         raise SupervisionError(f"{run.url}: no valid checkpoint to pivot from")
     get_run_logger().info(f"no trainer running: pivoting at the newest checkpoint, step {ckpt.step}")
