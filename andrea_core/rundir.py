@@ -54,7 +54,7 @@ ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
 S3_PROTOCOLS = {"s3", "s3a"}
-TEMP_RE = re.compile(r"^\..+\.tmp\.\d+$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
+TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
 
 Buffer = bytes | bytearray | memoryview
 
@@ -167,7 +167,9 @@ class RunDir:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
         discarded = []
         for name in self.listdir():
-            if TEMP_RE.match(name):
+            m = TEMP_RE.match(name)
+            # Our own pid's temporaries are the writes we are about to make (write_atomic truncates).
+            if m and int(m.group(1)) != os.getpid():
                 self.remove(name)
                 discarded.append(name)
                 log(f"removed {self.path(name)}, left by a writer that did not finish")

@@ -147,7 +147,6 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run, self.model, self.optimizer, asynchronous=self.cfg.train.async_checkpoint, log=self.log
         )
-        self.checkpointer.remove_stale_temps()
         self.data = DataPipeline(self.cfg, read_policy(self.run), warn=self.log)
         self.start_step = 0
         self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
