@@ -26,6 +26,7 @@ from andrea_core.checkpoint import (
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
+TOKENIZER_JSON = "tokenizer.json"  # a BPE run's tokenizer, frozen when the run is created
 LOSS_LOG = ".loss.json"
 SAMPLES = ".samples.json"
 STATE = ".state.json"

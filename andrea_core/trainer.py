@@ -2,7 +2,7 @@
 
 Signals only set flags; the work happens at the step boundary (contract):
   SIGTERM / SIGINT  finish the step in flight, checkpoint it, flush the sidecars, exit 0.
-  SIGUSR1           finish the step in flight, checkpoint it, train on.
+  SIGUSR1           finish the step in flight, checkpoint it (with its sample audit), train on.
 Every random draw is a pure function of (seed, step), so a resume from step S replays exactly what
 the uninterrupted run would have done after S.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from andrea_core import lock
+from andrea_core.audit import Auditor
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import ConfigError, RunConfig
@@ -29,7 +30,7 @@ from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
 from andrea_core.progress import Progress
 from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
-from andrea_core.runs import config_differences, create_run, environment, read_policy, read_run
+from andrea_core.runs import config_differences, create_run, environment, read_run
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Trainer:
         self.model = GPT(self.cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
         self.checkpointer = Checkpointer(self.run, self.model, self.optimizer)
-        self.data = DataPipeline(self.cfg, read_policy(self.run), warn=self.log)
+        self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
         self.start_step = 0
         ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
         if ckpt is not None:
@@ -136,6 +137,10 @@ class Trainer:
             raise CheckpointError(self.run.url, "no valid checkpoint to resume (all were refused)")
         else:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
+        self.data.resume(self.start_step)
+        self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
+        if ckpt is None:
+            self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
         self.loss_log = LossWriter(self.run)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -165,11 +170,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def save(self, step: int) -> str:
-        """Checkpoint `step`: the loss log is durable first, so every checkpoint has its history."""
+    def save(self, step: int, audit: bool = False) -> str:
+        """Checkpoint `step`: the loss log is durable first, so every checkpoint has its history, and
+        the bandit state before the checkpoint, so every checkpoint has its bandit (data/state.py)."""
         self.loss_log.flush(durable=True)
+        self.data.save_state(step)
         name = self.checkpointer.save(step)
         self.log(f"checkpoint {name} ({self.checkpointer.last_write_s:.2f}s)")
+        if audit:
+            self.auditor.record(step)
         return name
 
     def train(self) -> TrainResult:
@@ -223,11 +232,14 @@ class Trainer:
             self.loss_log.log(step, loss, lr, batch.arm, tokens_per_step, time.time())
             self.loss_log.flush()
             on_grid = step % t.checkpoint_every == 0
+            audit = step % t.audit_every == 0 or flags.checkpoint or step == self.max_steps
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:
                 if flags.checkpoint and not on_grid:
                     self.log(f"SIGUSR1: checkpoint of step {step} requested")
                 flags.checkpoint = False
-                last_saved = self.save(step)
+                last_saved = self.save(step, audit)
+            elif audit:
+                self.auditor.record(step)
             next_ckpt = min(self.max_steps, (step // t.checkpoint_every + 1) * t.checkpoint_every)
             self.progress.step(step, loss, tokens_per_step, next_ckpt)
             if flags.stop:
