@@ -70,12 +70,15 @@ def test_a_bpe_run_freezes_its_tokenizer_and_keys_its_caches_by_the_tokenizers_h
     assert run_tokenizer(other, bpe_config(768)).id != tok.id
 
 
-def test_a_bpe_run_without_its_tokenizer_is_refused(tmp_path):
+def test_a_bpe_run_without_a_readable_tokenizer_is_refused(tmp_path):
     cfg = bpe_config()
     run = RunDir(str(tmp_path / "run"))
     create_run(run, cfg)
     run.remove(TOKENIZER_JSON)
     with pytest.raises(ConfigError, match=rf"{tmp_path}/run/tokenizer.json: missing; data.tokenizer is bpe"):
+        run_tokenizer(run, cfg)
+    run.write_text(TOKENIZER_JSON, '{"version": "1.0", "model": ')
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/run/tokenizer.json: not a readable tokenizer: "):
         run_tokenizer(run, cfg)
 
 

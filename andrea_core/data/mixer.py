@@ -94,7 +94,8 @@ class UniformMixer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for a, s in state["arms"].items():
-            self.pulls[a] = int(s["pulls"])
+            if a in self.pulls:
+                self.pulls[a] = int(s["pulls"])
 
 
 class Exp3Mixer:

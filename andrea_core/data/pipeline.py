@@ -98,7 +98,6 @@ class DataPipeline:
     ):
         self.cfg = cfg
         self.policy = policy
-        self.warn = warn
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.arms, self.unavailable = load_arms(policy, cfg, self.tokenizer, warn)
         self.mixer = make_mixer(policy, list(self.arms), cfg.train.seed)

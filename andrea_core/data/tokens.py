@@ -125,7 +125,10 @@ def run_tokenizer(run: RunDir, cfg: RunConfig) -> Tokenizer:
             f"{run.path(TOKENIZER_JSON)}: missing; data.tokenizer is bpe and the run's BPE is frozen "
             "there when the run is created (copy it from the run this one came from)"
         )
-    tok = BPETokenizer(run.read_bytes(TOKENIZER_JSON))
+    try:
+        tok = BPETokenizer(run.read_bytes(TOKENIZER_JSON))
+    except Exception as e:  # the tokenizers library raises plain Exceptions for a malformed file
+        raise ConfigError(f"{run.path(TOKENIZER_JSON)}: not a readable tokenizer: {e}") from None
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"{run.path(TOKENIZER_JSON)}: {tok.vocab_size} tokens exceed model.vocab_size "
