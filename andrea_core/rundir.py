@@ -45,6 +45,7 @@ from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
+TOKENIZER_JSON = "tokenizer.json"  # a BPE run's tokenizer, frozen when the run is created
 LOSS_LOG = ".loss.json"
 SAMPLES = ".samples.json"
 STATE = ".state.json"
