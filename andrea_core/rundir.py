@@ -40,7 +40,6 @@ from andrea_core.checkpoint import (
     decode,
     step_from_name,
 )
-from andrea_core.data.tokens import cache_dir
 from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
@@ -58,6 +57,11 @@ S3_PROTOCOLS = {"s3", "s3a"}
 TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
 
 Buffer = bytes | bytearray | memoryview
+
+
+def cache_dir() -> Path:
+    """This machine's cache (token caches, append mirrors): ANDREA_CACHE_DIR or ~/.cache/andrea."""
+    return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
