@@ -40,11 +40,11 @@ from andrea_core.checkpoint import (
     decode,
     step_from_name,
 )
-from andrea_core.data.tokens import cache_dir
 from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
+TOKENIZER_JSON = "tokenizer.json"  # a BPE run's tokenizer, frozen when the run is created
 LOSS_LOG = ".loss.json"
 SAMPLES = ".samples.json"
 STATE = ".state.json"
@@ -54,9 +54,14 @@ ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
 S3_PROTOCOLS = {"s3", "s3a"}
-TEMP_RE = re.compile(r"^\..+\.tmp\.\d+$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
+TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
 
 Buffer = bytes | bytearray | memoryview
+
+
+def cache_dir() -> Path:
+    """This machine's cache (token caches, append mirrors): ANDREA_CACHE_DIR or ~/.cache/andrea."""
+    return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -167,7 +172,9 @@ class RunDir:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
         discarded = []
         for name in self.listdir():
-            if TEMP_RE.match(name):
+            m = TEMP_RE.match(name)
+            # Our own pid's temporaries are the writes we are about to make (write_atomic truncates).
+            if m and int(m.group(1)) != os.getpid():
                 self.remove(name)
                 discarded.append(name)
                 log(f"removed {self.path(name)}, left by a writer that did not finish")
