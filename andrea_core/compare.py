@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from andrea_core.checkpoint import restore
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import ArmSpec, Policy
+from andrea_core.data.tokens import run_tokenizer
 from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer
@@ -114,7 +115,7 @@ def compare_branches(
     branches = [RunDir(u) for u in branch_urls]
     records = [read_run(b) for b in branches]
     policy = evaluation_policy([read_policy(b) for b in branches])
-    data = DataPipeline(parent_cfg, policy, warn=warn)
+    data = DataPipeline(parent_cfg, policy, warn, run_tokenizer(parent, parent_cfg))
     arms = list(data.arms)
     batches = {arm: data.val_batch(arm, val_sequences) for arm in arms}
 

@@ -31,6 +31,7 @@ from andrea_core.checkpoint import checkpoint_name, restore
 from andrea_core.config import ConfigError
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
+from andrea_core.data.tokens import run_tokenizer
 from andrea_core.lock import live_trainer
 from andrea_core.loss_log import parse_lines, read_history
 from andrea_core.model import GPT
@@ -511,7 +512,8 @@ def _running_train_runs(c, run: RunDir):
 
 
 def expected_losses(run, boundary, policy, steps, ckpt, zero_moments=False) -> list[float]:
-    """Replay the trainer's first `steps` steps after `boundary` in this process, from the checkpoint."""
+    """Replay the trainer's first `steps` steps after `boundary` in this process, from the checkpoint
+    alone: its weights and Adam moments, a fresh bandit, batches as a pure function of (seed, step)."""
     cfg = read_run(run).config
     torch.set_num_threads(cfg.train.num_threads)
     model = GPT(cfg.model)
@@ -521,8 +523,8 @@ def expected_losses(run, boundary, policy, steps, ckpt, zero_moments=False) -> l
         for state in optimizer.state.values():
             state["exp_avg"].zero_()
             state["exp_avg_sq"].zero_()
-    data = DataPipeline(cfg, policy)  # a fresh bandit, as after the pivot
-    losses = []
+    data = DataPipeline(cfg, policy, tokenizer=run_tokenizer(run, cfg))  # a fresh bandit
+    losses, previous = [], None
     for step in range(boundary + 1, boundary + 1 + steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.train)
@@ -533,7 +535,9 @@ def expected_losses(run, boundary, policy, steps, ckpt, zero_moments=False) -> l
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        data.observe(step, batch.arm, loss.item())
+        if previous is not None:  # the bandit hears of a step's loss one step late, as in the trainer
+            data.observe(*previous)
+        previous = (step, batch.arm, loss.item())
         losses.append(loss.item())
     return losses
 
