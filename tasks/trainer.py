@@ -45,9 +45,12 @@ def run_trainer(
     trainer gets that SIGTERM itself and checkpoints the step in flight; this task waits for it (well
     inside the worker's 30 s before SIGKILL), then lets the cancellation go on."""
     logger = get_run_logger()
-    trainer = TrainerProcess(run_dir, config=config, max_steps=max_steps, device=device, pace=pace).start()
+    trainer = TrainerProcess(run_dir, config=config, max_steps=max_steps, device=device, pace=pace)
+    progress = TrainingProgress(
+        trainer.run.url, max_steps
+    )  # before the start: nothing to clean up if it fails
+    trainer.start()
     logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
-    progress = TrainingProgress(trainer.run.url, max_steps)
     try:
         for line in trainer.lines():
             logger.info(line)
