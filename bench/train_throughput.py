@@ -111,7 +111,7 @@ class Reference:
         cuda = device.startswith("cuda")
         torch.manual_seed(cfg.train.seed)
         if cuda:
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = True
         self.model = GPT(cfg.model).to(device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
