@@ -24,8 +24,6 @@ write_atomic, earlier checkpoints are never touched, and the next save (the next
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -37,9 +35,6 @@ from andrea_core.checkpoint import checkpoint_name, encode_header, n_params_of, 
 from andrea_core.rundir import RunDir
 
 Hook = Callable[[int], None]
-
-# RunDir.write_atomic's temporary name for a checkpoint: ".step_000100.bin.tmp.<pid>".
-TEMP_RE = re.compile(r"^\.step_\d{6,}\.bin\.tmp\.(\d+)$")
 
 
 @dataclass
@@ -149,15 +144,3 @@ class Checkpointer:
             record.write_s = time.perf_counter() - t0
             mb = (len(header) + flat.nbytes) / 1e6
             self.log(f"checkpoint {record.name} ({mb:,.1f} MB written in {record.write_s:.2f}s)")
-
-    def remove_stale_temps(self) -> list[str]:
-        """Delete checkpoint temporaries left by writers that were killed mid-write (never a final
-        name). Only for the holder of the run directory's lock: no other process writes checkpoints."""
-        removed = []
-        for name in self.run.listdir():
-            m = TEMP_RE.match(name)
-            if m and int(m.group(1)) != os.getpid():
-                self.run.remove(name)
-                removed.append(name)
-                self.log(f"removed {name}, the temporary file of a checkpoint write that was killed")
-        return removed

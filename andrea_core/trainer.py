@@ -2,7 +2,7 @@
 
 Signals only set flags; the work happens at the step boundary (contract):
   SIGTERM / SIGINT  finish the step in flight, checkpoint it, flush the sidecars, exit 0.
-  SIGUSR1           finish the step in flight, checkpoint it, train on.
+  SIGUSR1           finish the step in flight, checkpoint it (with its sample audit), train on.
 Every random draw is a pure function of (seed, step), so a resume from step S replays exactly what
 the uninterrupted run would have done after S.
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from andrea_core import lock, signals
+from andrea_core.audit import Auditor
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import ConfigError, RunConfig
@@ -33,8 +34,9 @@ from andrea_core.loss_log import LossWriter, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
 from andrea_core.progress import Progress
+from andrea_core.retention import apply_retention
 from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
-from andrea_core.runs import config_differences, create_run, environment, read_policy, read_run
+from andrea_core.runs import config_differences, create_run, environment, read_run
 
 
 @dataclass
@@ -127,7 +129,7 @@ class Trainer:
         for key, was in record.environment.items():
             if now.get(key) != was and self.device == "cpu":
                 self.log(
-                    f"warning: {key} is {now.get(key)!r} but the run was created with {was!r}: "
+                    f"warning: {key} is {now.get(key)!r} here but the run was created with {was!r}: "
                     "resumed CPU results will match the original only to rounding, not bit for bit"
                 )
         threads = self.cfg.train.num_threads
@@ -149,9 +151,9 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run, self.model, self.optimizer, asynchronous=self.cfg.train.async_checkpoint, log=self.log
         )
-        self.checkpointer.remove_stale_temps()
-        self.data = DataPipeline(self.cfg, read_policy(self.run), warn=self.log)
+        self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
         self.start_step = 0
+        self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
         ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
@@ -162,6 +164,10 @@ class Trainer:
             raise CheckpointError(self.run.url, "no valid checkpoint to resume (all were refused)")
         else:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
+        self.data.resume(self.start_step)
+        self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
+        if ckpt is None:
+            self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
         self.loss_log = LossWriter(self.run)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -199,11 +205,24 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def save(self, step: int) -> str:
-        """Checkpoint `step` (written in the background unless train.async_checkpoint is false): the
-        writer makes the loss log durable before the checkpoint, so every checkpoint has its history."""
+    def save(self, step: int, audit: bool = False) -> str:
+        """Checkpoint `step` (written in the background unless train.async_checkpoint is false).
+        The bandit state is written before the checkpoint, so every checkpoint has its bandit
+        (data/state.py); the writer makes the loss log durable before the checkpoint's bytes, so every
+        checkpoint has its history; the audit comes after, so every checkpoint has its audit."""
         self.loss_log.flush()
-        return self.checkpointer.save(step, before_write=lambda _: self.loss_log.sync())
+        self.data.save_state(step)
+        name = self.checkpointer.save(
+            step,
+            before_write=lambda _: self.loss_log.sync(),
+            # Retention deletes only once this newer checkpoint is published (and re-validated).
+            after_publish=lambda s: apply_retention(
+                self.run, self.cfg.retention, self.model.n_params, self.log, newest=s
+            ),
+        )
+        if audit:
+            self.auditor.record(step)
+        return name
 
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
@@ -296,12 +315,15 @@ class Trainer:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
             previous = current
             on_grid = step % t.checkpoint_every == 0
+            audit = step % t.audit_every == 0 or flags.checkpoint or step == self.max_steps
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:
                 if flags.checkpoint and not on_grid:
                     self.log(f"SIGUSR1: checkpoint of step {step} requested")
                 flags.checkpoint = False
                 self._read(current)  # logged before its checkpoint; the mixer still hears of it later
-                last_saved = self.save(step)
+                last_saved = self.save(step, audit)
+            elif audit:
+                self.auditor.record(step)
             if flags.stop:
                 return self._finish(step, flags.stop, last_saved)
             if self.pace > 0:
