@@ -217,6 +217,7 @@ def test_at_most_one_write_in_flight(tmp_path, sigio):
 # --- the trainer, as a real process ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigusr1_and_sigterm_wait_for_the_write_in_flight(tmp_path, reference, sigio):
     run = tmp_path / "run"
     run.mkdir()
