@@ -114,9 +114,8 @@ def decode(data: bytes | memoryview, name: str, expected_n_params: int | None = 
     return ckpt
 
 
-def region_stats(ckpt_or_data: bytes, name: str) -> dict:
+def region_stats(data: bytes, name: str) -> dict:
     """What `andrea inspect` shows: header, size, verdict and per-region statistics (even when invalid)."""
-    data = ckpt_or_data
     report: dict = {"file": name, "bytes": len(data), "step": None, "n_params": None}
     if len(data) >= HEADER.size:
         report["step"], report["n_params"] = HEADER.unpack_from(data, 0)

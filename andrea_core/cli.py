@@ -9,6 +9,7 @@ import sys
 
 import fsspec
 
+from andrea_core import signals
 from andrea_core.checkpoint import region_stats
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.lock import LockError
@@ -17,10 +18,18 @@ from andrea_core.rundir import RunDir
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from andrea_core.trainer import Trainer  # torch import only for the commands that need it
+    signals.install()  # before the slow torch import: a SIGTERM during start-up still exits cleanly
+    from andrea_core.trainer import Trainer
 
     cfg = load_run_config(args.config) if args.config else None
-    trainer = Trainer(args.run_dir, cfg, max_steps=args.max_steps, device=args.device, pace=args.pace)
+    trainer = Trainer(
+        args.run_dir,
+        cfg,
+        max_steps=args.max_steps,
+        device=args.device,
+        pace=args.pace,
+        keep_signal_handlers=True,
+    )
     result = trainer.train()
     return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
 

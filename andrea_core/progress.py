@@ -15,6 +15,7 @@ class Progress:
         self.log_every = log_every
         self._t = time.perf_counter()
         self._tokens = 0
+        self._drawn = 0.0
         self.tokens_per_s = 0.0
 
     def message(self, text: str) -> None:
@@ -26,10 +27,13 @@ class Progress:
 
     def step(self, step: int, loss: float, tokens: int, next_checkpoint: int) -> None:
         self._tokens += tokens
-        if not (self.tty or step % self.log_every == 0):
-            return
         now = time.perf_counter()
-        if now - self._t >= 0.5 or step % self.log_every == 0:
+        on_log_step = step % self.log_every == 0
+        # A terminal is redrawn at most 10 times a second; logs get one line every log_every steps.
+        if not on_log_step and (not self.tty or now - self._drawn < 0.1):
+            return
+        self._drawn = now
+        if now - self._t >= 0.5 or on_log_step:
             self.tokens_per_s = self._tokens / max(now - self._t, 1e-9)
             self._t, self._tokens = now, 0
         line = (

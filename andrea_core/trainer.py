@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from andrea_core import lock
+from andrea_core import lock, signals
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import ConfigError, RunConfig
@@ -38,20 +37,6 @@ class TrainResult:
     step: int  # the last step trained (and checkpointed)
     reason: str  # "completed", "SIGTERM", "SIGINT", "already-complete"
     checkpoint: str | None
-
-
-class _Flags:
-    """Set by signal handlers, read at step boundaries. Nothing else happens in a handler."""
-
-    def __init__(self) -> None:
-        self.stop: str | None = None
-        self.checkpoint = False
-
-    def on_stop(self, signum, frame) -> None:
-        self.stop = signal.Signals(signum).name
-
-    def on_checkpoint(self, signum, frame) -> None:
-        self.checkpoint = True
 
 
 def pick_device(requested: str) -> str:
@@ -95,12 +80,15 @@ class Trainer:
         device: str = "auto",
         pace: float = 0.0,
         log: Callable[[str], None] | None = None,
+        keep_signal_handlers: bool = False,
     ):
         self.run = RunDir(run_url)
         self.device = pick_device(device)
         self.cfg = prepare_run(self.run, cfg)
         self.max_steps = max_steps or self.cfg.train.max_steps
         self.pace = pace
+        # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
+        self.keep_signal_handlers = keep_signal_handlers
         self.progress = Progress(self.max_steps, self.cfg.train.log_every)
         self.log = log or self.progress.message
 
@@ -177,24 +165,21 @@ class Trainer:
 
     def train(self) -> TrainResult:
         me = lock.acquire(self.run, log=self.log)
-        flags = _Flags()
-        previous = {
-            signal.SIGTERM: signal.signal(signal.SIGTERM, flags.on_stop),
-            signal.SIGINT: signal.signal(signal.SIGINT, flags.on_stop),
-            signal.SIGUSR1: signal.signal(signal.SIGUSR1, flags.on_checkpoint),
-        }
+        flags = signals.install()
         try:
             self._check_environment()
             self._build()
             return self._loop(flags)
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            if hasattr(self, "checkpointer"):
+                self.checkpointer.wait()
             if hasattr(self, "loss_log"):
                 self.loss_log.close()
             lock.release(self.run, me)
+            if not self.keep_signal_handlers:
+                signals.uninstall()
 
-    def _loop(self, flags: _Flags) -> TrainResult:
+    def _loop(self, flags: signals.TrainerSignals) -> TrainResult:
         t = self.cfg.train
         step, last_saved = self.start_step, None
         if step >= self.max_steps:

@@ -1,0 +1,185 @@
+"""The step_NNNNNN.bin contract: layout, validation verdicts, and refusal of bad files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED, TINY, andrea
+
+from andrea_core.checkpoint import CheckpointError, checkpoint_name, decode, encode, step_from_name
+from andrea_core.config import load_run_config
+from andrea_core.rundir import RunDir
+from andrea_core.trainer import Trainer
+
+VECTORS = SHARED / "testdata" / "checkpoints"
+
+
+def test_checkpoint_layout_is_header_then_weights_m_v(tmp_path):
+    n_steps = 37  # off the 100-step grid: the last step is always checkpointed
+    trainer = Trainer(str(tmp_path / "run"), load_run_config(TINY), max_steps=n_steps)
+    trainer.train()
+    n = sum(p.numel() for p in trainer.model.parameters())
+    raw = (tmp_path / "run" / "step_000037.bin").read_bytes()
+
+    assert len(raw) == 8 + 12 * n
+    step, n_params = struct.unpack("<ii", raw[:8])  # the test's own reading, not the project's reader
+    assert (step, n_params) == (n_steps, n)
+    floats = np.frombuffer(raw, dtype="<f4", offset=8)
+    params = list(trainer.model.parameters())
+    weights = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
+    m = torch.cat([trainer.optimizer.state[p]["exp_avg"].reshape(-1) for p in params]).numpy()
+    v = torch.cat([trainer.optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in params]).numpy()
+    assert floats[:n].tobytes() == weights.astype("<f4").tobytes()
+    assert floats[n : 2 * n].tobytes() == m.astype("<f4").tobytes()
+    assert floats[2 * n :].tobytes() == v.astype("<f4").tobytes()
+    assert all(float(trainer.optimizer.state[p]["step"]) == n_steps for p in params)
+
+
+def test_parameter_order_is_the_design_order():
+    from andrea_core.model import GPT
+
+    cfg = load_run_config(TINY).model
+    names = [name for name, _ in GPT(cfg).named_parameters()]
+    assert names[:2] == ["tok_emb.weight", "pos_emb.weight"]
+    assert names[2:6] == [
+        "blocks.0.ln_1.weight",
+        "blocks.0.ln_1.bias",
+        "blocks.0.attn.qkv.weight",
+        "blocks.0.attn.proj.weight",
+    ]
+    assert names[-3:] == ["ln_f.weight", "ln_f.bias", "head.weight"]
+
+
+def test_encode_decode_round_trip_is_exact():
+    rng = np.random.default_rng(0)
+    flat = rng.standard_normal(3 * 1000).astype(np.float32)
+    flat[2000:] = np.abs(flat[2000:])  # v is non-negative
+    data = encode(1234, flat)
+    ckpt = decode(data, checkpoint_name(1234), expected_n_params=1000)
+    assert (ckpt.step, ckpt.n_params) == (1234, 1000)
+    assert ckpt.flat.tobytes() == flat.tobytes()
+    assert step_from_name("step_1234567.bin") == 1234567 and step_from_name("step_12.bin") is None
+
+
+# --- the shared hand-made vectors (../shared/testdata/checkpoints/README.md) -----------------
+
+EXPECTED = {
+    "step_000042.bin": None,
+    "truncated/step_000042.bin": "124 bytes where 8 + 12*10 = 128 are required",
+    "name-mismatch/step_000043.bin": "header step 42 disagrees with the name's 43",
+    "nan-weights/step_000042.bin": "non-finite value in weights at index 3",
+    "negative-count/step_000042.bin": "n_params is -5",
+    "trailing-bytes/step_000042.bin": "132 bytes where 8 + 12*10 = 128 are required",
+}
+
+
+@pytest.fixture(scope="module")
+def vectors() -> Path:
+    if not VECTORS.is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"shared test vectors missing at {VECTORS}")
+        pytest.skip(f"shared test vectors not found at {VECTORS} (set ANDREA_SHARED)")
+    listed = (VECTORS / "README.md").read_text()
+    for rel in EXPECTED:
+        assert f"`{rel}`" in listed, f"{rel} is no longer described in the vectors' README"
+    return VECTORS
+
+
+@pytest.mark.parametrize("rel", list(EXPECTED))
+def test_reader_verdicts_on_shared_vectors(vectors, rel):
+    data = (vectors / rel).read_bytes()
+    problem = EXPECTED[rel]
+    if problem is None:
+        ckpt = decode(data, Path(rel).name)
+        i = np.arange(10)
+        assert (ckpt.step, ckpt.n_params) == (42, 10)
+        np.testing.assert_array_equal(ckpt.weights, (i * 0.5 - 2).astype(np.float32))
+        # The README gives m and v as formulas; the file's float32 rounding of them may differ by 1 ulp.
+        np.testing.assert_array_max_ulp(ckpt.m, np.linspace(-1e-3, 1e-3, 10).astype(np.float32), 1)
+        np.testing.assert_array_max_ulp(ckpt.v, ((i + 1) * 1e-6).astype(np.float32), 1)
+    else:
+        with pytest.raises(CheckpointError) as err:
+            decode(data, Path(rel).name)
+        assert problem in str(err.value) and Path(rel).name in str(err.value)
+
+
+@pytest.mark.parametrize("rel", list(EXPECTED))
+def test_inspect_agrees_with_reader_on_shared_vectors(vectors, rel):
+    import json
+
+    proc = andrea("inspect", str(vectors / rel), check=False)
+    first_line = proc.stdout.splitlines()[0]
+    report = json.loads(andrea("inspect", "--json", str(vectors / rel), check=False).stdout)
+    if EXPECTED[rel] is None:
+        assert proc.returncode == 0 and first_line == "step_000042.bin: VALID"
+        assert report["valid"] and report["regions"]["weights"]["min"] == -2.0
+        assert report["regions"]["weights"]["max"] == 2.5 and report["regions"]["v"]["non_finite"] == 0
+    else:
+        assert proc.returncode == 1
+        assert first_line.startswith(f"{Path(rel).name}: INVALID: ") and EXPECTED[rel] in first_line
+        assert not report["valid"] and EXPECTED[rel] in report["problem"]
+    if rel == "nan-weights/step_000042.bin":
+        assert report["regions"]["weights"]["non_finite"] == 1
+
+
+# --- bad files in a real run: refused by name and problem, previous one used, nothing deleted ---
+
+
+def _corrupt(kind: str, path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    if kind == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif kind == "header-step":
+        path.write_bytes(struct.pack("<i", 299) + raw[4:])
+    elif kind == "other-n-params":
+        n = (len(raw) - 8) // 12 - 7
+        path.write_bytes(struct.pack("<ii", 300, n) + bytes(raw[8 : 8 + 12 * n]))
+    elif kind == "random-bytes":
+        path.write_bytes(np.random.default_rng(1).bytes(len(raw)))
+
+
+PROBLEMS = {
+    "truncated": "are required",
+    "header-step": "header step 299 disagrees with the name's 300",
+    "other-n-params": "does not match the model's",
+    "random-bytes": "",  # whatever random bytes break first; asserted to be refused below
+}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("bad") / "run"
+    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "300")
+    return run
+
+
+@pytest.mark.parametrize("kind", list(PROBLEMS))
+def test_bad_newest_checkpoint_is_refused_and_resume_falls_back(trained_run, tmp_path, kind):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = run / "step_000300.bin"
+    _corrupt(kind, newest)
+    bad_bytes = newest.read_bytes()
+    n_params = (len((run / "step_000200.bin").read_bytes()) - 8) // 12
+
+    with pytest.raises(CheckpointError) as err:
+        RunDir(str(run)).read_checkpoint(300, n_params)
+    assert "step_000300.bin" in str(err.value) and PROBLEMS[kind] in str(err.value)
+    assert RunDir(str(run)).newest_valid_checkpoint(n_params).step == 200
+
+    proc = andrea("train", "--run-dir", str(run), "--max-steps", "250")
+    assert "refusing checkpoint" in proc.stdout and "step_000300.bin" in proc.stdout
+    assert "resuming" in proc.stdout and "from step_000200.bin" in proc.stdout
+    # Nothing deleted: the refused file is set aside byte for byte, the older ones untouched.
+    kept = list((run / "refused").glob("step_000300.bin.*"))
+    assert len(kept) == 1 and kept[0].read_bytes() == bad_bytes
+    for step in (100, 200):
+        name = checkpoint_name(step)
+        assert (run / name).read_bytes() == (trained_run / name).read_bytes()
+    assert (run / "step_000250.bin").exists()
