@@ -12,6 +12,7 @@ import fsspec
 from andrea_core import signals
 from andrea_core.checkpoint import region_stats
 from andrea_core.config import ConfigError, load_run_config
+from andrea_core.data.sources import SourceUnavailable
 from andrea_core.lock import LockError
 from andrea_core.loss_log import LossEntry, ema, read_history
 from andrea_core.rundir import RunDir
@@ -145,6 +146,21 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from andrea_core.audit import format_audit, read_audits
+
+    run = RunDir(args.run_dir)
+    audits = read_audits(run)
+    if args.step is not None:
+        audits = [a for a in audits if a["step"] == args.step]
+    if not audits:
+        which = f"at step {args.step}" if args.step is not None else "yet"
+        print(f"{run.url}: no sample audit {which}", file=sys.stderr)
+        return 1
+    print(json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea", description="Train and audit ANDREA GPT runs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -179,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("run_dir")
     li.add_argument("--json", action="store_true")
     li.set_defaults(fn=cmd_lineage)
+
+    au = sub.add_parser("audit", help="show a run's newest sample audit as a table")
+    au.add_argument("run_dir")
+    au.add_argument("--step", type=int, help="the audit of this step instead of the newest")
+    au.add_argument("--json", action="store_true")
+    au.set_defaults(fn=cmd_audit)
     return p
 
 
@@ -186,6 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, LockError, FileNotFoundError) as e:
+    except (ConfigError, LockError, FileNotFoundError, SourceUnavailable) as e:
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2

@@ -47,6 +47,9 @@ class TrainConfig:
     # Part of the frozen run: CPU results are bit-reproducible only at a fixed intra-op thread count.
     num_threads: int = 2
     compile: bool = False
+    # Write checkpoints on a background thread while training goes on (same bytes); false keeps the
+    # synchronous writer, for comparison.
+    async_checkpoint: bool = True
 
     @property
     def audit_every(self) -> int:

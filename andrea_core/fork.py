@@ -14,7 +14,7 @@ from typing import Any
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, encode
 from andrea_core.config import ConfigError
 from andrea_core.data.policy import load_policy
-from andrea_core.rundir import FORKS, LOSS_LOG, RUN_YAML, STATE, RunDir
+from andrea_core.rundir import FORKS, LOSS_LOG, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
 from andrea_core.runs import create_run, read_run
 
 
@@ -50,8 +50,10 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
     plans = []
     for spec in branches:
         cfg = record.config.with_overrides(spec.overrides, f"branch {spec.name!r}")
-        if cfg.model != record.config.model:
-            raise ConfigError(f"branch {spec.name!r}: a fork cannot change the model architecture")
+        if cfg.model != record.config.model or cfg.data.tokenizer != record.config.data.tokenizer:
+            raise ConfigError(
+                f"branch {spec.name!r}: a fork cannot change the model architecture or tokenizer"
+            )
         branch = RunDir(spec.url or default_branch_url(parent, step, spec.name))
         if branch.exists(RUN_YAML):
             raise ConfigError(f"branch {spec.name!r}: {branch.url} already holds a run")
@@ -69,7 +71,9 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
             "branch": spec.name,
             "overrides": spec.overrides,
         }
-        create_run(branch, cfg, policy_text, lineage)
+        # The weights only mean something with the parent's frozen tokenizer.
+        tokenizer = parent.read_bytes(TOKENIZER_JSON) if parent.exists(TOKENIZER_JSON) else None
+        create_run(branch, cfg, policy_text, lineage, tokenizer)
         branch.write_atomic(checkpoint_name(step), data)
         # The branch's history starts as the parent's; its own trainer opens a new segment at step+1,
         # which drops whatever the parent logged past the fork point from the branch's canonical view.

@@ -23,6 +23,7 @@ import json
 import os
 import posixpath
 import re
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,11 @@ from andrea_core.checkpoint import (
     decode,
     step_from_name,
 )
-from andrea_core.data.tokens import cache_dir
 from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
+TOKENIZER_JSON = "tokenizer.json"  # a BPE run's tokenizer, frozen when the run is created
 LOSS_LOG = ".loss.json"
 SAMPLES = ".samples.json"
 STATE = ".state.json"
@@ -53,9 +54,14 @@ ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
 S3_PROTOCOLS = {"s3", "s3a"}
-TEMP_RE = re.compile(r"^\..+\.tmp\.\d+$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
+TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
 
 Buffer = bytes | bytearray | memoryview
+
+
+def cache_dir() -> Path:
+    """This machine's cache (token caches, append mirrors): ANDREA_CACHE_DIR or ~/.cache/andrea."""
+    return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -166,7 +172,9 @@ class RunDir:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
         discarded = []
         for name in self.listdir():
-            if TEMP_RE.match(name):
+            m = TEMP_RE.match(name)
+            # Our own pid's temporaries are the writes we are about to make (write_atomic truncates).
+            if m and int(m.group(1)) != os.getpid():
                 self.remove(name)
                 discarded.append(name)
                 log(f"removed {self.path(name)}, left by a writer that did not finish")
@@ -283,28 +291,40 @@ class MirroredAppendFile:
         self._f = open(self.path, "w+b")
         self._f.write(data)
         self._f.flush()
+        self._size = len(data)
+        # The trainer appends on its thread while the checkpoint writer publishes on its own.
+        self._lock = threading.Lock()
 
     def read(self) -> bytes:
-        self._f.seek(0)
-        try:
-            return self._f.read()
-        finally:
-            self._f.seek(0, os.SEEK_END)
+        with self._lock:
+            return self._read_locked()
+
+    def _read_locked(self) -> bytes:
+        # A separate handle: seeking the shared one would move where the next append lands.
+        with open(self.path, "rb") as f:
+            return f.read(self._size)
 
     def write(self, data: bytes, durable: bool = False) -> None:
-        self._f.write(data)
-        self._f.flush()
-        if durable:
-            self.publish()
+        with self._lock:
+            self._f.write(data)
+            self._f.flush()
+            self._size += len(data)
+            if durable:
+                self._publish_locked()
 
     def publish(self) -> None:
-        if self._f.tell() == self._version.size and self._version.exists:
+        with self._lock:
+            self._publish_locked()
+
+    def _publish_locked(self) -> None:
+        if self._size == self._version.size and self._version.exists:
             return  # nothing new: the published file already is the mirror
-        self._version = self.run._put(self.name, self.read(), expect=self._version)
+        self._version = self.run._put(self.name, self._read_locked(), expect=self._version)
 
     def close(self) -> None:
-        published = self._f.tell() == self._version.size
-        self._f.close()
+        with self._lock:
+            published = self._size == self._version.size
+            self._f.close()
         if published:
             self.path.unlink()
 

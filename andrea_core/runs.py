@@ -13,7 +13,8 @@ import yaml
 
 from andrea_core.config import ConfigError, RunConfig, load_yaml, parse_run_config
 from andrea_core.data.policy import Policy, load_policy, parse_policy
-from andrea_core.rundir import POLICY_YAML, RUN_YAML, RunDir
+from andrea_core.data.tokens import BPETokenizer, train_run_bpe
+from andrea_core.rundir import POLICY_YAML, RUN_YAML, TOKENIZER_JSON, RunDir
 
 
 def cpu_model() -> str:
@@ -61,19 +62,34 @@ def read_run(run: RunDir) -> RunRecord:
 
 
 def create_run(
-    run: RunDir, cfg: RunConfig, policy_text: str | None = None, lineage: dict | None = None
+    run: RunDir,
+    cfg: RunConfig,
+    policy_text: str | None = None,
+    lineage: dict | None = None,
+    tokenizer: bytes | None = None,
 ) -> RunRecord:
-    """Freeze `cfg` into a new run directory and install its data policy."""
+    """Freeze `cfg` into a new run directory and install its data policy and, for a BPE run, its
+    tokenizer: `tokenizer` (a fork keeps its parent's) or one trained now on the policy's sources."""
     if run.exists(RUN_YAML):
         raise ConfigError(f"{run.url} already holds a run ({RUN_YAML} exists)")
     if policy_text is None:
-        _, policy_text = load_policy(cfg.data.policy)
+        policy, policy_text = load_policy(cfg.data.policy)
+    else:
+        policy = parse_policy(load_yaml(policy_text, "policy"), "policy")
+    if cfg.data.tokenizer == "bpe":
+        if tokenizer is None:
+            tokenizer = train_run_bpe(policy, cfg)  # before any write: a failure leaves no half-made run
+        vocab = BPETokenizer(tokenizer).vocab_size
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(f"{run.url}: a tokenizer of {vocab} tokens exceeds model.vocab_size")
     record = RunRecord(
         cfg,
         {"parent": None, "parent_step": None, "created_at": time.time(), **(lineage or {})},
         environment(),
     )
     run.makedirs()
+    if cfg.data.tokenizer == "bpe":
+        run.write_atomic(TOKENIZER_JSON, tokenizer)
     run.write_text(POLICY_YAML, policy_text)
     run.write_text(RUN_YAML, record.to_yaml())
     return record

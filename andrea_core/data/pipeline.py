@@ -1,7 +1,8 @@
 """The trainer's one view of data: `batch(step)` is a pure function of (seed, step, mixer state).
 
 The step's generator is seeded with (seed, step) alone, so a resumed run draws exactly the batches
-the uninterrupted run would, whatever happened to the process in between.
+the uninterrupted run would, whatever happened to the process in between; the mixer state is the one
+saved with the checkpoint resumed from (.state.json, see state.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import numpy as np
 import torch
 
 from andrea_core.config import RunConfig
-from andrea_core.data.mixer import Mixer, UniformMixer
-from andrea_core.data.policy import Policy
+from andrea_core.data.mixer import Exp3Mixer, Mixer, UniformMixer
+from andrea_core.data.policy import Policy, check_feasible
 from andrea_core.data.sources import SourceUnavailable, open_source
-from andrea_core.data.tokens import ByteTokenizer, Tokenizer, token_cache
+from andrea_core.data.state import BanditStore
+from andrea_core.data.tokens import ByteTokenizer, Tokenizer, run_tokenizer, token_cache
+from andrea_core.rundir import RunDir
+from andrea_core.runs import read_policy
 
 
 @dataclass
@@ -40,25 +44,42 @@ def step_rng(seed: int, step: int, stream: int = 0) -> np.random.Generator:
 
 def load_arms(
     policy: Policy, cfg: RunConfig, tokenizer: Tokenizer, warn: Callable[[str], None] = print
-) -> dict[str, TokenArm]:
-    """Token arrays for every arm whose source is available here; the others are reported and skipped."""
-    arms = {}
+) -> tuple[dict[str, TokenArm], dict[str, str]]:
+    """Token arrays for every arm whose source is available here, and why each other arm is not."""
+    arms, unavailable = {}, {}
+    T = cfg.model.block_size
     for spec in policy.arms:
         try:
             tokens = token_cache(open_source(spec, cfg.data.max_source_bytes), tokenizer)
+            n_val = max(T + 2, int(len(tokens) * cfg.data.val_fraction))
+            if len(tokens) - n_val < T + 2:
+                raise ValueError(f"{len(tokens)} tokens leave no training split of block_size {T}")
         except (SourceUnavailable, ValueError) as e:
             warn(f"arm {spec.name!r} is unavailable and will not be drawn: {e}")
+            unavailable[spec.name] = str(e)
             continue
-        n_val = max(cfg.model.block_size + 1, int(len(tokens) * cfg.data.val_fraction))
         arms[spec.name] = TokenArm(spec.name, tokens[:-n_val], tokens[-n_val:])
     if not arms:
-        raise SourceUnavailable(f"policy {policy.name!r}: none of its arms has data on this machine")
-    return arms
+        reasons = "; ".join(f"{a}: {why}" for a, why in unavailable.items())
+        raise SourceUnavailable(
+            f"policy {policy.name!r}: none of its arms has data on this machine, nothing to train on "
+            f"({reasons})"
+        )
+    return arms, unavailable
 
 
-def make_mixer(policy: Policy, available: list[str]) -> Mixer:
+def make_mixer(policy: Policy, available: list[str], seed: int = 0) -> Mixer:
+    """The policy's mixer over the available arms: an unavailable arm's floor is released, and the
+    caps of the arms left must still reach 1."""
     specs = [policy.arm(a) for a in available]
-    return UniformMixer(available, [s.floor for s in specs], [s.cap for s in specs])
+    floors, caps = [s.floor for s in specs], [s.cap for s in specs]
+    missing = [a.name for a in policy.arms if a.name not in available]
+    if missing:
+        where = f"policy {policy.name!r} without its unavailable arm(s) {', '.join(missing)}"
+        check_feasible(floors, caps, where, available)
+    if policy.mixer == "exp3":
+        return Exp3Mixer(available, floors, caps, policy.reward_ema, policy.baseline_ema, policy.eta)
+    return UniformMixer(available, floors, caps, seed)
 
 
 def windows(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,12 +89,36 @@ def windows(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[t
 
 
 class DataPipeline:
-    def __init__(self, cfg: RunConfig, policy: Policy, warn: Callable[[str], None] = print, tokenizer=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy: Policy,
+        warn: Callable[[str], None] = print,
+        tokenizer: Tokenizer | None = None,
+    ):
         self.cfg = cfg
         self.policy = policy
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
-        self.arms = load_arms(policy, cfg, self.tokenizer, warn)
-        self.mixer = make_mixer(policy, list(self.arms))
+        self.arms, self.unavailable = load_arms(policy, cfg, self.tokenizer, warn)
+        self.mixer = make_mixer(policy, list(self.arms), cfg.train.seed)
+        self.store: BanditStore | None = None
+
+    @classmethod
+    def for_run(cls, run: RunDir, cfg: RunConfig, warn: Callable[[str], None] = print) -> DataPipeline:
+        """The pipeline of a run directory: its policy in force, its frozen tokenizer, its bandit store."""
+        pipeline = cls(cfg, read_policy(run), warn, run_tokenizer(run, cfg))
+        pipeline.store = BanditStore(
+            run, pipeline.policy, cfg.train.checkpoint_every, pipeline.unavailable, warn
+        )
+        return pipeline
+
+    def resume(self, step: int) -> None:
+        """Restore the bandit of checkpoint `step` (0: a new run) before the first batch is drawn."""
+        self.store.restore(self.mixer, step)
+
+    def save_state(self, step: int) -> None:
+        """Write .state.json for `step`; the trainer calls it just before writing checkpoint `step`."""
+        self.store.save(self.mixer, step)
 
     def batch(self, step: int) -> Batch:
         rng = step_rng(self.cfg.train.seed, step)

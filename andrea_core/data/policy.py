@@ -32,8 +32,12 @@ class Policy:
     name: str
     arms: list[ArmSpec]
     mixer: str = "uniform"
-    # EXP3 knobs (Online Data Mixing): exploration rate decays as min(1/K, sqrt(ln K / (K t))).
+    # EXP3 knobs (see mixer.Exp3Mixer). Exploration decays as min(1/K, sqrt(ln K / (K t))) (Online Data
+    # Mixing); reward_ema is the per-round decay of the importance-weighted reward estimate, baseline_ema
+    # the per-pull rate of each arm's loss baseline, eta the inverse temperature on normalised rewards.
     reward_ema: float = 0.1
+    baseline_ema: float = 0.05
+    eta: float = 4.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,16 +73,27 @@ def parse_policy(raw: Any, source: str) -> Policy:
             )
     if policy.mixer not in MIXERS:
         raise ConfigError(f"{source}: mixer: {policy.mixer!r} is not one of {MIXERS}")
-    check_feasible([a.floor for a in arms], [a.cap for a in arms], source)
+    for knob in ("reward_ema", "baseline_ema"):
+        if not 0.0 < getattr(policy, knob) <= 1.0:
+            raise ConfigError(f"{source}: {knob}: must be in (0, 1], got {getattr(policy, knob)}")
+    if not policy.eta > 0.0:
+        raise ConfigError(f"{source}: eta: must be positive, got {policy.eta}")
+    check_feasible([a.floor for a in arms], [a.cap for a in arms], source, names)
     return policy
 
 
-def check_feasible(floors: list[float], caps: list[float], source: str) -> None:
+def check_feasible(
+    floors: list[float], caps: list[float], source: str, names: list[str] | None = None
+) -> None:
+    """No distribution meets floors summing above 1 or caps summing below 1: say which and why."""
+    names = names or [f"arm {i}" for i in range(len(floors))]
     floor_sum, cap_sum = sum(floors), sum(caps)
     if floor_sum > 1.0 + 1e-9:
-        raise ConfigError(f"{source}: infeasible policy: floors sum to {floor_sum:.4g} > 1")
+        terms = " + ".join(f"{n} {f:g}" for n, f in zip(names, floors, strict=True))
+        raise ConfigError(f"{source}: infeasible policy: floors sum to {floor_sum:.4g} > 1 ({terms})")
     if cap_sum < 1.0 - 1e-9:
-        raise ConfigError(f"{source}: infeasible policy: caps sum to {cap_sum:.4g} < 1")
+        terms = " + ".join(f"{n} {c:g}" for n, c in zip(names, caps, strict=True))
+        raise ConfigError(f"{source}: infeasible policy: caps sum to {cap_sum:.4g} < 1 ({terms})")
 
 
 def load_policy(name_or_path: str) -> tuple[Policy, str]:

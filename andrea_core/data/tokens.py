@@ -1,17 +1,30 @@
-"""Tokenizers and per-arm token caches (uint16, memory-mapped, built once, rebuilt on change)."""
+"""Tokenizers and per-arm token caches (uint16, memory-mapped, built once, rebuilt on change).
+
+A run's tokenizer never changes during the run: raw bytes need nothing, and a BPE is trained on the
+run's own sources when the run is created and frozen into its directory as tokenizer.json. A token
+cache is keyed by the source's fingerprint and the tokenizer's id (for a BPE, the hash of its frozen
+JSON), so it is reused across restarts and rebuilt exactly when either changes.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
 
-from andrea_core.data.sources import Source
+from andrea_core.config import ConfigError, RunConfig
+from andrea_core.data.policy import Policy
+from andrea_core.data.sources import Source, SourceUnavailable, open_source
+from andrea_core.rundir import TOKENIZER_JSON, RunDir, cache_dir
 
 DOC_SEPARATOR = "\n\n"
+# Text a BPE is trained on at run creation, over all arms: enough for a few thousand merges, and a
+# bound that keeps creating an andrea-12m or -120m run to well under a minute on a small CPU.
+BPE_TRAIN_BYTES = 4_000_000
+ENCODE_BATCH_DOCS = 256
 
 
 class Tokenizer(Protocol):
@@ -22,6 +35,8 @@ class Tokenizer(Protocol):
     def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -35,26 +50,124 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
+class BPETokenizer:
+    """A byte-level BPE (the `tokenizers` library), loaded from its frozen JSON."""
+
+    def __init__(self, frozen: bytes):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.frozen = frozen
+        self._tok = HFTokenizer.from_str(frozen.decode())
+        self.id = "bpe-" + hashlib.sha256(frozen).hexdigest()[:16]
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> bytes:
+    """Train a byte-level BPE of at most `vocab_size` tokens; returns its JSON, ready to freeze.
+
+    Byte-level: every byte is in the initial alphabet, so any text (any language, any binary junk in
+    a source file) encodes without an unknown token, and decode(encode(t)) == t.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256:
+        raise ValueError(f"a byte-level BPE needs vocab_size >= 256, got {vocab_size}")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok.to_str().encode()
+
+
+def train_run_bpe(policy: Policy, cfg: RunConfig) -> bytes:
+    """The BPE of a new run: trained on the first BPE_TRAIN_BYTES of its arms, shared evenly."""
+    per_arm = max(1, min(cfg.data.max_source_bytes, BPE_TRAIN_BYTES // len(policy.arms)))
+    texts: list[str] = []
+    for spec in policy.arms:
+        try:
+            texts.extend(open_source(spec, per_arm).documents())
+        except SourceUnavailable:
+            continue  # the arm is reported when the trainer loads its data
+    if not texts:
+        raise SourceUnavailable(f"policy {policy.name!r}: no arm has text to train a tokenizer on")
+    return train_bpe(texts, cfg.model.vocab_size)
+
+
+def run_tokenizer(run: RunDir, cfg: RunConfig) -> Tokenizer:
+    """The run's frozen tokenizer: raw bytes, or the BPE in its tokenizer.json."""
+    if cfg.data.tokenizer == "bytes":
+        return ByteTokenizer()
+    if not run.exists(TOKENIZER_JSON):
+        raise ConfigError(
+            f"{run.path(TOKENIZER_JSON)}: missing; data.tokenizer is bpe and the run's BPE is frozen "
+            "there when the run is created (copy it from the run this one came from)"
+        )
+    try:
+        tok = BPETokenizer(run.read_bytes(TOKENIZER_JSON))
+    except Exception as e:  # the tokenizers library raises plain Exceptions for a malformed file
+        raise ConfigError(f"{run.path(TOKENIZER_JSON)}: not a readable tokenizer: {e}") from None
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"{run.path(TOKENIZER_JSON)}: {tok.vocab_size} tokens exceed model.vocab_size "
+            f"{cfg.model.vocab_size}"
+        )
+    return tok
+
+
+def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch = []
+    for doc in docs:
+        batch.append(doc + DOC_SEPARATOR)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def token_cache(source: Source, tokenizer: Tokenizer) -> np.ndarray:
     """The arm's tokens as a read-only uint16 memmap; built on first use, atomically."""
+    if tokenizer.vocab_size > 65536:
+        raise ValueError(f"tokenizer {tokenizer.id}: {tokenizer.vocab_size} tokens do not fit uint16")
     key = hashlib.sha256(f"{source.fingerprint}|{tokenizer.id}".encode()).hexdigest()[:16]
     path = cache_dir() / f"{source.arm.name}-{key}.u16"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        ids: list[int] = []
-        for doc in source.documents():
-            ids.extend(tokenizer.encode(doc + DOC_SEPARATOR))
-        if len(ids) < 1024:
-            raise ValueError(f"arm {source.arm.name!r}: only {len(ids)} tokens of text")
         tmp = path.with_suffix(f".tmp.{os.getpid()}")
-        np.asarray(ids, dtype=np.uint16).tofile(tmp)
-        os.replace(tmp, path)  # concurrent builders produce identical files; last rename wins
+        n = 0
+        try:
+            # Written batch by batch: a 50 MB arm never sits in memory as a list of Python ints.
+            with open(tmp, "wb") as f:
+                for batch in _batches(source.documents(), ENCODE_BATCH_DOCS):
+                    for ids in tokenizer.encode_batch(batch):
+                        np.asarray(ids, dtype=np.uint16).tofile(f)
+                        n += len(ids)
+            if n < 1024:
+                raise ValueError(f"arm {source.arm.name!r}: only {n} tokens of text")
+            os.replace(tmp, path)  # concurrent builders produce identical files; last rename wins
+        finally:
+            if tmp.exists():
+                tmp.unlink()
     return np.memmap(path, dtype=np.uint16, mode="r")

@@ -1,0 +1,172 @@
+"""The sample audit: fixed prompts, a fixed seed, metrics that need no external model (DESIGN.md).
+
+Every `train.sample_every` steps (default: every checkpoint), at every SIGUSR1 checkpoint, at the last
+step and once at step 0 of a new run, the trainer records an audit in `.samples.json`: the samples
+generated from PROMPTS, the validation loss of each arm on its fixed held-out batch, and text metrics
+of the samples (distinct-1/2, repetition rate, gzip compression ratio). The file keeps the newest
+KEEP_AUDITS audits and is replaced atomically. An audit is a pure function of the weights: sampling
+uses its own torch.Generator seeded with the run's seed, so it never shifts the training stream, and
+two identical runs record identical audits.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from andrea_core.config import RunConfig
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.model import GPT
+from andrea_core.rundir import SAMPLES, RunDir
+
+FORMAT = 1
+PROMPTS = ("def ", "import ", "The ", "class ")
+NEW_TOKENS = 64
+TEMPERATURE = 0.8
+VAL_SEQS = 8  # held-out windows per arm
+KEEP_AUDITS = 20
+REPETITION_N = 3
+
+
+# --- text metrics (of the generated completions; words are whitespace-separated) ---------------
+
+
+def ngrams(words: Sequence[str], n: int) -> list[tuple[str, ...]]:
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Unique word n-grams over all n-grams, pooled across the samples (Li et al. 2016); 0 if none."""
+    grams = [g for t in texts for g in ngrams(t.split(), n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repetition_rate(text: str, n: int = REPETITION_N) -> float:
+    """Share of a text's word n-grams that already occurred earlier in the same text (loops)."""
+    grams = ngrams(text.split(), n)
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
+def gzip_ratio(texts: Sequence[str]) -> float:
+    """Raw bytes over gzip bytes of the samples joined by newlines: higher is more repetitive."""
+    raw = "\n".join(texts).encode()
+    return len(raw) / len(gzip.compress(raw, compresslevel=9, mtime=0)) if raw else 0.0
+
+
+def text_metrics(texts: Sequence[str]) -> dict[str, float]:
+    return {
+        "distinct_1": distinct_n(texts, 1),
+        "distinct_2": distinct_n(texts, 2),
+        "repetition": sum(repetition_rate(t) for t in texts) / len(texts) if texts else 0.0,
+        "gzip_ratio": gzip_ratio(texts),
+    }
+
+
+# --- model-side measurements ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def validation_losses(
+    model: GPT, data: DataPipeline, device: str, n_seqs: int = VAL_SEQS
+) -> dict[str, float]:
+    """Mean cross-entropy of the model on each arm's fixed held-out batch."""
+    out = {}
+    for arm in data.arms:
+        x, y = data.val_batch(arm, n_seqs)
+        logits, _ = model(x.to(device))
+        out[arm] = F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
+    return out
+
+
+@torch.no_grad()
+def generate_samples(
+    model: GPT, data: DataPipeline, seed: int, device: str, new_tokens: int = NEW_TOKENS
+) -> list[dict[str, str]]:
+    """One completion per prompt, all in one batch from one generator seeded with `seed`.
+
+    Prompts of different token lengths are left-padded with newlines to a common length: blank lines
+    before a prompt are ordinary text in every arm, and a batch needs no attention mask.
+    """
+    tok = data.tokenizer
+    encoded = [tok.encode(p) for p in PROMPTS]
+    pad = tok.encode("\n")[0]
+    width = max(len(e) for e in encoded)
+    idx = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, new_tokens, temperature=TEMPERATURE, generator=generator)
+    return [
+        {"prompt": p, "completion": tok.decode(row[width:].tolist())}
+        for p, row in zip(PROMPTS, out, strict=True)
+    ]
+
+
+def run_audit(model: GPT, data: DataPipeline, cfg: RunConfig, step: int, device: str) -> dict[str, Any]:
+    """The audit of the model as it is now; leaves the model's mode and every global RNG untouched."""
+    was_training = model.training
+    model.eval()  # no dropout: nothing draws from the global RNG, and the audit measures the model
+    try:
+        val = validation_losses(model, data, device)
+        samples = generate_samples(model, data, cfg.train.seed, device)
+    finally:
+        model.train(was_training)
+    return {
+        "step": step,
+        "tokenizer": data.tokenizer.id,
+        "settings": {"seed": cfg.train.seed, "temperature": TEMPERATURE, "new_tokens": NEW_TOKENS},
+        "samples": samples,
+        "metrics": {"val_loss": val, **text_metrics([s["completion"] for s in samples])},
+    }
+
+
+# --- .samples.json -----------------------------------------------------------------------------
+
+
+def read_audits(run: RunDir) -> list[dict[str, Any]]:
+    """The audits in .samples.json, oldest first ([] when there is none yet)."""
+    if not run.exists(SAMPLES):
+        return []
+    doc = run.read_json(SAMPLES)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("audits"), list):
+        raise ValueError(f"{run.path(SAMPLES)}: not a sample audit file of format {FORMAT}")
+    return doc["audits"]
+
+
+class Auditor:
+    """Records the trainer's audits; one per trainer start."""
+
+    def __init__(
+        self, run: RunDir, cfg: RunConfig, model: GPT, data: DataPipeline, device: str, start_step: int
+    ):
+        self.run, self.cfg, self.model, self.data, self.device = run, cfg, model, data, device
+        # Audits past the resume point belong to a timeline that was abandoned with its checkpoints.
+        self.audits = [a for a in read_audits(run) if a["step"] <= start_step]
+
+    def record(self, step: int) -> dict[str, Any]:
+        audit = run_audit(self.model, self.data, self.cfg, step, self.device)
+        self.audits = [*(a for a in self.audits if a["step"] < step), audit][-KEEP_AUDITS:]
+        self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+        return audit
+
+
+# --- the operator's view -------------------------------------------------------------------------
+
+
+def format_audit(audit: dict[str, Any], width: int = 100) -> str:
+    m = audit["metrics"]
+    lines = [
+        f"audit at step {audit['step']} (tokenizer {audit['tokenizer']})",
+        "",
+        f"{'arm':<24}{'val loss':>10}",
+    ]
+    lines += [f"{arm:<24}{loss:>10.4f}" for arm, loss in m["val_loss"].items()]
+    lines += ["", f"{'metric':<24}{'value':>10}"]
+    lines += [f"{k:<24}{m[k]:>10.4f}" for k in ("distinct_1", "distinct_2", "repetition", "gzip_ratio")]
+    lines += ["", "samples:"]
+    for s in audit["samples"]:
+        text = repr(s["prompt"] + s["completion"])
+        lines.append(f"  {text if len(text) <= width else text[: width - 3] + '...'}")
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+""".state.json: the bandit of every checkpoint, so that a resume continues exactly the same mixer.
+
+The file holds the newest state at its top level (the step it describes, the policy's name and hash,
+the phase counters and per-arm pulls, EMA rewards, baselines, weights and probabilities) and, under
+`previous`, the states of a few earlier checkpoints.
+
+Write order. The trainer writes the state of step S before the checkpoint of step S, each atomically.
+A crash between the two leaves a state for S and no checkpoint S: the resume then takes checkpoint P,
+the one before, and finds P's state under `previous`, because a save always keeps the state it
+replaces. A few grid-aligned states are kept besides, for a resume that has to fall back further
+(refused checkpoints). Off-grid states (SIGTERM, SIGUSR1) are kept only while they are the newest
+before the next one, so an interrupted run and an uninterrupted one end with the same file.
+
+On load (DESIGN.md "Data mixer"): a state written under another policy hash is not loaded (the bandit
+starts fresh, as at a pivot) and is moved aside into archive/, never overwritten; an arm of the state
+that the mixer does not have (no longer listed, or its source unavailable or empty now) is a zombie:
+reported by name with its old weight and pulls, dropped, never pulled, its floor released (the mixer
+was built over the live arms only); arms new to the state start at the prior.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from andrea_core.config import ConfigError
+from andrea_core.data.mixer import Mixer
+from andrea_core.data.policy import Policy
+from andrea_core.pivot import phases
+from andrea_core.rundir import ARCHIVE, STATE, RunDir
+
+FORMAT = 1
+KEEP_GRID_STATES = 2  # grid-aligned states kept besides the newest and the one it replaced
+
+
+@dataclass
+class Phase:
+    number: int  # 1 for a run's first policy, +1 at every pivot
+    start_step: int  # the step the bandit started from (fresh) in this phase
+
+
+class BanditStore:
+    """Reads and writes the run's .state.json for one trainer start."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        policy: Policy,
+        checkpoint_every: int,
+        unavailable: dict[str, str] | None = None,
+        warn: Callable[[str], None] = print,
+    ):
+        self.run = run
+        self.policy = policy
+        self.every = checkpoint_every
+        self.unavailable = unavailable or {}  # arm -> why its source is unavailable here
+        self.warn = warn
+        self.phase = Phase(1, 0)
+        self.history: list[dict[str, Any]] = []  # states kept in the file, newest first
+
+    # --- load ------------------------------------------------------------------------------------
+
+    def restore(self, mixer: Mixer, step: int) -> None:
+        """Load the bandit of checkpoint `step` into `mixer`, or start a fresh one (and say why)."""
+        doc = self._read()
+        if doc is None:
+            self._fresh(step)
+            if step > 0:  # a pivot's new phase, or a fork branch under a policy of its own
+                self.warn(f"bandit: no {STATE}: a fresh bandit from step {step} (phase {self.phase.number})")
+            return
+        if doc.get("policy_hash") != self.policy.hash:
+            moved = self._set_aside(step)
+            self._fresh(
+                step,
+                f"{STATE} belongs to policy {doc.get('policy')!r} (hash {doc.get('policy_hash')}), "
+                f"not to the policy in force {self.policy.name!r} (hash {self.policy.hash}); "
+                f"it was moved to {moved}",
+            )
+            return
+        entries = [doc, *doc.get("previous", [])]
+        entry = next((e for e in entries if e["step"] == step), None)
+        if entry is None:
+            kept = sorted(e["step"] for e in entries)
+            moved = self._set_aside(step)
+            self._fresh(step, f"{STATE} has no state for step {step} (it has {kept}); moved to {moved}")
+            return
+        self._report_zombies(entry, mixer)
+        for arm in mixer.arms:
+            if arm not in entry["arms"]:
+                self.warn(f"bandit: arm {arm!r} is new to the bandit and starts at the prior")
+        mixer.load_state_dict(entry)
+        self.phase = Phase(int(entry["phase"]["number"]), int(entry["phase"]["start_step"]))
+        # States past `step` belong to a timeline that died before its checkpoint became the resume
+        # point; they must never be resumed from.
+        self.history = [_strip(e) for e in entries if e["step"] <= step]
+
+    def _read(self) -> dict[str, Any] | None:
+        if not self.run.exists(STATE):
+            return None
+        where = self.run.path(STATE)
+        try:
+            doc = self.run.read_json(STATE)
+            for e in [doc, *doc.get("previous", [])]:
+                int(e["step"]), dict(e["arms"]), int(e["phase"]["number"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(
+                f"{where}: not a bandit state this trainer can read ({type(e).__name__}: {e}); "
+                f"move it aside to start a fresh bandit"
+            ) from None
+        if doc.get("format") != FORMAT:
+            raise ConfigError(f"{where}: format {doc.get('format')!r}, expected {FORMAT}")
+        return doc
+
+    def _fresh(self, step: int, why: str | None = None) -> None:
+        self.phase = Phase(len(phases(self.run)) + 1, step)
+        self.history = []
+        if why is not None:
+            self.warn(f"warning: a fresh bandit from step {step} (phase {self.phase.number}): {why}")
+
+    def _set_aside(self, step: int) -> str:
+        """Keep a state we will not load: the next save would otherwise overwrite it."""
+        name = f"{ARCHIVE}/unloaded_state_step_{step:06d}_{int(time.time())}.json"
+        self.run.move(STATE, name)
+        return name
+
+    def _report_zombies(self, entry: dict[str, Any], mixer: Mixer) -> None:
+        listed = {a.name: a for a in self.policy.arms}
+        for arm, s in entry["arms"].items():
+            if arm in mixer.arms:
+                continue
+            if arm in listed:
+                why = f"its source is unavailable ({self.unavailable.get(arm, 'not loaded')})"
+                floor = f", its floor {listed[arm].floor:g} is released"
+            else:
+                why, floor = f"the policy {self.policy.name!r} no longer lists it", ""
+            weight = s.get("weight")
+            self.warn(
+                f"warning: zombie arm {arm!r} dropped: {why}; its state (weight "
+                f"{'n/a' if weight is None else f'{weight:.4g}'}, {s.get('pulls', 0)} pulls) is not "
+                f"loaded and it will never be pulled{floor}; the distribution is re-projected over "
+                f"{', '.join(mixer.arms)}"
+            )
+
+    # --- save ------------------------------------------------------------------------------------
+
+    def snapshot(self, mixer: Mixer, step: int) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "step": step,
+            "policy": self.policy.name,
+            "policy_hash": self.policy.hash,
+            "mixer": mixer.kind,
+            "phase": {
+                "number": self.phase.number,
+                "start_step": self.phase.start_step,
+                "steps": step - self.phase.start_step,
+            },
+            **mixer.state_dict(),
+        }
+
+    def save(self, mixer: Mixer, step: int) -> None:
+        """Publish the state of `step` atomically; call it before writing checkpoint `step`."""
+        entry = self.snapshot(mixer, step)
+        older = [e for e in self.history if e["step"] < step]
+        grid = [e for e in older[1:] if e["step"] % self.every == 0][:KEEP_GRID_STATES]
+        self.history = [entry, *older[:1], *grid]
+        self.run.write_json(STATE, {**entry, "previous": self.history[1:]})
+
+
+def _strip(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k != "previous"}

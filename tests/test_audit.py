@@ -1,0 +1,115 @@
+"""The sample audit: at every checkpoint, metrics from its own texts, reproducible, and showing learning."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from conftest import TINY, andrea
+from data_runs import EVERY, STEPS, mix_runs
+
+from andrea_core.audit import PROMPTS, read_audits, run_audit, validation_losses
+from andrea_core.checkpoint import restore
+from andrea_core.config import load_run_config
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import load_policy
+from andrea_core.model import GPT
+from andrea_core.optim import build_optimizer
+from andrea_core.runs import read_run
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    return mix_runs(tmp_path_factory.getbasetemp())
+
+
+@pytest.mark.slow
+def test_an_audit_at_every_checkpoint_with_metrics_computed_from_its_own_texts(mix):
+    run = mix.uninterrupted
+    audits = read_audits(run)
+    assert [a["step"] for a in audits] == [0, *range(EVERY, STEPS + 1, EVERY)]
+    assert set(run.checkpoint_steps()) <= {a["step"] for a in audits}
+    for audit in audits:
+        assert [s["prompt"] for s in audit["samples"]] == list(PROMPTS)
+        texts = [s["completion"] for s in audit["samples"]]
+        assert all(texts)
+        raw = "\n".join(texts).encode()
+        assert audit["metrics"]["gzip_ratio"] == len(raw) / len(gzip.compress(raw, 9, mtime=0))
+        words = [w for t in texts for w in t.split()]
+        assert audit["metrics"]["distinct_1"] == len(set(words)) / len(words)
+    # The SIGUSR1 checkpoint of the other run has its audit too (DESIGN: every checkpoint has one).
+    assert mix.usr1_step in {a["step"] for a in read_audits(mix.interrupted)}
+
+
+@pytest.mark.slow
+def test_the_audits_validation_loss_is_that_of_the_checkpoint_it_sits_on(mix):
+    run = mix.uninterrupted
+    cfg = read_run(run).config
+    torch.set_num_threads(cfg.train.num_threads)
+    model = GPT(cfg.model)
+    restore(run.read_checkpoint(STEPS, model.n_params), model, build_optimizer(model, cfg.train, "cpu"))
+    data = DataPipeline.for_run(run, cfg, warn=lambda line: None)
+    recorded = read_audits(run)[-1]
+    assert recorded["step"] == STEPS
+    assert validation_losses(model.eval(), data, "cpu") == recorded["metrics"]["val_loss"]
+
+
+@pytest.mark.slow
+def test_two_identical_runs_record_equal_audits(mix):
+    a = {x["step"]: x for x in read_audits(mix.uninterrupted)}
+    b = {x["step"]: x for x in read_audits(mix.interrupted)}
+    common = sorted(a.keys() & b.keys())
+    assert common == [0, *range(EVERY, STEPS + 1, EVERY)]  # also the ones after the resume
+    for step in common:
+        assert a[step] == b[step], step
+
+
+@pytest.mark.slow
+def test_validation_loss_falls_on_every_arm(mix):
+    audits = read_audits(mix.uninterrupted)
+    start, end = audits[0]["metrics"]["val_loss"], audits[-1]["metrics"]["val_loss"]
+    assert audits[0]["step"] == 0 and audits[-1]["step"] == STEPS
+    assert set(start) == set(end) == {"stdlib-code", "repo-docstrings", "docs-prose"}
+    for arm in start:
+        # From about ln(256) = 5.5 nats per byte untrained; a real model learns each arm.
+        assert end[arm] < 0.75 * start[arm], (arm, start[arm], end[arm])
+
+
+@pytest.mark.slow
+def test_andrea_audit_prints_the_newest_audit_as_a_table(mix):
+    run = mix.uninterrupted
+    newest = read_audits(run)[-1]
+    out = andrea("audit", run.url).stdout
+    assert out.startswith(f"audit at step {STEPS} (tokenizer bytes)")
+    for arm, loss in newest["metrics"]["val_loss"].items():
+        assert f"{arm:<24}{loss:>10.4f}" in out
+    assert f"{'gzip_ratio':<24}{newest['metrics']['gzip_ratio']:>10.4f}" in out
+    assert json.loads(andrea("audit", run.url, "--json").stdout) == newest
+    assert andrea("audit", run.url, "--step", str(EVERY)).stdout.startswith(f"audit at step {EVERY} ")
+    missing = andrea("audit", run.url, "--step", "7", check=False)
+    assert missing.returncode == 1 and "no sample audit at step 7" in missing.stderr
+
+
+@pytest.fixture
+def one_thread():
+    """Small ops run fastest on one thread; the result does not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_an_audit_draws_nothing_from_the_global_rng_and_restores_the_model_mode(one_thread):
+    cfg = load_run_config(TINY)
+    policy, _ = load_policy(cfg.data.policy)
+    data = DataPipeline(cfg, policy, warn=lambda line: None)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = run_audit(model, data, cfg, 5, "cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert model.training
+    assert run_audit(model, data, cfg, 5, "cpu") == first

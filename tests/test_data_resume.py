@@ -1,0 +1,114 @@
+"""Real trainer processes with the bandit on: bit-exact resume, a zombie arm, no arm at all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import fsspec
+import pytest
+from conftest import REPO, andrea
+from data_runs import EVERY, STEPS, mix_runs
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.loss_log import parse_lines, read_history
+from andrea_core.rundir import LOSS_LOG, STATE, RunDir
+
+TINY_MIX = (REPO / "configs" / "andrea-tiny-mix.yaml").read_text()
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    return mix_runs(tmp_path_factory.getbasetemp())
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_is_bit_exact_with_the_bandit_on(mix):
+    a, b = mix.uninterrupted, mix.interrupted
+    assert EVERY < mix.usr1_step < 2 * EVERY < mix.stop_step < STEPS, (mix.usr1_step, mix.stop_step)
+    assert f"resuming {b.url} from {checkpoint_name(mix.stop_step)}" in mix.resume_log
+    assert "fresh bandit" not in mix.resume_log
+    for step in (3 * EVERY, STEPS):
+        assert a.read_bytes(checkpoint_name(step)) == b.read_bytes(checkpoint_name(step)), step
+    assert a.read_bytes(STATE) == b.read_bytes(STATE)
+
+    # The same batches, arm for arm, and the bandit really mixed: every arm drawn, and the state's
+    # pulls are exactly the draws the loss log records.
+    ha, hb = read_history(a), read_history(b)
+    assert [(e.step, e.loss, e.arm) for e in ha] == [(e.step, e.loss, e.arm) for e in hb]
+    assert {e.segment for e in hb} == {1, 2}
+    drawn = Counter(e.arm for e in ha)
+    state = a.read_json(STATE)
+    assert state["step"] == STEPS and state["mixer"] == "exp3"
+    assert {arm: s["pulls"] for arm, s in state["arms"].items()} == dict(drawn)
+    assert set(drawn) == {"stdlib-code", "repo-docstrings", "docs-prose"}
+    assert [e["step"] for e in state["previous"]] == [150, 100, 50]
+
+
+def zombie_policy(packages: str) -> str:
+    return (
+        "name: zombie-test\nmixer: exp3\narms:\n"
+        "  - {name: stdlib-code, kind: python-stdlib, floor: 0.15, cap: 0.6}\n"
+        f"  - {{name: repo-docstrings, kind: docstrings, packages: [{packages}], floor: 0.2, cap: 0.6}}\n"
+        "  - {name: docs-prose, kind: prose, floor: 0.15, cap: 0.6}\n"
+    )
+
+
+@pytest.mark.slow
+def test_zombie_repo_docstrings_arm_is_dropped_never_pulled_and_the_rest_is_kept(tmp_path, monkeypatch):
+    # An installed package whose docstrings feed repo-docstrings, and that will be uninstalled.
+    site = tmp_path / "site"
+    fsspec_dir = Path(fsspec.__file__).parent
+    shutil.copytree(fsspec_dir, site / "zombiedocs", ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    (tmp_path / "policy.yaml").write_text(zombie_policy("zombiedocs"))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(TINY_MIX.replace("policy: tiny-mix", f"policy: {tmp_path / 'policy.yaml'}"))
+    run = RunDir(str(tmp_path / "run"))
+    andrea("train", "--config", str(cfg), "--run-dir", run.url, "--max-steps", "100")
+    before = run.read_json(STATE)
+    assert before["step"] == 100 and before["arms"]["repo-docstrings"]["pulls"] > 0
+    before["arms"]["repo-docstrings"]["weight"] = 1.546  # the state the design's operator found
+    run.write_text(STATE, json.dumps(before))
+
+    shutil.rmtree(site / "zombiedocs")  # the source is gone
+    out = andrea("train", "--run-dir", run.url, "--max-steps", "150").stdout
+    pulls = before["arms"]["repo-docstrings"]["pulls"]
+    assert (
+        "warning: zombie arm 'repo-docstrings' dropped: its source is unavailable (arm 'repo-docstrings' "
+        f"(docstrings): no source files found on this machine); its state (weight 1.546, {pulls} pulls) "
+        "is not loaded and it will never be pulled, its floor 0.2 is released; the distribution is "
+        "re-projected over stdlib-code, docs-prose"
+    ) in out
+
+    entries, _ = parse_lines(run.read_bytes(LOSS_LOG))
+    resumed = [e for e in entries if e["segment"] == 2]
+    assert [e["step"] for e in resumed] == list(range(101, 151))
+    assert "repo-docstrings" not in {e["arm"] for e in resumed}, "the zombie was pulled"
+    after = run.read_json(STATE)
+    assert sorted(after["arms"]) == ["docs-prose", "stdlib-code"]
+    drawn = Counter(e["arm"] for e in resumed)
+    for arm in ("stdlib-code", "docs-prose"):
+        assert after["arms"][arm]["pulls"] == before["arms"][arm]["pulls"] + drawn[arm]
+        assert 0.15 <= after["arms"][arm]["p"] <= 0.6 + 1e-12
+    assert abs(sum(s["p"] for s in after["arms"].values()) - 1.0) < 1e-12
+    assert after["phase"] == {"number": 1, "start_step": 0, "steps": 150}
+
+
+def test_no_available_arm_is_a_clear_error_before_training(tmp_path):
+    missing = tmp_path / "no-such-docs"
+    (tmp_path / "policy.yaml").write_text(
+        f"name: nothing-here\nmixer: exp3\narms:\n  - {{name: docs, kind: prose, paths: [{missing}]}}\n"
+    )
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(TINY_MIX.replace("policy: tiny-mix", f"policy: {tmp_path / 'policy.yaml'}"))
+    run = RunDir(str(tmp_path / "run"))
+    proc = andrea("train", "--config", str(cfg), "--run-dir", run.url, check=False)
+    assert proc.returncode == 2
+    assert (
+        "andrea: error: policy 'nothing-here': none of its arms has data on this machine, nothing to "
+        "train on (docs: arm 'docs' (prose): no source files found on this machine)"
+    ) in proc.stderr
+    assert run.checkpoint_steps() == [] and not run.exists(LOSS_LOG) and not run.exists(STATE)

@@ -1,0 +1,183 @@
+""".state.json on a real run directory: write order, kept states, policy hashes, zombies, bad files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from andrea_core.checkpoint import checkpoint_name, encode
+from andrea_core.config import ConfigError
+from andrea_core.data.mixer import Exp3Mixer
+from andrea_core.data.pipeline import make_mixer, step_rng
+from andrea_core.data.policy import parse_policy
+from andrea_core.data.state import BanditStore
+from andrea_core.pivot import archive_phase
+from andrea_core.rundir import ARCHIVE, STATE, RunDir
+
+ARMS = ["stdlib-code", "repo-docstrings", "docs-prose"]
+
+
+def make_policy(cap: float = 0.6):
+    return parse_policy(
+        {
+            "name": "three",
+            "mixer": "exp3",
+            "arms": [
+                {"name": "stdlib-code", "kind": "python-stdlib", "floor": 0.15, "cap": cap},
+                {"name": "repo-docstrings", "kind": "docstrings", "floor": 0.2, "cap": 0.6},
+                {"name": "docs-prose", "kind": "prose", "floor": 0.15, "cap": 0.6},
+            ],
+        },
+        "three.yaml",
+    )
+
+
+def train(mixer, first: int, last: int) -> None:
+    """Steps first..last as the pipeline runs them, with losses that differ by arm and fall."""
+    for step in range(first, last + 1):
+        arm = mixer.choose(step, step_rng(1337, step))
+        mixer.observe(step, arm, (2.0 + mixer.arms.index(arm)) * (1 + 2 / step))
+
+
+def store(run, policy, unavailable=None, log=None):
+    return BanditStore(run, policy, 50, unavailable, warn=(log.append if log is not None else print))
+
+
+def test_a_crash_between_state_and_checkpoint_resumes_the_previous_checkpoints_bandit(tmp_path):
+    run, policy = RunDir(str(tmp_path)), make_policy()
+    s, mixer = store(run, policy), make_mixer(policy, ARMS)
+    s.restore(mixer, 0)
+    train(mixer, 1, 50)
+    s.save(mixer, 50)
+    at_50 = mixer.state_dict()
+    train(mixer, 51, 100)
+    s.save(mixer, 100)  # ...and the process dies before step_000100.bin is published
+
+    resumed, log = make_mixer(policy, ARMS), []
+    s2 = store(run, policy, log=log)
+    s2.restore(resumed, 50)  # the newest checkpoint on disk
+    assert resumed.state_dict() == at_50 and log == []
+    assert [e["step"] for e in s2.history] == [50], "the dead timeline's state for 100 must be dropped"
+    train(resumed, 51, 80)
+    s2.save(resumed, 80)
+    doc = run.read_json(STATE)
+    assert doc["step"] == 80 and [e["step"] for e in doc["previous"]] == [50]
+
+
+def test_kept_states_end_the_same_for_an_interrupted_and_an_uninterrupted_run(tmp_path):
+    policy = make_policy()
+    mixer = make_mixer(policy, ARMS)
+    train(mixer, 1, 30)
+    files = []
+    for name, steps in (("straight", [50, 100, 150, 200]), ("interrupted", [50, 57, 100, 104, 150, 200])):
+        run = RunDir(str(tmp_path / name))
+        s = store(run, policy)
+        s.restore(mixer, 0)
+        for step in steps:
+            s.save(mixer, step)
+            if step == 104:  # a SIGTERM checkpoint, then a new trainer resumes from it
+                s = store(run, policy)
+                s.restore(mixer, 104)
+        files.append(run.read_bytes(STATE))
+    assert files[0] == files[1]
+    doc = json.loads(files[0])
+    assert doc["step"] == 200 and [e["step"] for e in doc["previous"]] == [150, 100, 50]
+
+
+def test_a_state_of_another_policy_is_not_loaded_and_is_kept_aside(tmp_path):
+    run = RunDir(str(tmp_path))
+    old = make_policy(cap=0.6)
+    s, mixer = store(run, old), make_mixer(old, ARMS)
+    s.restore(mixer, 0)
+    train(mixer, 1, 100)
+    s.save(mixer, 100)
+    before = run.read_bytes(STATE)
+
+    new, log = make_policy(cap=0.5), []
+    fresh = make_mixer(new, ARMS)
+    s2 = store(run, new, log=log)
+    s2.restore(fresh, 100)
+    assert fresh.state_dict() == make_mixer(new, ARMS).state_dict(), "the bandit must start fresh"
+    assert len(log) == 1 and f"hash {old.hash}" in log[0] and f"hash {new.hash}" in log[0]
+    (aside,) = run.listdir(ARCHIVE)
+    assert run.read_bytes(f"{ARCHIVE}/{aside}") == before and not run.exists(STATE)
+    s2.save(fresh, 150)
+    doc = run.read_json(STATE)
+    assert doc["policy_hash"] == new.hash and doc["phase"] == {"number": 1, "start_step": 100, "steps": 50}
+
+
+def test_after_a_pivot_the_bandit_is_fresh_and_counts_the_new_phase(tmp_path):
+    run, policy = RunDir(str(tmp_path)), make_policy()
+    s, mixer = store(run, policy), make_mixer(policy, ARMS)
+    s.restore(mixer, 0)
+    train(mixer, 1, 100)
+    s.save(mixer, 100)
+    run.write_atomic(checkpoint_name(100), encode(100, np.zeros(30, dtype=np.float32)))
+    archive_phase(run, 100)  # moves .state.json into archive/phase_001_step_000100/
+
+    log, fresh = [], make_mixer(policy, ARMS)
+    s2 = store(run, policy, log=log)
+    s2.restore(fresh, 100)
+    assert s2.phase.number == 2 and s2.phase.start_step == 100
+    assert log == ["bandit: no .state.json: a fresh bandit from step 100 (phase 2)"]
+    assert int(fresh.pulls.sum()) == 0
+
+
+def test_zombie_arm_is_dropped_with_a_warning_and_the_other_arms_are_kept(tmp_path):
+    run, policy = RunDir(str(tmp_path)), make_policy()
+    s, mixer = store(run, policy), make_mixer(policy, ARMS)
+    s.restore(mixer, 0)
+    train(mixer, 1, 100)
+    s.save(mixer, 100)
+    doc = run.read_json(STATE)
+    doc["arms"]["repo-docstrings"]["weight"] = 1.546  # the design's case
+    doc["arms"]["old-arm"] = {"pulls": 7, "reward": 0.3, "loss_baseline": 2.0, "weight": 0.8, "p": 0.1}
+    run.write_json(STATE, doc)
+
+    live = ["stdlib-code", "docs-prose"]
+    resumed, log = make_mixer(policy, live), []
+    store(run, policy, {"repo-docstrings": "no source files found"}, log).restore(resumed, 100)
+    assert len(log) == 2
+    (zombie,) = [line for line in log if "'repo-docstrings'" in line]
+    (gone,) = [line for line in log if "'old-arm'" in line]
+    assert zombie.startswith(
+        "warning: zombie arm 'repo-docstrings' dropped: its source is unavailable (no source"
+    )
+    assert "weight 1.546" in zombie and f"{doc['arms']['repo-docstrings']['pulls']} pulls" in zombie
+    assert "its floor 0.2 is released" in zombie and "re-projected over stdlib-code, docs-prose" in zombie
+    assert gone.startswith("warning: zombie arm 'old-arm' dropped: the policy 'three' no longer lists it")
+    state = resumed.state_dict()
+    assert list(state["arms"]) == live
+    for arm in live:
+        for key in ("pulls", "reward", "loss_baseline"):
+            assert state["arms"][arm][key] == doc["arms"][arm][key]
+    p = resumed.probabilities()
+    assert abs(p.sum() - 1) < 1e-12 and np.all(p >= 0.15 - 1e-12) and np.all(p <= 0.6 + 1e-12)
+    # The exploration accounting counts live pulls only: no phantom pulls of the zombie.
+    assert int(resumed.pulls.sum()) == sum(doc["arms"][a]["pulls"] for a in live)
+    draws = {resumed.choose(step, step_rng(1337, step)) for step in range(101, 1101)}
+    assert draws == set(live)
+
+
+def test_an_arm_new_to_the_state_starts_at_the_prior(tmp_path):
+    run, policy = RunDir(str(tmp_path)), make_policy()
+    two = ["stdlib-code", "docs-prose"]  # repo-docstrings had no source when the state was written
+    s, mixer = store(run, policy), make_mixer(policy, two)
+    s.restore(mixer, 0)
+    train(mixer, 1, 100)
+    s.save(mixer, 100)
+    resumed, log = make_mixer(policy, ARMS), []
+    store(run, policy, log=log).restore(resumed, 100)
+    assert log == ["bandit: arm 'repo-docstrings' is new to the bandit and starts at the prior"]
+    arms = resumed.state_dict()["arms"]
+    assert arms["repo-docstrings"]["pulls"] == 0 and arms["repo-docstrings"]["reward"] == 0.0
+    assert arms["stdlib-code"]["pulls"] == mixer.state_dict()["arms"]["stdlib-code"]["pulls"]
+
+
+def test_an_unreadable_state_is_refused_naming_the_file(tmp_path):
+    run, policy = RunDir(str(tmp_path)), make_policy()
+    run.write_text(STATE, '{"format": 1, "step": "x"')
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/{STATE}: not a bandit state .*move it aside"):
+        store(run, policy).restore(Exp3Mixer(ARMS, [0.0] * 3, [1.0] * 3), 100)

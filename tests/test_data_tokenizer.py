@@ -1,0 +1,115 @@
+"""The BPE tokenizer: trained on the run's sources at creation, frozen in the run, keying the caches."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO, andrea
+
+from andrea_core.audit import read_audits
+from andrea_core.config import ConfigError, load_run_config
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.sources import open_source
+from andrea_core.data.tokens import cache_dir, run_tokenizer
+from andrea_core.fork import BranchSpec, fork
+from andrea_core.rundir import TOKENIZER_JSON, RunDir
+from andrea_core.runs import create_run, read_policy
+
+MIX = str(REPO / "configs" / "andrea-tiny-mix.yaml")
+
+
+def bpe_config(vocab: int = 512):
+    return load_run_config(MIX).with_overrides({"data.tokenizer": "bpe", "model.vocab_size": vocab})
+
+
+def cache_file(source, tokenizer):
+    key = hashlib.sha256(f"{source.fingerprint}|{tokenizer.id}".encode()).hexdigest()[:16]
+    return cache_dir() / f"{source.arm.name}-{key}.u16"
+
+
+def test_a_bpe_run_freezes_its_tokenizer_and_keys_its_caches_by_the_tokenizers_hash(tmp_path):
+    cfg = bpe_config()
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, cfg)
+    frozen = run.read_bytes(TOKENIZER_JSON)
+    tok = run_tokenizer(run, cfg)
+    assert tok.vocab_size == cfg.model.vocab_size == 512
+    assert tok.id == "bpe-" + hashlib.sha256(frozen).hexdigest()[:16]
+
+    policy = read_policy(run)
+    code = next(open_source(policy.arms[0], 100_000).documents())
+    for text in (
+        code,
+        "naïve café ✓ — ünïcödé\n\tand a tab",
+        "\x00\x01 binary junk \udcff".encode("utf-8", "replace").decode(),
+    ):
+        assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(code)) < 0.6 * len(code.encode()), "a BPE trained on code should compress code"
+
+    data = DataPipeline.for_run(run, cfg, warn=lambda line: None)
+    for spec in policy.arms:
+        path = cache_file(open_source(spec, cfg.data.max_source_bytes), tok)
+        assert path.exists(), path
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        assert int(tokens.max()) < 512
+        assert len(data.arms[spec.name].train) + len(data.arms[spec.name].val) == len(tokens)
+    mtimes = {p: p.stat().st_mtime_ns for p in cache_dir().glob("*.u16")}
+    DataPipeline.for_run(run, cfg, warn=lambda line: None)  # a restart reuses every cache
+    assert {p: p.stat().st_mtime_ns for p in cache_dir().glob("*.u16")} == mtimes
+
+    # The same sources train the same tokenizer: runs of one config share their caches.
+    twin = RunDir(str(tmp_path / "twin"))
+    create_run(twin, cfg)
+    assert twin.read_bytes(TOKENIZER_JSON) == frozen
+    # Another vocabulary is another tokenizer, hence other caches.
+    other = RunDir(str(tmp_path / "other"))
+    create_run(other, bpe_config(768))
+    assert run_tokenizer(other, bpe_config(768)).id != tok.id
+
+
+def test_a_bpe_run_without_a_readable_tokenizer_is_refused(tmp_path):
+    cfg = bpe_config()
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, cfg)
+    run.remove(TOKENIZER_JSON)
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/run/tokenizer.json: missing; data.tokenizer is bpe"):
+        run_tokenizer(run, cfg)
+    run.write_text(TOKENIZER_JSON, '{"version": "1.0", "model": ')
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/run/tokenizer.json: not a readable tokenizer: "):
+        run_tokenizer(run, cfg)
+
+
+@pytest.mark.slow
+def test_a_bpe_run_trains_and_its_forks_keep_its_tokenizer(tmp_path):
+    cfg_path = tmp_path / "bpe.yaml"
+    cfg_path.write_text(
+        (REPO / "configs" / "andrea-tiny-mix.yaml")
+        .read_text()
+        .replace("tokenizer: bytes", "tokenizer: bpe")
+        .replace("vocab_size: 256      # raw bytes", "vocab_size: 512")
+    )
+    run = RunDir(str(tmp_path / "run"))
+    andrea("train", "--config", str(cfg_path), "--run-dir", run.url, "--max-steps", "30")
+    assert run.checkpoint_steps() == [30]
+    audit = read_audits(run)[-1]
+    assert audit["step"] == 30 and audit["tokenizer"] == run_tokenizer(run, bpe_config()).id
+
+    (url,) = fork(run.url, [BranchSpec("low-lr", {"train.lr": 1e-3}, str(tmp_path / "branch"))])
+    assert RunDir(url).read_bytes(TOKENIZER_JSON) == run.read_bytes(TOKENIZER_JSON)
+    with pytest.raises(ConfigError, match="a fork cannot change the model architecture or tokenizer"):
+        fork(run.url, [BranchSpec("bytes", {"data.tokenizer": "bytes", "model.vocab_size": 256})])
+
+
+@pytest.mark.slow
+def test_creating_an_andrea_12m_run_trains_its_bpe_on_bounded_text(tmp_path):
+    cfg = load_run_config("andrea-12m")
+    run = RunDir(str(tmp_path / "run12m"))
+    t0 = time.perf_counter()
+    create_run(run, cfg)
+    elapsed = time.perf_counter() - t0
+    tok = run_tokenizer(run, cfg)
+    assert tok.vocab_size == cfg.model.vocab_size == 8192
+    print(f"andrea-12m run created with its {tok.vocab_size}-token BPE in {elapsed:.1f}s")
