@@ -11,12 +11,15 @@ In one process, on the same model class, batch shape and device, it measures tok
 and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time.
 
 The arms run in rounds (a, b, c, a, b, c, ...) so that a machine whose load drifts (a shared CPU) favours
-none of them. Round r of every arm covers the steps (offset + E(r-1), offset + E r] (round 1 starts at
-step 1), so that each trainer round of (c) holds exactly one checkpoint on the E-step grid, well inside
-the timed window; between rounds the trainers stop (their exit checkpoint is outside the timed window)
-and resume from their own run directories, as a real run would. The first --skip steps of every round
-are not timed (compilation, allocator warm-up). Trainer steps are timed from .loss.json's "time" field;
-the reference loop is timed with a device sync at the edges of its window only.
+none of them. Round r of every arm covers the steps (offset + L(r-1), offset + L r] (round 1 starts at
+step 1), L = --round-steps, a multiple of the checkpoint interval E: each trainer round of (c) holds
+L/E checkpoints on the E-step grid, inside its timed window. Between rounds the trainers stop (their exit
+checkpoint falls outside the timed window) and resume from their own run directories, as a real run
+would. The first --skip steps of every round are not timed (compilation, allocator warm-up). Trainer
+steps are timed from .loss.json's "time" field; the reference loop with a device sync at the edges of
+its window only. The checkpoint stall is measured two ways: the time the loop spent inside save()
+(waiting for the previous write, taking the snapshot), and how much longer the step after a checkpoint
+took than the median step (which also catches device-side costs such as the snapshot's copies).
 
     .venv/bin/python bench/train_throughput.py --device cpu --config andrea-12m --rounds 1
     .venv/bin/python bench/train_throughput.py --device cuda --config gpt2-124m-bench --rounds 3
@@ -108,7 +111,7 @@ class Reference:
         cuda = device.startswith("cuda")
         torch.manual_seed(cfg.train.seed)
         if cuda:
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = True
         self.model = GPT(cfg.model).to(device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
@@ -149,8 +152,8 @@ class Reference:
             torch.cuda.synchronize()
 
 
-def round_bounds(r: int, offset: int, every: int) -> tuple[int, int]:
-    return (0 if r == 1 else offset + every * (r - 1)), offset + every * r
+def round_bounds(r: int, offset: int, length: int) -> tuple[int, int]:
+    return (0 if r == 1 else offset + length * (r - 1)), offset + length * r
 
 
 def time_reference(ref: Reference, arm: Arm, start: int, end: int, skip: int) -> None:
@@ -179,7 +182,8 @@ def time_trainer(
     arm.steps += end - start - skip
     dts = {s: times[s] - times[s - 1] for s in range(start + skip + 1, end + 1)}
     every = trainer.cfg.train.checkpoint_every
-    grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step < end]
+    # Grid checkpoints whose following step is timed (not the one a round ends with).
+    grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step + 1 in dts]
     for record in grid:
         arm.stalls.append(record.stall_s)
         arm.writes.append(record.write_s)
@@ -201,10 +205,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--config", default="andrea-12m", help="a config name under configs/ or a YAML path")
-    p.add_argument(
-        "--rounds", type=int, default=3, help="timed rounds per arm (each --checkpoint-every steps)"
-    )
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per arm")
     p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--round-steps", type=int, help="steps per round (default: --checkpoint-every)")
     p.add_argument(
         "--offset", type=int, default=5, help="steps before the first round's grid checkpoint ends"
     )
@@ -215,8 +218,12 @@ def main() -> None:
     p.add_argument("--with-sync", action="store_true", help="add (d): (c) with synchronous checkpoints")
     p.add_argument("--run-root", help="where the trainers' run directories go (default: beside the repo)")
     args = p.parse_args()
-    if not 0 <= args.skip < args.offset:
-        p.error("--skip must be below --offset, so that the grid checkpoint lies in a timed window")
+    length = args.round_steps or args.checkpoint_every
+    if not 0 <= args.skip < args.offset or length % args.checkpoint_every:
+        p.error(
+            "need --skip < --offset and --round-steps a multiple of --checkpoint-every, so that every "
+            "round holds the same number of grid checkpoints, each inside its timed window"
+        )
 
     overrides = {"train.checkpoint_every": args.checkpoint_every}
     if args.batch_size:
@@ -246,7 +253,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=root, prefix=".bench-throughput-") as tmp:
         log_file = open(Path(tmp) / "trainers.log", "w", buffering=1)  # noqa: SIM115
         for r in range(1, args.rounds + 1):
-            start, end = round_bounds(r, args.offset, args.checkpoint_every)
+            start, end = round_bounds(r, args.offset, length)
             time_reference(ref, arms["a"], start, end, args.skip)
             for key, arm_cfg in configs.items():
                 trainer = time_trainer(
@@ -271,7 +278,7 @@ def main() -> None:
     print(f"  fed to (a): uniform random token ids in [0, {cfg.model.vocab_size:,}), a fixed generator")
     print(f"  fed to (b), (c): the trainer's own DataPipeline: {fed}")
     print(
-        f"  {args.rounds} round(s) of {args.checkpoint_every} steps per arm, interleaved; the first "
+        f"  {args.rounds} round(s) of {length} steps per arm, interleaved; the first "
         f"{args.skip} steps of every round untimed; (c) checkpoints every {args.checkpoint_every} steps"
     )
     print(f"  MFU against {peak_note}")

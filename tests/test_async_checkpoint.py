@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -27,6 +28,8 @@ from conftest import TINY, andrea, start_trainer, wait_for
 from andrea_core.checkpoint import checkpoint_name, encode, snapshot
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import load_run_config
+from andrea_core.data.mixer import Exp3Mixer
+from andrea_core.data.pipeline import step_rng
 from andrea_core.loss_log import read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer
@@ -408,3 +411,27 @@ def test_bit_exact_resume_across_signals_and_kill(tmp_path, reference):
     assert [e.step for e in history] == list(range(1, 71))
     assert len({e.segment for e in history}) == 3 and stopped >= 12
     assert [e.loss for e in history] == [e.loss for e in read_history(RunDir(reference.run))]
+
+
+def test_late_observation_is_weighted_by_the_probability_drawn_with_even_across_a_restart():
+    """The loss of step 6 arrives after step 5's has moved the distribution: EXP3 must still divide by
+    the probability arm 6 was drawn with, and so must a bandit restored from the state of checkpoint 6."""
+    mixer = Exp3Mixer(["a", "b", "c"], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0])
+    for step, arm in enumerate(["a", "b", "c", "b"], start=1):
+        mixer.observe(step, arm, 3.0 - 0.1 * step)  # baselines and the reward scale are set now
+    arm = mixer.choose(6, step_rng(1337, 6))
+    i = mixer.arms.index(arm)
+    drawn_with = float(mixer.probabilities()[i])
+    mixer.observe(5, "c", 1.0)  # step 5's loss, heard after the draw of step 6
+    assert mixer.probabilities()[i] != drawn_with, "the test needs a distribution that moved"
+    saved = json.loads(json.dumps(mixer.state_dict()))  # .state.json of checkpoint 6
+    restored = Exp3Mixer(["a", "b", "c"], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0])
+    restored.load_state_dict(saved)
+
+    before = mixer.reward.copy()
+    for bandit in (mixer, restored):
+        bandit.observe(6, arm, 0.01)  # a huge improvement: the normalised reward clips to exactly 1
+    expected = (1 - mixer.reward_ema) * before
+    expected[i] += mixer.reward_ema * 1.0 / drawn_with
+    assert np.array_equal(mixer.reward, expected) and np.array_equal(restored.reward, expected)
+    assert mixer.state_dict() == restored.state_dict() and mixer.drawn == {}

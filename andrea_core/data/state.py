@@ -1,8 +1,9 @@
 """.state.json: the bandit of every checkpoint, so that a resume continues exactly the same mixer.
 
 The file holds the newest state at its top level (the step it describes, the policy's name and hash,
-the phase counters and per-arm pulls, EMA rewards, baselines, weights and probabilities) and, under
-`previous`, the states of a few earlier checkpoints.
+the phase counters and per-arm pulls, EMA rewards, baselines, weights and probabilities; for EXP3
+also `drawn`, the arm and probability of step S's draw, whose loss the mixer hears of only after the
+resume: mixer.py) and, under `previous`, the states of a few earlier checkpoints.
 
 Write order. The trainer writes the state of step S before the checkpoint of step S, each atomically.
 A crash between the two leaves a state for S and no checkpoint S: the resume then takes checkpoint P,
