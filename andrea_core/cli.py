@@ -109,6 +109,43 @@ def cmd_loss(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from andrea_core import lock
+    from andrea_core.fork import run_n_params
+    from andrea_core.retention import apply_retention, format_plan
+    from andrea_core.runs import read_run
+
+    run = RunDir(args.run_dir)
+    if not run.exists("run.yaml"):
+        raise ConfigError(f"{run.url}: not a run directory (no run.yaml)")
+    record = read_run(run)
+    overrides = {
+        f"retention.{k}": v for k, v in (("keep_last", args.keep_last), ("keep_every", args.keep_every))
+    }
+    cfg = record.config.with_overrides({k: v for k, v in overrides.items() if v is not None}, "andrea gc")
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.dry_run:
+        plan = apply_retention(run, cfg.retention, run_n_params(record), log, dry_run=True)
+    else:
+        me = lock.acquire(run, log=log)  # a trainer applies retention itself; none may start meanwhile
+        try:
+            run.discard_incomplete_writes(log)
+            plan = apply_retention(run, cfg.retention, run_n_params(record), log)
+        finally:
+            lock.release(run, me)
+    print(f"{run.url}:")
+    print(format_plan(plan, args.dry_run))
+    return 0
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from andrea_core.lineage import format_lineage, read_lineage
+
+    lineage = read_lineage(args.run_dir)
+    print(json.dumps(lineage.to_dict(), indent=1) if args.json else format_lineage(lineage))
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from andrea_core.audit import format_audit, read_audits
 
@@ -146,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--plot", help="write a PNG plot of the loss curve here")
     lo.add_argument("--json", action="store_true")
     lo.set_defaults(fn=cmd_loss)
+
+    g = sub.add_parser("gc", help="delete the checkpoints the run's retention releases")
+    g.add_argument("run_dir")
+    g.add_argument("--dry-run", action="store_true", help="only show what would be deleted")
+    g.add_argument("--keep-last", type=int, help="override the run's retention.keep_last")
+    g.add_argument("--keep-every", type=int, help="override the run's retention.keep_every")
+    g.set_defaults(fn=cmd_gc)
+
+    li = sub.add_parser("lineage", help="print the tree of a run's phases (pivots) and forks")
+    li.add_argument("run_dir")
+    li.add_argument("--json", action="store_true")
+    li.set_defaults(fn=cmd_lineage)
 
     au = sub.add_parser("audit", help="show a run's newest sample audit as a table")
     au.add_argument("run_dir")

@@ -47,6 +47,9 @@ class TrainConfig:
     # Part of the frozen run: CPU results are bit-reproducible only at a fixed intra-op thread count.
     num_threads: int = 2
     compile: bool = False
+    # Write checkpoints on a background thread while training goes on (same bytes); false keeps the
+    # synchronous writer, for comparison.
+    async_checkpoint: bool = True
 
     @property
     def audit_every(self) -> int:
@@ -62,11 +65,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """Which checkpoints stay once newer ones exist (see andrea_core/retention.py). Pivot boundaries
+    and fork points are kept whatever these say."""
+
+    keep_last: int | None = 5  # the newest N; None keeps every checkpoint
+    keep_every: int | None = 10_000  # and every checkpoint whose step is a multiple of this
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str
     model: ModelConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,7 +143,7 @@ def build_dataclass(cls: type, raw: Any, where: str) -> Any:
 
 
 def _check_ranges(cfg: RunConfig, source: str) -> None:
-    m, t, d = cfg.model, cfg.train, cfg.data
+    m, t, d, r = cfg.model, cfg.train, cfg.data, cfg.retention
     checks = [
         (m.vocab_size > 0, "model.vocab_size", "must be positive"),
         (m.block_size > 0, "model.block_size", "must be positive"),
@@ -150,6 +163,10 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (d.tokenizer in ("bytes", "bpe"), "data.tokenizer", "must be 'bytes' or 'bpe'"),
         (d.tokenizer != "bytes" or m.vocab_size == 256, "model.vocab_size", "must be 256 with bytes"),
         (0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)"),
+        # Two, not one: the checkpoint a SIGTERM writes right after a pivot boundary must not push the
+        # boundary out before the pivot has archived (and so protected) it.
+        (r.keep_last is None or r.keep_last >= 2, "retention.keep_last", "must be >= 2 (or null: keep all)"),
+        (r.keep_every is None or r.keep_every > 0, "retention.keep_every", "must be positive (or null)"),
     ]
     for ok, name, why in checks:
         if not ok:

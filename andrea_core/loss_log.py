@@ -85,11 +85,12 @@ class LossWriter:
 
     def __init__(self, run: RunDir):
         self.run = run
-        raw = run.read_bytes(LOSS_LOG) if run.exists(LOSS_LOG) else b""
+        # On a store without append this is a mirror in the run cache, published at durable flushes.
+        self._file = run.open_append(LOSS_LOG)
+        raw = self._file.read()
         entries, _ = parse_lines(raw)
         self.segment = max((int(e["segment"]) for e in entries), default=0) + 1
         self._buffer: list[bytes] = []
-        self._file = run.open_append(LOSS_LOG)
         if raw and not raw.endswith(b"\n"):
             # Terminate a torn last line so our first entry does not glue onto it.
             self._file.write(b"\n", durable=True)
@@ -107,10 +108,15 @@ class LossWriter:
         self._buffer.append(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
 
     def flush(self, durable: bool = False) -> None:
-        """Append what was logged since the last flush; `durable` fsyncs (at every checkpoint)."""
+        """Append what was logged since the last flush. `durable` (at every checkpoint and at exit)
+        fsyncs it, or on an object store publishes it: what a crash may lose ends there."""
         if self._buffer or durable:
             data, self._buffer = b"".join(self._buffer), []
             self._file.write(data, durable=durable)
+
+    def sync(self) -> None:
+        """fsync what was flushed; safe from the checkpoint writer's thread while logging goes on."""
+        self._file.write(b"", durable=True)
 
     def close(self) -> None:
         self.flush(durable=True)

@@ -1,21 +1,38 @@
 """The run directory (contract), addressed by a path or an fsspec URL.
 
 Every read and write of a run directory goes through `RunDir`, so that where the run lives (local disk,
-memory for tests, an object store) is decided here and nowhere else. Files appear under their final
-names only whole: locally through temporary name + fsync + rename, elsewhere as one atomic put.
+memory for tests, an object store, anything else fsspec reaches) is decided here and nowhere else.
+Files appear under their final names only whole:
+
+  local disk      temporary name, fsync, rename, fsync of the directory;
+  everything else one atomic put (on S3: one PUT, or a multipart upload that is either completed or
+                  aborted, so that a failed upload leaves neither an object nor billed parts). Object
+                  stores (S3, GCS, Azure, memory) publish a put whole or not at all; a filesystem
+                  whose put can tear (ftp, sftp) gets no more than that from fsspec.
+
+The append-only files (`.loss.json`, `forks.jsonl`) are appended to in place on local disk. A store
+without append keeps them in a local mirror in the run cache and publishes the mirror whole, by one
+atomic put, at each durable write (every checkpoint, and exit): the published file only ever grows by
+a prefix extension of itself, and a crash loses at most what was written since the last durable write.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
-from collections.abc import Iterable
+import re
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
+from andrea_core import objstore
 from andrea_core.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -23,6 +40,7 @@ from andrea_core.checkpoint import (
     decode,
     step_from_name,
 )
+from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
@@ -35,15 +53,38 @@ FORKS = "forks.jsonl"
 ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
+S3_PROTOCOLS = {"s3", "s3a"}
+TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
+
 Buffer = bytes | bytearray | memoryview
+
+
+def cache_dir() -> Path:
+    """This machine's cache (token caches, append mirrors): ANDREA_CACHE_DIR or ~/.cache/andrea."""
+    return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    p = fs.protocol
+    return {p} if isinstance(p, str) else set(p)
+
+
+def _byte_views(parts: Buffer | Iterable[Buffer]) -> Iterable[memoryview]:
+    if isinstance(parts, (bytes, bytearray, memoryview)):
+        parts = [parts]
+    # A float32 array's memoryview counts floats, not bytes: cast so every size below is in bytes.
+    return (memoryview(p).cast("B") for p in parts)
 
 
 class RunDir:
     def __init__(self, url: str | os.PathLike):
         url = os.fspath(url)
-        self.fs, root = fsspec.core.url_to_fs(url)
+        # Other processes (the trainer, the flows, the CLI) change a run directory under our feet: a
+        # cached listing would hide a new checkpoint or show a deleted one.
+        self.fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
         self.root = root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.is_s3 = bool(_protocols(self.fs) & S3_PROTOCOLS)
         # The canonical address: what lineage, forks.jsonl and Prefect parameters record.
         self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
 
@@ -52,6 +93,12 @@ class RunDir:
 
     def path(self, name: str) -> str:
         return posixpath.join(self.root, name)
+
+    def cache_path(self, name: str) -> Path:
+        """This machine's scratch copy of a run file (the append mirrors): rebuilt from the run when
+        missing, so a machine that never saw the run needs nothing but its URL."""
+        key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        return cache_dir() / "runs" / f"{posixpath.basename(self.root)}-{key}" / name
 
     # --- plain files -------------------------------------------------------------------------
 
@@ -82,27 +129,7 @@ class RunDir:
 
     def write_atomic(self, name: str, parts: Buffer | Iterable[Buffer]) -> None:
         """Publish `name` whole or not at all; a reader never sees a torn file under a final name."""
-        if isinstance(parts, (bytes, bytearray, memoryview)):
-            parts = [parts]
-        final = self.path(name)
-        if not self.is_local:
-            self.fs.pipe_file(final, b"".join(bytes(p) for p in parts))
-            return
-        folder = posixpath.dirname(final)
-        os.makedirs(folder, exist_ok=True)
-        tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(folder)
+        self._put(name, parts)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_atomic(name, text.encode())
@@ -110,14 +137,22 @@ class RunDir:
     def write_json(self, name: str, obj: Any) -> None:
         self.write_atomic(name, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
-    def open_append(self, name: str) -> AppendFile:
+    def open_append(self, name: str) -> AppendFile | MirroredAppendFile:
         if not self.is_local:
-            raise NotImplementedError(f"append to {self.url}/{name}: not a local run directory")
-        return AppendFile(open(self.path(name), "ab"))
+            return MirroredAppendFile(self, name)
+        return AppendFile(self.path(name))
 
-    def append(self, name: str, data: bytes, durable: bool = False) -> None:
-        with self.open_append(name) as f:
-            f.write(data, durable=durable)
+    def append(self, name: str, data: bytes, durable: bool = False, attempts: int = 5) -> None:
+        for attempt in range(attempts):
+            try:
+                with self.open_append(name) as f:
+                    f.write(data, durable=durable or not self.is_local)
+                return
+            except ConcurrentWriteError:
+                # Another process published between our read and our put (two forks of one parent
+                # at once): read its version and append to that.
+                if attempt == attempts - 1:
+                    raise
 
     def move(self, src: str, dst: str) -> None:
         self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
@@ -128,6 +163,60 @@ class RunDir:
 
     def remove(self, name: str) -> None:
         self.fs.rm_file(self.path(name))
+
+    def discard_incomplete_writes(self, log: Callable[[str], None] = print) -> list[str]:
+        """Clear what a killed writer left half-done: temporary files, and on S3 the parts of
+        multipart uploads that were never completed (invisible, but stored and billed). Only the
+        holder of the run's lock may call this: to it, every write in progress is a dead one's."""
+        if self.is_s3:
+            return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
+        discarded = []
+        for name in self.listdir():
+            m = TEMP_RE.match(name)
+            # Our own pid's temporaries are the writes we are about to make (write_atomic truncates).
+            if m and int(m.group(1)) != os.getpid():
+                self.remove(name)
+                discarded.append(name)
+                log(f"removed {self.path(name)}, left by a writer that did not finish")
+        return discarded
+
+    # --- publishing, per kind of filesystem ---------------------------------------------------
+
+    def _put(self, name: str, parts: Buffer | Iterable[Buffer], expect: Version | None = None) -> Version:
+        """Publish `name` atomically; with `expect`, only over that version of it (else raise
+        ConcurrentWriteError). Returns the version published."""
+        final = self.path(name)
+        views = _byte_views(parts)
+        if self.is_local:
+            return Version(_write_local(final, views))
+        if self.is_s3:
+            return fsspec.asyn.sync(self.fs.loop, objstore.s3_put, self.fs, final, views, expect)
+        if expect is not None:
+            self._check_unchanged(name, expect)
+        data = b"".join(views)
+        self.fs.pipe_file(final, data)
+        return Version(len(data))
+
+    def _read_versioned(self, name: str) -> tuple[bytes, Version]:
+        """A file's bytes and the version they are, read as one (ABSENT if there is no such file)."""
+        try:
+            if self.is_s3:
+                data, etag = fsspec.asyn.sync(self.fs.loop, objstore.s3_get, self.fs, self.path(name))
+                return data, Version(len(data), etag)
+            data = self.read_bytes(name)
+        except FileNotFoundError:
+            return b"", ABSENT
+        return data, Version(len(data))
+
+    def _check_unchanged(self, name: str, expect: Version) -> None:
+        # Without conditional puts this is check-then-act; the trainer's lock makes it enough for
+        # .loss.json, and forks.jsonl retries.
+        exists = self.exists(name)
+        if exists != expect.exists or (exists and self.size(name) != expect.size):
+            raise ConcurrentWriteError(
+                f"{self.path(name)} changed since this process read it ({expect.size} bytes); "
+                "not replacing it"
+            )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -159,10 +248,15 @@ class RunDir:
 
 
 class AppendFile:
-    """An append-only handle: `write` never seeks, and `durable` fsyncs before returning."""
+    """An append-only local file: `write` never seeks, and `durable` fsyncs before returning."""
 
-    def __init__(self, f):
-        self._f = f
+    def __init__(self, path: str):
+        self.path = path
+        self._f = open(path, "ab")
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            return f.read()
 
     def write(self, data: bytes, durable: bool = False) -> None:
         self._f.write(data)
@@ -178,6 +272,87 @@ class AppendFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class MirroredAppendFile:
+    """An append-only file on a store without append. Writes go to a mirror in the run cache, which
+    starts as a copy of the published file (never from an older mirror: the run is the truth, and
+    another machine may have extended it). A durable write publishes the whole mirror with one atomic
+    put, and only over the version this handle last published, so the published file only grows.
+    The mirror is this process's own (two forks of one parent may append at once) and is removed at
+    a clean close; one a crash leaves behind holds the tail that was never published."""
+
+    def __init__(self, run: RunDir, name: str):
+        self.run = run
+        self.name = name
+        data, self._version = run._read_versioned(name)
+        self.path = run.cache_path(f"{name}.{os.getpid()}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "w+b")
+        self._f.write(data)
+        self._f.flush()
+        self._size = len(data)
+        # The trainer appends on its thread while the checkpoint writer publishes on its own.
+        self._lock = threading.Lock()
+
+    def read(self) -> bytes:
+        with self._lock:
+            return self._read_locked()
+
+    def _read_locked(self) -> bytes:
+        # A separate handle: seeking the shared one would move where the next append lands.
+        with open(self.path, "rb") as f:
+            return f.read(self._size)
+
+    def write(self, data: bytes, durable: bool = False) -> None:
+        with self._lock:
+            self._f.write(data)
+            self._f.flush()
+            self._size += len(data)
+            if durable:
+                self._publish_locked()
+
+    def publish(self) -> None:
+        with self._lock:
+            self._publish_locked()
+
+    def _publish_locked(self) -> None:
+        if self._size == self._version.size and self._version.exists:
+            return  # nothing new: the published file already is the mirror
+        self._version = self.run._put(self.name, self._read_locked(), expect=self._version)
+
+    def close(self) -> None:
+        with self._lock:
+            published = self._size == self._version.size
+            self._f.close()
+        if published:
+            self.path.unlink()
+
+    def __enter__(self) -> MirroredAppendFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _write_local(final: str, views: Iterable[memoryview]) -> int:
+    folder = posixpath.dirname(final)
+    os.makedirs(folder, exist_ok=True)
+    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for view in views:
+                size += f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+    return size
 
 
 def _fsync_dir(folder: str) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
@@ -28,8 +29,15 @@ def cpu_model() -> str:
 
 
 def environment() -> dict[str, str]:
-    """What bit-exact CPU results depend on besides the thread count (which is in the config)."""
-    return {"torch": str(torch.__version__), "machine": platform.machine(), "cpu": cpu_model()}
+    """What bit-exact CPU results depend on besides the thread count (which is in the config): the
+    kernels torch picks (its version and the CPU's instruction set) and numpy's random streams."""
+    return {
+        "torch": str(torch.__version__),
+        "numpy": str(np.__version__),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 @dataclass

@@ -5,6 +5,12 @@ Signals only set flags; the work happens at the step boundary (contract):
   SIGUSR1           finish the step in flight, checkpoint it (with its sample audit), train on.
 Every random draw is a pure function of (seed, step), so a resume from step S replays exactly what
 the uninterrupted run would have done after S.
+
+The loss of step s is read one step late, while step s+1 runs, so that the loop never waits for the
+device except there (and at a checkpoint). The mixer hears of step s's loss after batch s+1 is drawn
+and before batch s+2 is, at every step, whatever happened in between (a checkpoint, a signal, a
+restart: a resumed run re-reads its start step's loss from .loss.json). So batch selection stays a pure
+function of (seed, step, mixer state), and the mixer state at checkpoint S has heard of steps up to S-1.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from andrea_core.audit import Auditor
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import ConfigError, RunConfig
-from andrea_core.data.pipeline import DataPipeline
-from andrea_core.loss_log import LossWriter
+from andrea_core.data.pipeline import Batch, DataPipeline
+from andrea_core.loss_log import LossWriter, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
 from andrea_core.progress import Progress
+from andrea_core.retention import apply_retention
 from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
 from andrea_core.runs import config_differences, create_run, environment, read_run
 
@@ -37,6 +44,17 @@ class TrainResult:
     step: int  # the last step trained (and checkpointed)
     reason: str  # "completed", "SIGTERM", "SIGINT", "already-complete"
     checkpoint: str | None
+
+
+@dataclass
+class _StepLoss:
+    """A trained step whose loss stays on the device until `Trainer._read` brings it to the host."""
+
+    step: int
+    arm: str | None
+    lr: float
+    on_device: torch.Tensor | None
+    loss: float | None = None
 
 
 def pick_device(requested: str) -> str:
@@ -52,6 +70,17 @@ def pick_device(requested: str) -> str:
 def step_seed(seed: int, step: int) -> int:
     """Seed of the global torch RNG for one step (dropout): independent of how the run got there."""
     return (seed * 1_000_003 + step) % (2**63)
+
+
+def attention_kernels(device: str) -> contextlib.AbstractContextManager:
+    """SDPA backends in order of preference on CUDA: flash attention first, then cuDNN and
+    memory-efficient attention, with the math kernel as the last resort."""
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return sdpa_kernel([*order, SDPBackend.MATH], set_priority=True)
 
 
 def prepare_run(run: RunDir, cfg: RunConfig | None) -> RunConfig:
@@ -100,7 +129,7 @@ class Trainer:
         for key, was in record.environment.items():
             if now.get(key) != was and self.device == "cpu":
                 self.log(
-                    f"warning: {key} is {now.get(key)!r} but the run was created with {was!r}: "
+                    f"warning: {key} is {now.get(key)!r} here but the run was created with {was!r}: "
                     "resumed CPU results will match the original only to rounding, not bit for bit"
                 )
         threads = self.cfg.train.num_threads
@@ -109,12 +138,19 @@ class Trainer:
 
     def _build(self) -> None:
         torch.set_num_threads(self.cfg.train.num_threads)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+            # TF32 for the float32 matmuls left outside bf16 autocast; CUDA only: the CPU stays bit-exact.
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.manual_seed(self.cfg.train.seed)
         self.model = GPT(self.cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
-        self.checkpointer = Checkpointer(self.run, self.model, self.optimizer)
+        self.checkpointer = Checkpointer(
+            self.run, self.model, self.optimizer, asynchronous=self.cfg.train.async_checkpoint, log=self.log
+        )
         self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
         self.start_step = 0
+        self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
         ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
@@ -135,7 +171,8 @@ class Trainer:
             if self.device.startswith("cuda")
             else contextlib.nullcontext()
         )
-        self.step_fn = torch.compile(self._step) if self.cfg.train.compile else self._step
+        # Compile the model, not the step: backward and the fused AdamW stay eager, as in a plain loop.
+        self.forward = torch.compile(self.model) if self.cfg.train.compile else self.model
 
     def _set_aside_refused(self, newer_than: int) -> None:
         """Move refused checkpoints past the resume point to refused/: kept as evidence, never
@@ -148,9 +185,16 @@ class Trainer:
 
     # --- the loop ----------------------------------------------------------------------------
 
+    def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device == "cpu":
+            return batch.x, batch.y
+        # From pinned memory the copies are queued behind the running step instead of waiting for it.
+        x, y = (t.contiguous().pin_memory() for t in (batch.x, batch.y))
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.autocast:
-            _, loss = self.model(x, y)
+        with self.autocast, attention_kernels(self.device):
+            _, loss = self.forward(x, y)
         loss.backward()
         if self.cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
@@ -159,15 +203,74 @@ class Trainer:
         return loss.detach()
 
     def save(self, step: int, audit: bool = False) -> str:
-        """Checkpoint `step`: the loss log is durable first, so every checkpoint has its history, and
-        the bandit state before the checkpoint, so every checkpoint has its bandit (data/state.py)."""
-        self.loss_log.flush(durable=True)
+        """Checkpoint `step` (written in the background unless train.async_checkpoint is false).
+        The bandit state is written before the checkpoint, so every checkpoint has its bandit
+        (data/state.py); the writer makes the loss log durable before the checkpoint's bytes, so every
+        checkpoint has its history; the audit comes after, so every checkpoint has its audit."""
+        self.loss_log.flush()
         self.data.save_state(step)
-        name = self.checkpointer.save(step)
-        self.log(f"checkpoint {name} ({self.checkpointer.last_write_s:.2f}s)")
+        name = self.checkpointer.save(
+            step,
+            before_write=lambda _: self.loss_log.sync(),
+            # Retention deletes only once this newer checkpoint is published (and re-validated).
+            after_publish=lambda s: apply_retention(
+                self.run, self.cfg.retention, self.model.n_params, self.log, newest=s
+            ),
+        )
         if audit:
             self.auditor.record(step)
         return name
+
+    def _read(self, result: _StepLoss) -> float:
+        """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
+        if result.loss is None:
+            result.loss = result.on_device.item()
+            result.on_device = None
+            if not math.isfinite(result.loss):
+                self.loss_log.flush(durable=True)
+                newest = self.checkpointer.records[-1].name if self.checkpointer.records else None
+                raise FloatingPointError(
+                    f"loss is {result.loss} at step {result.step}; not checkpointing a diverged model "
+                    f"(newest checkpoint: {newest or 'none from this start'})"
+                )
+            tokens = self.cfg.train.batch_size * self.cfg.model.block_size
+            self.loss_log.log(result.step, result.loss, result.lr, result.arm, tokens, time.time())
+            self.loss_log.flush()
+            every = self.cfg.train.checkpoint_every
+            next_ckpt = min(self.max_steps, (result.step // every + 1) * every)
+            self.progress.step(result.step, result.loss, tokens, next_ckpt)
+        return result.loss
+
+    def _start_loss(self) -> _StepLoss | None:
+        """The start step's loss as .loss.json holds it: the mixer hears of it before batch start+2
+        is drawn, exactly as it did in the run that wrote the checkpoint."""
+        if self.start_step == 0:
+            return None
+        for entry in reversed(read_history(self.run)):
+            if entry.step == self.start_step:
+                return _StepLoss(entry.step, entry.arm, entry.lr, None, entry.loss)
+        self.log(f"warning: .loss.json has no step {self.start_step}: the mixer will not hear of its loss")
+        return None
+
+    def _finish(self, step: int, reason: str, last_saved: str | None) -> TrainResult:
+        """Exit paths wait for the write in flight. A failed final write has no later boundary to retry
+        it, so it is retried here once; failing again, the exit says so (status 1, not 0)."""
+        record = self.checkpointer.wait()
+        if record is not None and record.error is not None:
+            self.save(step)
+            record = self.checkpointer.wait()
+            if record.error is not None:
+                intact = self.run.checkpoint_steps()
+                self.log(
+                    f"ERROR: {reason} at step {step}, but its checkpoint could not be written; the newest "
+                    f"checkpoint on disk is {checkpoint_name(intact[-1]) if intact else 'none'}"
+                )
+                return TrainResult(step, "checkpoint-failed", None)
+        if reason == "completed":
+            self.log(f"completed step {step}, checkpoint {last_saved}")
+        else:
+            self.log(f"{reason}: stopped at step {step}, checkpoint {last_saved}")
+        return TrainResult(step, reason, last_saved)
 
     def train(self) -> TrainResult:
         me = lock.acquire(self.run, log=self.log)
@@ -178,7 +281,7 @@ class Trainer:
             return self._loop(flags)
         finally:
             if hasattr(self, "checkpointer"):
-                self.checkpointer.wait()
+                self.checkpointer.wait()  # an error must not leave a write running past the lock
             if hasattr(self, "loss_log"):
                 self.loss_log.close()
             lock.release(self.run, me)
@@ -191,8 +294,8 @@ class Trainer:
         if step >= self.max_steps:
             self.log(f"already at step {step} >= max_steps {self.max_steps}; nothing to do")
             return TrainResult(step, "already-complete", None)
-        tokens_per_step = t.batch_size * self.cfg.model.block_size
         self.log(f"training steps {step + 1}..{self.max_steps} (pid {os.getpid()})")
+        previous = self._start_loss()  # the step whose loss the mixer has yet to hear of
         while step < self.max_steps:
             if flags.stop and step == self.start_step:
                 self.log(f"{flags.stop} before the first step: nothing to checkpoint, exiting")
@@ -204,35 +307,22 @@ class Trainer:
                 group["lr"] = lr
             batch = self.data.batch(step)
             torch.manual_seed(step_seed(t.seed, step))
-            x = batch.x.to(self.device, non_blocking=True)
-            y = batch.y.to(self.device, non_blocking=True)
-            loss = self.step_fn(x, y).item()
-            if not math.isfinite(loss):
-                self.loss_log.flush(durable=True)
-                raise FloatingPointError(
-                    f"loss is {loss} at step {step}; not checkpointing a diverged model "
-                    f"(newest checkpoint: {last_saved or 'none from this start'})"
-                )
-            self.data.observe(step, batch.arm, loss)
-            self.loss_log.log(step, loss, lr, batch.arm, tokens_per_step, time.time())
-            self.loss_log.flush()
+            current = _StepLoss(step, batch.arm, lr, self._step(*self._to_device(batch)))
+            if previous is not None:
+                self.data.observe(previous.step, previous.arm, self._read(previous))
+            previous = current
             on_grid = step % t.checkpoint_every == 0
             audit = step % t.audit_every == 0 or flags.checkpoint or step == self.max_steps
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:
                 if flags.checkpoint and not on_grid:
                     self.log(f"SIGUSR1: checkpoint of step {step} requested")
                 flags.checkpoint = False
+                self._read(current)  # logged before its checkpoint; the mixer still hears of it later
                 last_saved = self.save(step, audit)
             elif audit:
                 self.auditor.record(step)
-            next_ckpt = min(self.max_steps, (step // t.checkpoint_every + 1) * t.checkpoint_every)
-            self.progress.step(step, loss, tokens_per_step, next_ckpt)
             if flags.stop:
-                self.checkpointer.wait()
-                self.log(f"{flags.stop}: stopped at step {step}, checkpoint {last_saved}")
-                return TrainResult(step, flags.stop, last_saved)
+                return self._finish(step, flags.stop, last_saved)
             if self.pace > 0:
                 time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
-        self.checkpointer.wait()
-        self.log(f"completed step {step}, checkpoint {last_saved}")
-        return TrainResult(step, "completed", last_saved)
+        return self._finish(step, "completed", last_saved)

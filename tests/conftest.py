@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,3 +68,27 @@ def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = 
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode, its own process on 127.0.0.1) for the session.
+    This process and every trainer it starts reach it through s3fs: FSSPEC_S3_ENDPOINT_URL, AWS_*."""
+    from s3_server import start_s3_server
+
+    server = start_s3_server()
+    server.use_in_this_process()
+    yield server
+    server.stop()
+
+
+_bucket_numbers = itertools.count()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request) -> str:
+    """A fresh, empty bucket for one test: its s3:// URL."""
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:50].strip("-")
+    name = f"{name}-{next(_bucket_numbers)}"
+    s3_server.client().mkdir(name)
+    return f"s3://{name}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -19,7 +18,7 @@ import numpy as np
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.policy import Policy
 from andrea_core.data.sources import Source, SourceUnavailable, open_source
-from andrea_core.rundir import TOKENIZER_JSON, RunDir
+from andrea_core.rundir import TOKENIZER_JSON, RunDir, cache_dir
 
 DOC_SEPARATOR = "\n\n"
 # Text a BPE is trained on at run creation, over all arms: enough for a few thousand merges, and a
@@ -135,10 +134,6 @@ def run_tokenizer(run: RunDir, cfg: RunConfig) -> Tokenizer:
             f"{cfg.model.vocab_size}"
         )
     return tok
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
 
 
 def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:

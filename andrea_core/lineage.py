@@ -1,0 +1,158 @@
+"""A run's family tree: its phases (closed at pivots) and the audit forks made from it, recursively.
+
+Built from the run directories alone (archive/phase_NNN_step_SSSSSS/, forks.jsonl, each branch's
+run.yaml lineage), so that `andrea lineage URL` works from any machine that can reach the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.config import ConfigError, load_yaml
+from andrea_core.fork import fork_records
+from andrea_core.pivot import phases
+from andrea_core.rundir import ARCHIVE, POLICY_YAML, RunDir
+from andrea_core.runs import read_run
+
+
+@dataclass
+class Branch:
+    name: str | None
+    url: str
+    run: Lineage | None  # None: the branch could not be read (see `problem`)
+    problem: str | None = None
+
+
+@dataclass
+class Fork:
+    step: int
+    time: float | None
+    branches: list[Branch]
+
+
+@dataclass
+class Phase:
+    number: int
+    start: int  # the step the phase started from
+    end: int | None  # its pivot boundary; None for the phase in force
+    policy: str | None
+    folder: str | None  # a closed phase's archive folder
+    closed_at: float | None = None
+    forks: list[Fork] = field(default_factory=list)
+
+
+@dataclass
+class Lineage:
+    url: str
+    parent: str | None
+    parent_step: int | None
+    branch: str | None
+    overrides: dict  # a branch's config changes from its parent
+    newest_checkpoint: int | None
+    phases: list[Phase]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _policy_name(run: RunDir, name: str) -> str | None:
+    try:
+        doc = load_yaml(run.read_text(name), run.path(name))
+    except (FileNotFoundError, ConfigError):
+        return None
+    return doc.get("name") if isinstance(doc, dict) else None
+
+
+def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
+    run = RunDir(url)
+    record = read_run(run)
+    seen = _seen | {run.url}
+    start = record.lineage.get("parent_step") or 0
+    steps = run.checkpoint_steps()
+    tree = []
+    for number, boundary in phases(run):
+        folder = f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
+        closed = run.read_json(f"{folder}/phase.json") if run.exists(f"{folder}/phase.json") else {}
+        policy = _policy_name(run, f"{folder}/{POLICY_YAML}")
+        tree.append(Phase(number, start, boundary, policy, folder, closed.get("closed_at")))
+        start = boundary
+    tree.append(Phase(len(tree) + 1, start, None, _policy_name(run, POLICY_YAML), None))
+
+    for record_line in fork_records(run):
+        names = record_line.get("names") or [None] * len(record_line["branches"])
+        branches = []
+        for name, branch_url in zip(names, record_line["branches"], strict=False):
+            if branch_url in seen:
+                branches.append(Branch(name, branch_url, None, "cycle: already shown above"))
+                continue
+            try:
+                branches.append(Branch(name, branch_url, read_lineage(branch_url, seen)))
+            except FileNotFoundError:
+                branches.append(Branch(name, branch_url, None, "missing: no run.yaml there"))
+            except ConfigError as e:
+                branches.append(Branch(name, branch_url, None, f"unreadable: {e}"))
+        fork = Fork(int(record_line["step"]), record_line.get("time"), branches)
+        _phase_of(tree, fork).forks.append(fork)
+
+    return Lineage(
+        run.url,
+        record.lineage.get("parent"),
+        record.lineage.get("parent_step"),
+        record.lineage.get("branch"),
+        record.lineage.get("overrides") or {},
+        steps[-1] if steps else None,
+        tree,
+    )
+
+
+def _phase_of(tree: list[Phase], fork: Fork) -> Phase:
+    """The phase a fork was made in: the first one that closed after it (a fork at a boundary step
+    can be either side of the pivot, so time decides where both are known), else by step."""
+    for phase in tree[:-1]:
+        if fork.time is not None and phase.closed_at is not None:
+            if fork.time < phase.closed_at:
+                return phase
+        elif phase.end is not None and fork.step <= phase.end:
+            return phase
+    return tree[-1]
+
+
+def _nodes(lin: Lineage) -> list[tuple[str, list]]:
+    children = []
+    for phase in lin.phases:
+        end = phase.end if phase.end is not None else lin.newest_checkpoint
+        span = f"steps {phase.start}..{'?' if end is None else end}"
+        label = f"phase {phase.number}  {span}{' (current)' if phase.end is None else ''}"
+        label += f"  policy {phase.policy or '?'}" + (f"  [{phase.folder}]" if phase.folder else "")
+        forks = []
+        for fork in phase.forks:
+            names = ", ".join(b.name or "?" for b in fork.branches)
+            branches = [
+                (f"{b.url}  ({b.problem})", []) if b.run is None else _run_node(b.run) for b in fork.branches
+            ]
+            forks.append((f"fork at step {fork.step}: {names}", branches))
+        children.append((label, forks))
+    return children
+
+
+def _run_node(lin: Lineage) -> tuple[str, list]:
+    newest = checkpoint_name(lin.newest_checkpoint) if lin.newest_checkpoint is not None else "none"
+    changes = "".join(f"  {k}={v}" for k, v in sorted(lin.overrides.items()))
+    return f"{lin.url}{changes}  newest checkpoint {newest}", _nodes(lin)
+
+
+def format_lineage(lin: Lineage) -> str:
+    label, children = _run_node(lin)
+    if lin.parent is not None:
+        label += f"\n(branch {lin.branch!r} forked from {lin.parent} at step {lin.parent_step})"
+    lines = [label]
+
+    def draw(nodes: list, prefix: str) -> None:
+        for i, (text, kids) in enumerate(nodes):
+            last = i == len(nodes) - 1
+            lines.append(f"{prefix}{'└── ' if last else '├── '}{text}")
+            draw(kids, prefix + ("    " if last else "│   "))
+
+    draw(children, "")
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""Publishing to object stores: the versions a conditional put relies on, and S3's atomic put.
+
+s3fs's own pipe_file needs the whole file as one bytes object (a second copy of a 1.44 GB checkpoint)
+and aborts a failed multipart upload only on Exception, not on cancellation. `s3_put` streams the parts
+with bounded memory (at most max_concurrency parts in flight) and aborts on any failure whatsoever, so
+that a failed upload leaves neither an object under the final name nor stored, billed parts; a writer
+killed outright leaves parts that `s3_abort_uploads` clears at the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+S3_MIN_PART = 5 * 2**20  # S3 refuses smaller parts (except the last)
+
+
+class ConcurrentWriteError(OSError):
+    """A published append-only file was replaced by someone else since this process last saw it."""
+
+
+@dataclass(frozen=True)
+class Version:
+    """A published file as this process last saw it: the next publication must replace exactly it."""
+
+    size: int
+    etag: str | None = None  # S3: the store itself then refuses a put over any other version
+    exists: bool = True
+
+
+ABSENT = Version(0, None, exists=False)
+
+
+def _conditions(expect: Version | None) -> dict[str, str]:
+    if expect is None:
+        return {}
+    if not expect.exists:
+        return {"IfNoneMatch": "*"}
+    if expect.etag is None:
+        raise ValueError("an S3 conditional put needs the ETag of the version it replaces")
+    return {"IfMatch": expect.etag}
+
+
+def _is_precondition_failure(e: BaseException) -> bool:
+    cause = e.__cause__
+    code = getattr(cause, "response", {}).get("Error", {}).get("Code") if cause is not None else None
+    return isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412")
+
+
+async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | None) -> Version:
+    bucket, key, _ = fs.split_path(path)
+    conditions = _conditions(expect)
+    part_size = max(fs.default_block_size, S3_MIN_PART)
+    pending: collections.deque[memoryview] = collections.deque()
+    pending_size = size = 0
+    upload_id = None
+    uploads: list[asyncio.Task] = []
+    slots = asyncio.Semaphore(max(1, fs.max_concurrency))
+
+    def take(n: int) -> bytes:
+        nonlocal pending_size
+        out = []
+        while n:
+            head = pending.popleft()
+            if head.nbytes > n:
+                pending.appendleft(head[n:])
+                head = head[:n]
+            out.append(head)
+            n -= head.nbytes
+            pending_size -= head.nbytes
+        return b"".join(out)
+
+    async def upload_part(number: int, body: bytes) -> dict:
+        try:
+            r = await fs._call_s3(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            )
+            return {"PartNumber": number, "ETag": r["ETag"]}
+        finally:
+            slots.release()
+
+    async def send_part(body_size: int) -> None:
+        await slots.acquire()  # back-pressure: at most max_concurrency parts held in memory
+        uploads.append(asyncio.create_task(upload_part(len(uploads) + 1, take(body_size))))
+
+    try:
+        for view in views:
+            pending.append(view)
+            pending_size += view.nbytes
+            size += view.nbytes
+            # Keep at least one part's worth back: the last part may be up to twice the part size,
+            # never under S3's minimum.
+            while pending_size >= 2 * part_size:
+                if upload_id is None:
+                    mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+                    upload_id = mpu["UploadId"]
+                await send_part(part_size)
+        if upload_id is None:
+            r = await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=take(pending_size), **conditions)
+        else:
+            await send_part(pending_size)
+            parts = await asyncio.gather(*uploads)
+            r = await fs._call_s3(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **conditions,
+            )
+    except BaseException as e:
+        for task in uploads:
+            task.cancel()
+        await asyncio.gather(*uploads, return_exceptions=True)
+        if upload_id is not None:
+            # If even the abort fails, the next trainer start aborts it (discard_incomplete_writes);
+            # the error that matters is the upload's.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                )
+        if _is_precondition_failure(e):
+            raise ConcurrentWriteError(
+                f"s3://{path} changed since this process read it; not replacing it"
+            ) from e
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    return Version(size, r["ETag"])
+
+
+async def s3_get(fs, path: str) -> tuple[bytes, str]:
+    bucket, key, _ = fs.split_path(path)
+    r = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    async with r["Body"] as body:
+        return await body.read(), r["ETag"]
+
+
+async def s3_abort_uploads(fs, root: str, log: Callable[[str], None]) -> list[str]:
+    bucket, prefix, _ = fs.split_path(root)
+    prefix = f"{prefix}/" if prefix else ""
+    listing = await fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    aborted = []
+    for upload in listing.get("Uploads", []):
+        await fs._call_s3(
+            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+        )
+        aborted.append(upload["Key"])
+        log(f"aborted an unfinished upload of s3://{bucket}/{upload['Key']} (its writer died)")
+    return aborted

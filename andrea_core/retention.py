@@ -1,0 +1,119 @@
+"""Checkpoint retention: which step_NNNNNN.bin files a run keeps, and deleting the rest safely.
+
+A 200K-step run that checkpoints every 100 steps writes 2,000 checkpoints (nearly 3 TB at 120M
+parameters). A checkpoint stays if it is
+  - one of the `keep_last` newest (recent recovery points),
+  - a multiple of `keep_every` (long-range recovery and comparison points),
+  - a pivot boundary (its archive/phase_NNN_step_SSSSSS folder names it): where a phase starts,
+  - a fork point: a step in forks.jsonl, or for a branch the parent_step its lineage records,
+  - newer than the newest valid checkpoint (a bad file is evidence; it is never deleted here).
+Nothing is deleted before the newest checkpoint has been read back and validated, so that no run is
+ever left with only a broken checkpoint. Only top-level checkpoints are considered: archive/ and
+refused/ are never touched.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from andrea_core.checkpoint import CheckpointError, checkpoint_name
+from andrea_core.config import RetentionConfig
+from andrea_core.fork import fork_records
+from andrea_core.pivot import phases
+from andrea_core.rundir import RunDir
+from andrea_core.runs import read_run
+
+
+@dataclass
+class RetentionPlan:
+    newest: int | None  # the newest valid checkpoint: nothing at or above it is ever deleted
+    keep: dict[int, list[str]] = field(default_factory=dict)  # step -> why it stays
+    delete: list[int] = field(default_factory=list)
+    deleted: list[int] = field(default_factory=list)  # what was actually removed
+
+
+def protected_steps(run: RunDir) -> dict[int, list[str]]:
+    """Checkpoints that retention never deletes, with the reason: pivot boundaries and fork points."""
+    protected: dict[int, list[str]] = defaultdict(list)
+    for number, boundary in phases(run):
+        protected[boundary].append(f"pivot boundary (phase {number})")
+    for record in fork_records(run):
+        protected[int(record["step"])].append(f"fork point ({', '.join(record.get('names', []))})")
+    lineage = read_run(run).lineage
+    if lineage.get("parent_step") is not None:
+        protected[int(lineage["parent_step"])].append(f"forked from {lineage.get('parent')}")
+    return dict(protected)
+
+
+def plan_retention(
+    steps: list[int], cfg: RetentionConfig, protected: dict[int, list[str]], newest: int
+) -> RetentionPlan:
+    """Pure: which of `steps` stay and which go, given the newest valid checkpoint `newest`."""
+    keep: dict[int, list[str]] = defaultdict(list)
+    older = [s for s in steps if s <= newest]
+    if cfg.keep_last is None:
+        for s in older:
+            keep[s].append("keep_last is null (keep all)")
+    else:
+        for s in older[-cfg.keep_last :]:
+            keep[s].append(f"one of the newest {cfg.keep_last}")
+    for s in steps:
+        if cfg.keep_every and s % cfg.keep_every == 0:
+            keep[s].append(f"multiple of keep_every {cfg.keep_every}")
+        if s in protected:
+            keep[s].extend(protected[s])
+        if s > newest:
+            keep[s].append("newer than the newest valid checkpoint (kept as evidence)")
+    return RetentionPlan(
+        newest, {s: keep[s] for s in steps if s in keep}, [s for s in steps if s not in keep]
+    )
+
+
+def apply_retention(
+    run: RunDir,
+    cfg: RetentionConfig,
+    n_params: int | None,
+    log: Callable[[str], None] = print,
+    newest: int | None = None,
+    dry_run: bool = False,
+) -> RetentionPlan:
+    """Plan retention and (unless `dry_run`) delete what it releases. `newest`: the checkpoint just
+    written (the trainer's case), read back before anything is deleted; None finds and validates the
+    newest valid one (the `andrea gc` case)."""
+    steps = run.checkpoint_steps()
+    validated = newest is None
+    if newest is None:
+        ckpt = run.newest_valid_checkpoint(n_params, warn=log)
+        if ckpt is None:
+            return RetentionPlan(None, {s: ["no valid checkpoint: nothing is deleted"] for s in steps})
+        newest = ckpt.step
+    plan = plan_retention(steps, cfg, protected_steps(run), newest)
+    if dry_run or not plan.delete:
+        return plan
+    if not validated:
+        try:
+            run.read_checkpoint(newest, n_params)
+        except CheckpointError as e:
+            log(f"warning: retention deletes nothing: the newest checkpoint does not read back valid ({e})")
+            return RetentionPlan(newest, plan.keep, [])
+    for step in plan.delete:
+        try:
+            run.remove(checkpoint_name(step))
+        except FileNotFoundError:
+            continue  # someone else's retention got there first
+        plan.deleted.append(step)
+    if plan.deleted:
+        log(f"retention: deleted {', '.join(checkpoint_name(s) for s in plan.deleted)}")
+    return plan
+
+
+def format_plan(plan: RetentionPlan, dry_run: bool) -> str:
+    verb = "would delete" if dry_run else "deleted"
+    rows = [(s, "keep", "; ".join(why)) for s, why in plan.keep.items()]
+    rows += [(s, verb if dry_run or s in plan.deleted else "not found", "") for s in plan.delete]
+    lines = [f"  {checkpoint_name(s)}  {what:<12}  {why}".rstrip() for s, what, why in sorted(rows)]
+    gone = len(plan.delete) if dry_run else len(plan.deleted)
+    lines.append(f"{len(plan.keep)} kept, {gone} {verb}")
+    return "\n".join(lines)

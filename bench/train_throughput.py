@@ -1,0 +1,307 @@
+"""Benchmark: the project's trainer against a plain training loop, and what its checkpoints cost.
+
+In one process, on the same model class, batch shape and device, it measures tokens/s and MFU of
+  (a) a plain reference loop written here, nanoGPT-style: AdamW with the same hyper-parameters, and on
+      CUDA bf16 autocast, fused AdamW, TF32 and torch.compile (when the config asks for it); random
+      token batches of the config's vocabulary, no checkpoints, no logging, no per-step sync;
+  (b) the project's Trainer (its data pipeline, loss log, mixer, signals), no checkpoint while timed;
+  (c) the Trainer with a checkpoint every --checkpoint-every steps (100), written as configured
+      (asynchronously unless the config says otherwise);
+  (d) with --with-sync, (c) with the synchronous writer, for comparison.
+and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time.
+
+The arms run in rounds (a, b, c, a, b, c, ...) so that a machine whose load drifts (a shared CPU) favours
+none of them. Round r of every arm covers the steps (offset + E(r-1), offset + E r] (round 1 starts at
+step 1), so that each trainer round of (c) holds exactly one checkpoint on the E-step grid, well inside
+the timed window; between rounds the trainers stop (their exit checkpoint is outside the timed window)
+and resume from their own run directories, as a real run would. The first --skip steps of every round
+are not timed (compilation, allocator warm-up). Trainer steps are timed from .loss.json's "time" field;
+the reference loop is timed with a device sync at the edges of its window only.
+
+    .venv/bin/python bench/train_throughput.py --device cpu --config andrea-12m --rounds 1
+    .venv/bin/python bench/train_throughput.py --device cuda --config gpt2-124m-bench --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from andrea_core.checkpoint import expected_size  # noqa: E402
+from andrea_core.config import RunConfig, load_run_config  # noqa: E402
+from andrea_core.loss_log import read_history  # noqa: E402
+from andrea_core.model import GPT  # noqa: E402
+from andrea_core.optim import lr_at  # noqa: E402
+from andrea_core.progress import Progress  # noqa: E402
+from andrea_core.rundir import RunDir  # noqa: E402
+from andrea_core.trainer import Trainer  # noqa: E402
+
+# Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device-name fragment.
+CUDA_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0}
+NEVER = 10**9  # a checkpoint_every that never comes: (b) checkpoints only when a round ends
+
+
+@dataclass
+class Arm:
+    label: str
+    steps: int = 0
+    seconds: float = 0.0
+    step_times: list[float] = field(default_factory=list)  # (c): every timed step, for the stall
+    stalls: list[float] = field(default_factory=list)  # host-side time in save() of grid checkpoints
+    loop_stalls: list[float] = field(default_factory=list)  # the checkpoint step's excess time
+    writes: list[float] = field(default_factory=list)  # background write time of grid checkpoints
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        return self.steps * tokens_per_step / self.seconds if self.seconds else math.nan
+
+
+def flops_per_token(model: GPT) -> float:
+    """6 N + 12 L T C (PaLM's accounting, as nanoGPT's MFU): N counts the parameters that take part in
+    matmuls, i.e. all but the token and position embeddings (lookups), which is GPT-2's 124M for the
+    124M shape whatever the head's tying."""
+    c = model.cfg
+    n = model.n_params - model.tok_emb.weight.numel() - model.pos_emb.weight.numel()
+    return 6 * n + 12 * c.n_layer * c.block_size * c.n_embd
+
+
+def device_peak(device: str, threads: int, override: float | None) -> tuple[float | None, str]:
+    if override:
+        return override * 1e12, f"{override:g} TFLOP/s (given)"
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+        for fragment, tflops in CUDA_PEAK_TFLOPS.items():
+            if fragment in name:
+                return tflops * 1e12, f"{tflops:g} TFLOP/s, dense bf16 peak of the {name}"
+        return None, f"unknown for {name}: pass --peak-tflops"
+    # A CPU has no data-sheet figure here: measure its float32 matmul rate at the run's thread count.
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 4)
+    rate = 2 * 1024**3 / best
+    return rate, f"{rate / 1e9:.1f} GFLOP/s, this CPU's measured float32 matmul rate at {threads} threads"
+
+
+class Reference:
+    """The plain loop: what a careful person writes from scratch (nanoGPT's train.py, trimmed)."""
+
+    def __init__(self, cfg: RunConfig, device: str):
+        self.cfg, self.device = cfg, device
+        cuda = device.startswith("cuda")
+        torch.manual_seed(cfg.train.seed)
+        if cuda:
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        self.model = GPT(cfg.model).to(device)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        rest = [p for p in self.model.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": cfg.train.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ]
+        betas = (cfg.train.beta1, cfg.train.beta2)
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, fused=cuda)
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.step = 0
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = self.cfg.train.batch_size, self.cfg.model.block_size
+        chunk = torch.randint(0, self.cfg.model.vocab_size, (B, T + 1), generator=self.generator)
+        x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        if self.device.startswith("cuda"):
+            return (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
+        return x, y
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step += 1
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.step, self.cfg.train)
+            x, y = self.batch()
+            with self.autocast:
+                _, loss = self.forward(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+
+def round_bounds(r: int, offset: int, every: int) -> tuple[int, int]:
+    return (0 if r == 1 else offset + every * (r - 1)), offset + every * r
+
+
+def time_reference(ref: Reference, arm: Arm, start: int, end: int, skip: int) -> None:
+    ref.run(skip)
+    ref.sync()
+    t0 = time.perf_counter()
+    ref.run(end - start - skip)
+    ref.sync()
+    arm.seconds += time.perf_counter() - t0
+    arm.steps += end - start - skip
+
+
+def time_trainer(
+    run_url: str, cfg: RunConfig, device: str, arm: Arm, start: int, end: int, skip: int, log_file
+) -> Trainer:
+    def log(message: str) -> None:
+        log_file.write(f"[{arm.label}] {message}\n")
+
+    trainer = Trainer(run_url, cfg if start == 0 else None, max_steps=end, device=device, log=log)
+    trainer.progress = Progress(end, trainer.cfg.train.log_every, stream=log_file)  # as under a service
+    result = trainer.train()
+    if result.reason != "completed":
+        raise RuntimeError(f"{arm.label}: the trainer stopped with {result.reason} at step {result.step}")
+    times = {e.step: e.time for e in read_history(RunDir(run_url)) if start + skip <= e.step <= end}
+    arm.seconds += times[end] - times[start + skip]
+    arm.steps += end - start - skip
+    dts = {s: times[s] - times[s - 1] for s in range(start + skip + 1, end + 1)}
+    every = trainer.cfg.train.checkpoint_every
+    grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step < end]
+    for record in grid:
+        arm.stalls.append(record.stall_s)
+        arm.writes.append(record.write_s)
+        plain = statistics.median(dt for s, dt in dts.items() if s != record.step + 1)
+        arm.loop_stalls.append(dts[record.step + 1] - plain)
+    arm.step_times.extend(dts.values())
+    return trainer
+
+
+def describe_data(trainer: Trainer) -> str:
+    data, vocab = trainer.data, trainer.cfg.model.vocab_size
+    return (
+        f"tokenizer {data.tokenizer.id!r} (vocabulary {data.tokenizer.vocab_size:,} inside the model's "
+        f"{vocab:,}), policy {data.policy.name!r}, arms {list(data.arms)}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--config", default="andrea-12m", help="a config name under configs/ or a YAML path")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds per arm (each --checkpoint-every steps)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument(
+        "--offset", type=int, default=5, help="steps before the first round's grid checkpoint ends"
+    )
+    p.add_argument("--skip", type=int, default=3, help="untimed steps at the start of every round")
+    p.add_argument("--batch-size", type=int, help="override the config's batch size (all arms alike)")
+    p.add_argument("--threads", type=int, help="override the config's num_threads (all arms alike)")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: known GPUs)")
+    p.add_argument("--with-sync", action="store_true", help="add (d): (c) with synchronous checkpoints")
+    p.add_argument("--run-root", help="where the trainers' run directories go (default: beside the repo)")
+    args = p.parse_args()
+    if not 0 <= args.skip < args.offset:
+        p.error("--skip must be below --offset, so that the grid checkpoint lies in a timed window")
+
+    overrides = {"train.checkpoint_every": args.checkpoint_every}
+    if args.batch_size:
+        overrides["train.batch_size"] = args.batch_size
+    if args.threads:
+        overrides["train.num_threads"] = args.threads
+    cfg = load_run_config(args.config).with_overrides(overrides, "bench")
+    device = args.device
+    t = cfg.train
+    tokens_per_step = t.batch_size * cfg.model.block_size
+    load_before = os.getloadavg()[0]
+    peak, peak_note = device_peak(device, t.num_threads, args.peak_tflops)
+    torch.set_num_threads(t.num_threads)
+
+    ref = Reference(cfg, device)
+    per_token = flops_per_token(ref.model)
+    arms = {"a": Arm("(a) plain loop"), "b": Arm("(b) trainer"), "c": Arm("(c) trainer + checkpoints")}
+    configs = {
+        "b": cfg.with_overrides({"train.checkpoint_every": NEVER}, "bench (b)"),
+        "c": cfg.with_overrides({"train.async_checkpoint": True}, "bench (c)"),
+    }
+    if args.with_sync:
+        arms["d"] = Arm("(d) trainer + sync checkpoints")
+        configs["d"] = cfg.with_overrides({"train.async_checkpoint": False}, "bench (d)")
+    root = Path(args.run_root) if args.run_root else REPO
+    fed = None
+    with tempfile.TemporaryDirectory(dir=root, prefix=".bench-throughput-") as tmp:
+        log_file = open(Path(tmp) / "trainers.log", "w", buffering=1)  # noqa: SIM115
+        for r in range(1, args.rounds + 1):
+            start, end = round_bounds(r, args.offset, args.checkpoint_every)
+            time_reference(ref, arms["a"], start, end, args.skip)
+            for key, arm_cfg in configs.items():
+                trainer = time_trainer(
+                    f"{tmp}/{key}", arm_cfg, device, arms[key], start, end, args.skip, log_file
+                )
+                fed = fed or describe_data(trainer)
+                del trainer
+                gc.collect()
+            print(f"round {r}/{args.rounds} done (steps {start + 1}..{end})", file=sys.stderr)
+        log_file.close()
+
+    load_after = os.getloadavg()[0]
+    n = ref.model.n_params
+    print(
+        f"train throughput: config {cfg.name} on {device}, torch {torch.__version__}, {t.num_threads} threads"
+    )
+    print(
+        f"  model {n:,} parameters ({expected_size(n) / 1e6:,.1f} MB checkpoints), "
+        f"batch {t.batch_size} x {cfg.model.block_size} = {tokens_per_step:,} tokens/step, "
+        f"compile {t.compile}, {per_token / 1e6:,.1f} MFLOP/token"
+    )
+    print(f"  fed to (a): uniform random token ids in [0, {cfg.model.vocab_size:,}), a fixed generator")
+    print(f"  fed to (b), (c): the trainer's own DataPipeline: {fed}")
+    print(
+        f"  {args.rounds} round(s) of {args.checkpoint_every} steps per arm, interleaved; the first "
+        f"{args.skip} steps of every round untimed; (c) checkpoints every {args.checkpoint_every} steps"
+    )
+    print(f"  MFU against {peak_note}")
+    print(
+        f"  load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}, {os.cpu_count()} cores"
+    )
+    print()
+    print(f"  {'':34} {'tokens/s':>12} {'MFU':>8} {'steps timed':>12} {'s/step':>9}")
+    for arm in arms.values():
+        tps = arm.tokens_per_s(tokens_per_step)
+        mfu = f"{tps * per_token / peak:8.1%}" if peak else f"{'n/a':>8}"
+        print(f"  {arm.label:<34} {tps:12,.0f} {mfu} {arm.steps:12d} {arm.seconds / arm.steps:9.4f}")
+    a, b, c = (arms[k].tokens_per_s(tokens_per_step) for k in "abc")
+    print()
+    print(f"  b/a = {b / a:.4f}   (target >= 0.98: the pipeline adds nothing measurable to the step)")
+    print(f"  c/b = {c / b:.4f}   (target >= 0.99 on CUDA with 124M; >= 0.97 on a CPU with andrea-12m)")
+    if "d" in arms:
+        print(f"  d/b = {arms['d'].tokens_per_s(tokens_per_step) / b:.4f}   (synchronous checkpoints)")
+    for key in [k for k in arms if k in "cd"]:
+        arm = arms[key]
+        if not arm.stalls:
+            continue
+        step_s = statistics.median(arm.step_times)
+        print(
+            f"  {arm.label}: {len(arm.stalls)} checkpoints; per checkpoint: loop blocked in save() "
+            f"{statistics.mean(arm.stalls) * 1e3:,.1f} ms (max {max(arm.stalls) * 1e3:,.1f}), "
+            f"the step after it took {statistics.mean(arm.loop_stalls) * 1e3:,.1f} ms over the median, "
+            f"write {statistics.mean(arm.writes):.2f} s; median step {step_s * 1e3:,.1f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""A real S3-compatible server for the tests and the benchmark: moto's server mode in its own process on
+127.0.0.1, reached through s3fs exactly as a real store is (endpoint and credentials from the
+environment, so that trainer subprocesses reach it too). Nothing in the filesystem layer is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "andrea-test",
+    "AWS_SECRET_ACCESS_KEY": "andrea-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class S3Server:
+    proc: subprocess.Popen
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """What a process needs to reach this server through fsspec/s3fs (fsspec reads FSSPEC_S3_*)."""
+        return {**CREDENTIALS, "FSSPEC_S3_ENDPOINT_URL": endpoint or self.endpoint}
+
+    def use_in_this_process(self) -> None:
+        """Point this process's s3fs at the server: fsspec read FSSPEC_S3_* when it was imported."""
+        import fsspec.config
+
+        os.environ.update(self.env())
+        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = self.endpoint
+
+    def client(self, **options):
+        """A fresh s3fs client (no listing cache: other processes write to the same buckets)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(
+            endpoint_url=self.endpoint,
+            key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            use_listings_cache=False,
+            skip_instance_cache=True,
+            **options,
+        )
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_s3_server(timeout: float = 60) -> S3Server:
+    """Start `moto.server` on a free 127.0.0.1 port and wait until it answers."""
+    for _ in range(3):  # the port is free when picked; another process may take it before moto binds
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2).close()
+                return S3Server(proc, port)
+            except OSError:
+                time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+    raise RuntimeError("moto S3 server did not start on 127.0.0.1")
+
+
+class ThrottledLink:
+    """A TCP relay in front of the server that passes at most `rate` bytes per second per connection
+    and direction: a slow network link, so that an upload stays in flight long enough to be observed
+    and interrupted. Bytes are relayed unchanged."""
+
+    def __init__(self, target_port: int, rate: float, chunk: int = 64 * 1024):
+        self.target_port = target_port
+        self.rate = rate
+        self.chunk = chunk
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(self.chunk):
+                dst.sendall(data)
+                time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()

@@ -1,0 +1,371 @@
+"""Run directories on any fsspec filesystem, against a real local S3 server (moto, own process)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from conftest import TINY, andrea, start_trainer, wait_for
+
+from andrea_core import cli
+from andrea_core.checkpoint import checkpoint_name, decode
+from andrea_core.config import load_run_config
+from andrea_core.fork import BranchSpec, fork, fork_records
+from andrea_core.loss_log import LossWriter, canonical, parse_lines, read_history
+from andrea_core.objstore import ConcurrentWriteError
+from andrea_core.pivot import pivot_run_directory
+from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.trainer import Trainer
+
+MiB = 2**20
+
+
+def run_urls(tmp_path: Path, s3_bucket: str) -> dict[str, str]:
+    return {
+        "path": str(tmp_path / "run"),
+        "file": f"file://{tmp_path}/run",
+        "memory": f"memory://{tmp_path.name}/run",
+        "s3": f"{s3_bucket}/runs/run",
+    }
+
+
+def uploads_in_progress(s3_server, bucket_url: str) -> list[str]:
+    bucket = bucket_url.removeprefix("s3://").split("/")[0]
+    listing = s3_server.client().call_s3("list_multipart_uploads", Bucket=bucket)
+    return [u["Key"] for u in listing.get("Uploads", [])]
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """Make s3fs (and so RunDir) upload in 5 MiB parts, S3's minimum, instead of 50 MiB."""
+    monkeypatch.setitem(fsspec.config.conf.setdefault("s3", {}), "default_block_size", 5 * MiB)
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "memory", "s3"])
+def test_write_atomic_and_append_on_every_filesystem(kind, tmp_path, s3_bucket):
+    run = RunDir(run_urls(tmp_path, s3_bucket)[kind])
+    run.makedirs()
+    floats = np.arange(1000, dtype="<f4")
+    run.write_atomic("step_000001.bin", [b"header!!", memoryview(floats)])  # float views count floats
+    assert run.read_bytes("step_000001.bin") == b"header!!" + floats.tobytes()
+    run.write_atomic("step_000001.bin", b"replaced")
+    assert run.read_bytes("step_000001.bin") == b"replaced"
+    assert run.listdir() == ["step_000001.bin"]  # no temporary left behind
+    run.append(FORKS, b"one\n", durable=True)
+    run.append(FORKS, b"two\n", durable=True)
+    assert run.read_bytes(FORKS) == b"one\ntwo\n"
+    assert RunDir(run.url).read_bytes(FORKS) == b"one\ntwo\n"  # the canonical URL names the same place
+
+
+def test_large_checkpoint_is_streamed_as_one_multipart_upload(s3_bucket, s3_server, small_parts):
+    run = RunDir(f"{s3_bucket}/run")
+    floats = np.random.default_rng(0).random(3 * MiB // 4 * 4, dtype=np.float32)  # 12 MiB
+    run.write_atomic("step_000100.bin", [b"12345678", memoryview(floats)])
+    assert run.read_bytes("step_000100.bin") == b"12345678" + floats.tobytes()
+    # An S3 ETag "<md5>-N" is the mark of an N-part upload: 12 MiB + 8 B in 5 MiB parts, the last
+    # part taking the remainder (never under S3's minimum).
+    assert run.fs.info(run.path("step_000100.bin"))["ETag"].strip('"').endswith("-2")
+    assert uploads_in_progress(s3_server, s3_bucket) == []
+
+
+def test_failed_multipart_upload_is_aborted_and_publishes_nothing(s3_bucket, s3_server, small_parts):
+    run = RunDir(f"{s3_bucket}/run")
+    run.write_atomic("step_000100.bin", b"the previous, complete version")
+    chunk = np.ones(4 * MiB // 4, dtype=np.float32)
+
+    def snapshot_that_fails():  # the writer fails after two parts have gone up
+        for _ in range(4):
+            yield memoryview(chunk)
+        raise RuntimeError("snapshot failed mid-checkpoint")
+
+    with pytest.raises(RuntimeError, match="snapshot failed"):
+        run.write_atomic("step_000100.bin", snapshot_that_fails())
+    assert run.read_bytes("step_000100.bin") == b"the previous, complete version"
+    assert uploads_in_progress(s3_server, s3_bucket) == []  # aborted: no stored, billed parts
+
+
+def test_discard_incomplete_writes_aborts_only_this_runs_uploads(s3_bucket, s3_server):
+    client = s3_server.client()
+    bucket = s3_bucket.removeprefix("s3://")
+    for key in ("run/step_000200.bin", "run-fork100-a/step_000200.bin"):
+        client.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    logged = []
+    assert RunDir(f"{s3_bucket}/run").discard_incomplete_writes(logged.append) == ["run/step_000200.bin"]
+    assert uploads_in_progress(s3_server, s3_bucket) == ["run-fork100-a/step_000200.bin"]
+    assert "run/step_000200.bin" in logged[0]
+
+
+def test_local_discard_incomplete_writes_removes_dead_temporaries(tmp_path):
+    run = RunDir(tmp_path)
+    (tmp_path / ".step_000200.bin.tmp.4242").write_bytes(b"half a checkpoint")
+    (tmp_path / "step_000100.bin").write_bytes(b"kept")
+    assert run.discard_incomplete_writes(lambda m: None) == [".step_000200.bin.tmp.4242"]
+    assert run.listdir() == ["step_000100.bin"]
+
+
+def line(step: int, segment: int) -> dict:
+    return {
+        "step": step,
+        "loss": 1.0 / step,
+        "lr": 1e-3,
+        "arm": "a",
+        "tokens": 8,
+        "segment": segment,
+        "time": 0,
+    }
+
+
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_loss_log_without_append_is_mirrored_and_published_at_durable_flushes(
+    kind, tmp_path, s3_bucket, monkeypatch
+):
+    run = RunDir(run_urls(tmp_path, s3_bucket)[kind])
+    run.makedirs()
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "machine-a"))
+    writer = LossWriter(run)
+    published = []
+    for step in range(1, 8):
+        writer.log(step, 1.0 / step, 1e-3, "a", 8, 0.0)
+        writer.flush()  # every step: into the local mirror only
+        assert run.exists(LOSS_LOG) == bool(published)
+        if step % 3 == 0:  # a checkpoint: published whole, in one put
+            writer.flush(durable=True)
+            published.append(run.read_bytes(LOSS_LOG))
+            assert writer._file.path.read_bytes() == published[-1]
+            assert writer._file.path.is_relative_to(tmp_path / "machine-a")
+    assert [s for s in (e["step"] for e in parse_lines(published[-1])[0])] == list(range(1, 7))
+    # The process dies here: step 7 was only in machine A's mirror. Machine B knows only the URL.
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "machine-b"))
+    resumed = LossWriter(run)
+    assert resumed.segment == 2
+    resumed.log(7, 0.5, 1e-3, "a", 8, 0.0)
+    resumed.close()  # at exit: published, and the mirror is no longer needed
+    published.append(run.read_bytes(LOSS_LOG))
+    assert not resumed._file.path.exists()
+    assert b'"step":7,' in writer._file.path.read_bytes()  # the crashed mirror: the unpublished tail
+    for earlier, later in zip(published, published[1:], strict=False):
+        assert later.startswith(earlier) and len(later) > len(earlier)
+    assert [(e.step, e.segment) for e in read_history(run)] == [(s, 1) for s in range(1, 7)] + [(7, 2)]
+
+
+def test_published_log_is_never_replaced_over_a_version_it_did_not_see(tmp_path, s3_bucket, monkeypatch):
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path))
+    run = RunDir(f"{s3_bucket}/run")
+    writer = LossWriter(run)
+    writer.log(1, 1.0, 1e-3, "a", 8, 0.0)
+    writer.flush(durable=True)
+    foreign = json.dumps(line(1, 9)).encode() + b"\n"
+    run.write_atomic(LOSS_LOG, foreign)  # someone else replaced it
+    writer.log(2, 0.5, 1e-3, "a", 8, 0.0)
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        writer.flush(durable=True)
+    assert run.read_bytes(LOSS_LOG) == foreign  # nothing lost, nothing clobbered
+
+
+def tiny_config(**train):
+    overrides = {f"train.{k}": v for k, v in {"checkpoint_every": 10, "log_every": 10, **train}.items()}
+    return load_run_config(TINY).with_overrides(overrides)
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "memory", "s3"])
+def test_trainer_cli_fork_and_pivot_on_every_filesystem(kind, tmp_path, s3_bucket, capsys):
+    url = run_urls(tmp_path, s3_bucket)[kind]
+    logged: list[str] = []
+    assert Trainer(url, tiny_config(), max_steps=20, device="cpu", log=logged.append).train().step == 20
+    run = RunDir(url)
+    assert run.checkpoint_steps() == [10, 20]
+    assert [e.step for e in read_history(run)] == list(range(1, 21))
+
+    (branch_url,) = fork(url, [BranchSpec("a")], step=10)
+    assert branch_url == f"{run.url}-fork10-a"
+    assert RunDir(branch_url).read_bytes(checkpoint_name(10)) == run.read_bytes(checkpoint_name(10))
+    assert [r["step"] for r in fork_records(run)] == [10]
+
+    pivot_run_directory(run, 20, Path(TINY).parent.joinpath("policies", "default.yaml").read_text())
+    assert run.listdir("archive") == ["phase_001_step_000020"]
+
+    result = Trainer(url, None, max_steps=30, device="cpu", log=logged.append).train()
+    assert result.step == 30 and f"resuming {run.url} from step_000020.bin" in logged
+    capsys.readouterr()  # the trainers' progress lines
+    assert cli.main(["loss", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["last_step"] == 30
+    assert cli.main(["inspect", f"{run.url}/{checkpoint_name(30)}"]) == 0
+    assert "VALID" in capsys.readouterr().out
+    assert cli.main(["lineage", url]) == 0
+    tree = capsys.readouterr().out
+    assert "fork at step 10: a" in tree and "phase 2  steps 20..30 (current)  policy default" in tree
+
+
+def test_resume_elsewhere_warns_naming_each_environment_difference(s3_bucket, capsys):
+    url = f"{s3_bucket}/run"
+    logged: list[str] = []
+    Trainer(url, tiny_config(), max_steps=10, device="cpu", log=logged.append).train()
+    run = RunDir(url)
+    record = run.read_text("run.yaml")
+    here = yaml_env(record)
+    run.write_text("run.yaml", record.replace(f"cpu: {here['cpu']}", "cpu: Imaginary CPU 9000"))
+    logged.clear()
+    Trainer(url, None, max_steps=20, device="cpu", log=logged.append).train()
+    warnings = [m for m in logged if m.startswith("warning:")]
+    assert warnings == [
+        f"warning: cpu is {here['cpu']!r} here but the run was created with 'Imaginary CPU 9000': "
+        "resumed CPU results will match the original only to rounding, not bit for bit"
+    ]
+    assert f"resuming {run.url} from step_000010.bin" in logged
+
+
+def yaml_env(run_yaml: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(run_yaml)["environment"]
+
+
+def s3_versions(client, url: str, name: str) -> list[bytes]:
+    """Every version ever published of a file in a versioned bucket, oldest first."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    key = f"{prefix}/{name}"
+    listing = client.call_s3("list_object_versions", Bucket=bucket, Prefix=key)
+    versions = [v for v in listing.get("Versions", []) if v["Key"] == key][::-1]  # listed newest first
+    out = []
+    for v in versions:
+        obj = client.call_s3("get_object", Bucket=bucket, Key=key, VersionId=v["VersionId"])
+        out.append(_read_body(client, obj))
+    return out
+
+
+def _read_body(client, obj) -> bytes:
+    async def read():
+        async with obj["Body"] as body:
+            return await body.read()
+
+    return fsspec.asyn.sync(client.loop, read)
+
+
+def wait_for_line(log: Path, text: str) -> None:
+    wait_for(lambda: log.exists() and text in log.read_text(), timeout=600, what=f"{text!r} in {log.name}")
+
+
+def history_of(url: str) -> list[tuple]:
+    return [(e.step, e.loss, e.lr, e.arm, e.tokens) for e in read_history(RunDir(url))]
+
+
+@pytest.mark.slow
+def test_bit_exact_resume_with_the_run_directory_on_s3(s3_bucket, s3_server, tmp_path, monkeypatch):
+    """A runs uninterrupted; B is SIGTERM'd, restarted, SIGKILLed after a checkpoint, and finished on
+    "another machine" (a fresh run cache, only the URL). Final checkpoints byte-identical, canonical
+    loss histories equal, and every version .loss.json ever had on the store a prefix of the next."""
+    client = s3_server.client()
+    client.call_s3(
+        "put_bucket_versioning",
+        Bucket=s3_bucket.removeprefix("s3://"),
+        VersioningConfiguration={"Status": "Enabled"},
+    )
+    a, b = f"{s3_bucket}/a", f"{s3_bucket}/b"
+    andrea("train", "--config", TINY, "--run-dir", a, "--max-steps", "300", "--device", "cpu", timeout=900)
+
+    def steps_of_b() -> list[int]:
+        return RunDir(b).checkpoint_steps()
+
+    args = ("--run-dir", b, "--max-steps", "300", "--device", "cpu", "--pace", "0.02")
+    first = start_trainer("--config", TINY, *args, log=tmp_path / "b1.log")
+    wait_for_line(tmp_path / "b1.log", "step 150/300")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 0
+    (stopped_at,) = set(steps_of_b()) - {100}
+    assert 150 <= stopped_at < 200
+
+    second = start_trainer(*args, log=tmp_path / "b2.log")
+    wait_for_line(tmp_path / "b2.log", "step 250/300")  # steps past 200 reached only the local mirror
+    second.kill()
+    second.wait()
+    assert steps_of_b() == [100, stopped_at, 200]
+    published = parse_lines(RunDir(b).read_bytes(LOSS_LOG))[0]
+    assert published[-1]["step"] == 200  # what the SIGKILL took was never published
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "another-machine"))
+    third = andrea("train", "--run-dir", b, "--max-steps", "300", "--device", "cpu", timeout=900)
+    assert f"resuming {b} from step_000200.bin" in third.stdout + third.stderr
+    assert "warning:" not in third.stdout + third.stderr
+
+    assert RunDir(a).read_bytes(checkpoint_name(300)) == RunDir(b).read_bytes(checkpoint_name(300))
+    assert history_of(a) == history_of(b)
+    assert [e.step for e in read_history(RunDir(b))] == list(range(1, 301))
+
+    versions = s3_versions(client, b, LOSS_LOG)
+    for earlier, later in zip(versions, versions[1:], strict=False):
+        assert later.startswith(earlier) and len(later) > len(earlier)
+    # Each checkpoint's durable flush published the log up to exactly that step.
+    ends = {parse_lines(v)[0][-1]["step"] for v in versions}
+    assert {100, stopped_at, 200, 300} <= ends
+    segments = canonical(parse_lines(versions[-1])[0])
+    assert {e.segment for e in segments} == {1, 2, 3}
+
+
+def bigger_model_config(tmp_path: Path) -> str:
+    """andrea-tiny widened to 1.7M parameters: a 21 MB checkpoint, uploaded in 5 MiB parts."""
+    import yaml
+
+    doc = yaml.safe_load(Path(TINY).read_text())
+    doc["model"].update(n_embd=256, n_head=4)
+    doc["train"].update(checkpoint_every=10, log_every=10)
+    path = tmp_path / "wide.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_upload_leaves_no_torn_checkpoint(
+    s3_bucket, s3_server, tmp_path, monkeypatch
+):
+    """A trainer killed while its checkpoint is being uploaded (over a slow link, so the upload is
+    in flight for seconds) leaves nothing under that step_*.bin name; the next start aborts the
+    orphaned upload and resumes from the previous checkpoint."""
+    from s3_server import ThrottledLink
+
+    url = f"{s3_bucket}/run"
+    link = ThrottledLink(s3_server.port, rate=2 * MiB)
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", link.endpoint)
+    monkeypatch.setenv("FSSPEC_S3_DEFAULT_BLOCK_SIZE", str(5 * MiB))
+    config = bigger_model_config(tmp_path)
+    trainer = start_trainer(
+        "--config",
+        config,
+        "--run-dir",
+        url,
+        "--max-steps",
+        "30",
+        "--device",
+        "cpu",
+        log=tmp_path / "killed.log",
+    )
+    key = f"{url.removeprefix('s3://').partition('/')[2]}/{checkpoint_name(20)}"
+    try:
+        wait_for(
+            lambda: key in uploads_in_progress(s3_server, s3_bucket),
+            timeout=300,
+            what="the upload of step_000020.bin to start",
+        )
+        time.sleep(0.5)  # its parts are on the wire
+        trainer.kill()
+    finally:
+        trainer.wait()
+        link.close()
+    run = RunDir(url)
+    assert uploads_in_progress(s3_server, s3_bucket) == [key]  # the kill did land mid-upload
+    assert run.checkpoint_steps() == [10]  # nothing under the final name of the one in flight
+    decode(run.read_bytes(checkpoint_name(10)), checkpoint_name(10))
+
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", s3_server.endpoint)
+    resumed = andrea("train", "--run-dir", url, "--max-steps", "30", "--device", "cpu", timeout=900)
+    out = resumed.stdout + resumed.stderr
+    assert f"aborted an unfinished upload of {url}/{checkpoint_name(20)} (its writer died)" in out
+    assert f"resuming {url} from step_000010.bin" in out
+    assert run.checkpoint_steps() == [10, 20, 30]
+    for step in (10, 20, 30):
+        decode(run.read_bytes(checkpoint_name(step)), checkpoint_name(step))
+    assert uploads_in_progress(s3_server, s3_bucket) == []

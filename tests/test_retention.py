@@ -1,0 +1,164 @@
+"""Checkpoint retention: keep_last, keep_every, protected pivot boundaries and fork points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import TINY, andrea
+
+from andrea_core import cli
+from andrea_core.checkpoint import checkpoint_name, encode
+from andrea_core.config import RetentionConfig, load_run_config
+from andrea_core.fork import BranchSpec, fork, run_n_params
+from andrea_core.pivot import pivot_run_directory
+from andrea_core.retention import apply_retention, plan_retention
+from andrea_core.rundir import RunDir
+from andrea_core.runs import create_run, read_run
+
+CFG = RetentionConfig(keep_last=3, keep_every=500)
+GRID = list(range(100, 2001, 100))
+
+
+def test_plan_keeps_the_newest_the_grid_and_the_protected():
+    protected = {300: ["fork point (a)"], 1100: ["pivot boundary (phase 1)"]}
+    plan = plan_retention(GRID, CFG, protected, newest=2000)
+    assert sorted(plan.keep) == [300, 500, 1000, 1100, 1500, 1800, 1900, 2000]
+    assert plan.delete == [100, 200, 400, 600, 700, 800, 900, 1200, 1300, 1400, 1600, 1700]
+    assert plan.keep[2000] == ["one of the newest 3", "multiple of keep_every 500"]
+    assert plan.keep[300] == ["fork point (a)"]
+    assert plan.keep[1100] == ["pivot boundary (phase 1)"]
+
+
+def test_plan_never_deletes_at_or_above_the_newest_valid_checkpoint():
+    plan = plan_retention(GRID, CFG, {}, newest=1800)  # 1900 and 2000 failed validation
+    assert sorted(plan.keep) == [500, 1000, 1500, 1600, 1700, 1800, 1900, 2000]
+    assert plan.keep[2000] == [
+        "multiple of keep_every 500",
+        "newer than the newest valid checkpoint (kept as evidence)",
+    ]
+    assert plan_retention(GRID, RetentionConfig(keep_last=None), {}, newest=2000).delete == []
+
+
+def test_keep_last_below_two_is_refused():
+    cfg = load_run_config(TINY)
+    with pytest.raises(Exception, match="retention.keep_last must be >= 2"):
+        cfg.with_overrides({"retention.keep_last": 1}, "test")
+
+
+def fabricated_run(url: str, steps: list[int]) -> RunDir:
+    """A run directory with valid (all-zero) checkpoints at `steps`, written without training."""
+    run = RunDir(url)
+    record = create_run(run, load_run_config(TINY))
+    n = run_n_params(record)
+    for step in steps:
+        run.write_atomic(checkpoint_name(step), encode(step, np.zeros(3 * n, dtype=np.float32)))
+    return run
+
+
+def test_nothing_is_deleted_until_the_newest_checkpoint_reads_back_valid(tmp_path):
+    run = fabricated_run(str(tmp_path / "run"), [100, 200, 300, 400, 500, 600])
+    n = run_n_params(read_run(run))
+    run.write_atomic(checkpoint_name(600), b"torn")  # e.g. a store that lost part of the upload
+    logged = []
+    plan = apply_retention(run, CFG, n, logged.append, newest=600)  # the trainer's call
+    assert plan.deleted == [] and run.checkpoint_steps() == [100, 200, 300, 400, 500, 600]
+    assert "retention deletes nothing: the newest checkpoint does not read back valid" in logged[0]
+
+    plan = apply_retention(run, CFG, n, logged.append)  # `andrea gc`: finds the newest valid, 500
+    assert plan.newest == 500 and plan.deleted == [100, 200]
+    assert run.checkpoint_steps() == [300, 400, 500, 600]  # 600 stays: evidence, never deleted here
+
+
+def test_gc_dry_run_shows_and_gc_does(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    run = fabricated_run(url, [100, 200, 300, 400, 500, 600, 700])
+    fork(url, [BranchSpec("a")], step=200)
+    record = read_run(run)
+    run.write_text("run.yaml", record.to_yaml().replace("keep_last: 5", "keep_last: 2"))
+    assert cli.main(["gc", url, "--dry-run"]) == 0
+    assert capsys.readouterr().out == (
+        f"{url}:\n"
+        "  step_000100.bin  would delete\n"
+        "  step_000200.bin  keep          fork point (a)\n"
+        "  step_000300.bin  would delete\n"
+        "  step_000400.bin  would delete\n"
+        "  step_000500.bin  would delete\n"
+        "  step_000600.bin  keep          one of the newest 2\n"
+        "  step_000700.bin  keep          one of the newest 2\n"
+        "3 kept, 4 would delete\n"
+    )
+    assert run.checkpoint_steps() == [100, 200, 300, 400, 500, 600, 700]
+    assert cli.main(["gc", url, "--keep-every", "250"]) == 0
+    out = capsys.readouterr().out
+    assert "  step_000500.bin  keep          multiple of keep_every 250\n" in out
+    assert out.endswith("4 kept, 3 deleted\n")
+    assert run.checkpoint_steps() == [200, 500, 600, 700]
+    assert not run.exists(".trainer.json")  # gc held the lock only while it worked
+
+
+def retention_config(tmp_path: Path) -> str:
+    """andrea-tiny, narrower and shorter-context (2,000 steps must stay cheap), with keep_last 3 and
+    keep_every 500."""
+    doc = yaml.safe_load(Path(TINY).read_text())
+    doc["model"].update(n_layer=1, n_embd=32, block_size=32)
+    doc["train"].update(batch_size=4, log_every=500)
+    doc["retention"] = {"keep_last": 3, "keep_every": 500}
+    path = tmp_path / "retention.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_retention_over_a_2000_step_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path):
+    parent, config = f"{s3_bucket}/run", retention_config(tmp_path)
+
+    def train(url: str, to: int, *extra: str) -> None:
+        andrea("train", *extra, "--run-dir", url, "--max-steps", str(to), "--device", "cpu", timeout=900)
+
+    train(parent, 400, "--config", config)
+    assert RunDir(parent).checkpoint_steps() == [200, 300, 400]
+    (branch,) = fork(parent, [BranchSpec("a")], step=300)
+    train(parent, 1100)
+    assert RunDir(parent).checkpoint_steps() == [300, 500, 900, 1000, 1100]
+    pivot_run_directory(RunDir(parent), 1100, (Path(TINY).parent / "policies" / "default.yaml").read_text())
+    train(parent, 2000)
+    train(branch, 800)
+
+    def files(url: str) -> set[str]:
+        run = RunDir(url)
+        return {p.removeprefix(run.root + "/") for p in run.fs.find(run.root)}
+
+    sidecars = {".samples.json", ".state.json"}  # written once the bandit and audit exist
+    expected_parent = {
+        "run.yaml",
+        "policy.yaml",
+        ".loss.json",
+        "forks.jsonl",
+        "archive/phase_001_step_001100/policy.yaml",
+        "archive/phase_001_step_001100/phase.json",
+    } | {checkpoint_name(s) for s in (300, 500, 1000, 1100, 1500, 1800, 1900, 2000)}
+    assert (
+        files(parent) - sidecars - {f"archive/phase_001_step_001100/{s}" for s in sidecars} == expected_parent
+    )
+    expected_branch = {"run.yaml", "policy.yaml", ".loss.json"} | {
+        checkpoint_name(s)
+        for s in (300, 500, 600, 700, 800)  # 300: where the branch was forked
+    }
+    assert files(branch) - sidecars == expected_branch
+
+    dry = andrea("gc", parent, "--dry-run").stdout
+    assert "  step_000300.bin  keep          fork point (a)\n" in dry
+    assert "  step_001100.bin  keep          pivot boundary (phase 1)\n" in dry
+    assert dry.endswith("8 kept, 0 would delete\n")
+    lineage = andrea("lineage", parent).stdout
+    assert lineage == (
+        f"{parent}  newest checkpoint step_002000.bin\n"
+        "├── phase 1  steps 0..1100  policy stdlib-only  [archive/phase_001_step_001100]\n"
+        "│   └── fork at step 300: a\n"
+        f"│       └── {branch}  newest checkpoint step_000800.bin\n"
+        "│           └── phase 1  steps 300..800 (current)  policy stdlib-only\n"
+        "└── phase 2  steps 1100..2000 (current)  policy default\n"
+    )
