@@ -60,6 +60,7 @@ class BanditStore:
         self.warn = warn
         self.phase = Phase(1, 0)
         self.history: list[dict[str, Any]] = []  # states kept in the file, newest first
+        self.restored = False  # restore() loaded the resume checkpoint's bandit (not a fresh one)
 
     # --- load ------------------------------------------------------------------------------------
 
@@ -92,6 +93,7 @@ class BanditStore:
             if arm not in entry["arms"]:
                 self.warn(f"bandit: arm {arm!r} is new to the bandit and starts at the prior")
         mixer.load_state_dict(entry)
+        self.restored = True
         self.phase = Phase(int(entry["phase"]["number"]), int(entry["phase"]["start_step"]))
         # States past `step` belong to a timeline that died before its checkpoint became the resume
         # point; they must never be resumed from.
