@@ -322,6 +322,8 @@ class Trainer:
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:
                 if flags.checkpoint and not on_grid:
                     self.log(f"SIGUSR1: checkpoint of step {step} requested")
+                if flags.stop:
+                    self.log(f"{flags.stop}: checkpointing step {step}, then exiting")
                 flags.checkpoint = False
                 self._read(current)  # logged before its checkpoint; the mixer still hears of it later
                 last_saved = self.save(step, audit)
