@@ -59,7 +59,7 @@ def _free_port() -> int:
 
 
 def _timed(name: str, value: float) -> None:
-    TIMINGS[name] = round(value, 1) if value >= 0.1 else float(f"{value:.3g}")
+    TIMINGS[name] = round(value, 1) if name.endswith("(s)") else float(f"{value:.3g}")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "timings.json").write_text(json.dumps(TIMINGS, indent=1) + "\n")
 
