@@ -14,7 +14,7 @@ from andrea_core.checkpoint import region_stats
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.sources import SourceUnavailable
 from andrea_core.lock import LockError
-from andrea_core.loss_log import LossEntry, ema, read_history
+from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.rundir import RunDir
 
 
@@ -67,11 +67,7 @@ def plot_loss(history: list[LossEntry], out: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     steps = [e.step for e in history]
     ax.plot(steps, [e.loss for e in history], lw=0.8, alpha=0.5, label="loss")
-    smooth, acc = [], None
-    for e in history:
-        acc = e.loss if acc is None else 0.95 * acc + 0.05 * e.loss
-        smooth.append(acc)
-    ax.plot(steps, smooth, lw=1.5, label="EMA (0.05)")
+    ax.plot(steps, ema_curve([e.loss for e in history]), lw=1.5, label="EMA (0.05)")
     ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend()

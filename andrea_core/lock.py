@@ -28,14 +28,16 @@ def _boot_id() -> str:
 
 
 def process_start_ticks(pid: int) -> int | None:
-    """The kernel's start time of `pid` in clock ticks since boot, or None if there is no such process."""
+    """The kernel's start time of `pid` in clock ticks since boot, or None if there is no such process
+    (or only its zombie: an exited trainer whose parent has not reaped it yet is gone all the same)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
     # Field 2 (comm) may contain spaces and parentheses: split after its closing parenthesis.
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 @dataclass(frozen=True)

@@ -162,11 +162,18 @@ def read_history(run: RunDir) -> list[LossEntry]:
     return newest_segments(parse_entries(run.read_bytes(LOSS_LOG))[0])
 
 
-def ema(values: list[float], alpha: float = 0.05) -> float:
-    out = math.nan
+def ema_curve(values: list[float], alpha: float = 0.05) -> list[float]:
+    """The exponential moving average after each value (the smoothed curve of a plot)."""
+    out, acc = [], math.nan
     for v in values:
-        out = v if math.isnan(out) else (1 - alpha) * out + alpha * v
+        acc = v if math.isnan(acc) else (1 - alpha) * acc + alpha * v
+        out.append(acc)
     return out
+
+
+def ema(values: list[float], alpha: float = 0.05) -> float:
+    curve = ema_curve(values, alpha)
+    return curve[-1] if curve else math.nan
 
 
 class LossWriter:

@@ -247,7 +247,10 @@ class Trainer:
     def _start_loss(self) -> _StepLoss | None:
         """The start step's loss as .loss.json holds it: the mixer hears of it before batch start+2
         is drawn, exactly as it did in the run that wrote the checkpoint."""
-        if self.start_step == 0:
+        if self.start_step == 0 or not self.data.store.restored:
+            # A fresh bandit (a pivot's new phase, a fork under a policy of its own, a lost state) did
+            # not draw the start step's batch: that loss would be a phantom pull from another phase,
+            # perhaps of an arm the new policy does not have.
             return None
         for entry in reversed(read_history(self.run)):
             if entry.step == self.start_step:

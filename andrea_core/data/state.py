@@ -2,8 +2,10 @@
 
 The file holds the newest state at its top level (the step it describes, the policy's name and hash,
 the phase counters and per-arm pulls, EMA rewards, baselines, weights and probabilities; for EXP3
-also `drawn`, the arm and probability of step S's draw, whose loss the mixer hears of only after the
-resume: mixer.py) and, under `previous`, the states of a few earlier checkpoints.
+also `drawn`, the arm and probability of step S's draw) and, under `previous`, the states of a few
+earlier checkpoints. The state of step S is the bandit that draws batch S+1: the trainer reads each
+step's loss one step late, so it has heard the losses of steps up to S-1, and on resume the trainer
+hands it the loss of S from .loss.json, as the uninterrupted run did.
 
 Write order. The trainer writes the state of step S before the checkpoint of step S, each atomically.
 A crash between the two leaves a state for S and no checkpoint S: the resume then takes checkpoint P,
@@ -60,6 +62,7 @@ class BanditStore:
         self.warn = warn
         self.phase = Phase(1, 0)
         self.history: list[dict[str, Any]] = []  # states kept in the file, newest first
+        self.restored = False  # restore() loaded the resume checkpoint's bandit (not a fresh one)
 
     # --- load ------------------------------------------------------------------------------------
 
@@ -92,6 +95,7 @@ class BanditStore:
             if arm not in entry["arms"]:
                 self.warn(f"bandit: arm {arm!r} is new to the bandit and starts at the prior")
         mixer.load_state_dict(entry)
+        self.restored = True
         self.phase = Phase(int(entry["phase"]["number"]), int(entry["phase"]["start_step"]))
         # States past `step` belong to a timeline that died before its checkpoint became the resume
         # point; they must never be resumed from.

@@ -1,0 +1,301 @@
+"""Audit-fork comparison: which branch converges, judged on the same held-out data for every branch.
+
+Each branch's newest checkpoint is scored on one fixed validation batch per arm (the union of the
+branches' arms, drawn from the parent's data config), so that the branches differ only in what they
+learned. The winner has the lowest mean held-out loss; the margin is its lead over the runner-up, and
+the noise is the standard error of the paired per-sequence difference (same sequences, so the
+sequence-to-sequence spread cancels). Training-loss figures (final, EMA, spread) are reported beside it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from andrea_core.checkpoint import restore
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import ArmSpec, Policy
+from andrea_core.data.tokens import run_tokenizer
+from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
+from andrea_core.model import GPT
+from andrea_core.optim import build_optimizer
+from andrea_core.pivot import phases
+from andrea_core.rundir import RunDir
+from andrea_core.runs import read_policy, read_run
+
+SIGNIFICANCE = 2.0  # a margin above this many standard errors is called a winner, not noise
+
+
+@dataclass
+class BranchResult:
+    name: str
+    url: str
+    overrides: dict
+    trained_to: int | None = None  # step of the newest valid checkpoint
+    final_loss: float | None = None  # training loss of the last logged step
+    ema_loss: float | None = None  # EMA (alpha 0.05) of the training loss since the fork
+    train_noise: float | None = None  # std of the training loss over the last `window` steps
+    val_loss: dict[str, float] = field(default_factory=dict)  # held-out loss per arm
+    val_mean: float | None = None  # mean over arms
+    problem: str | None = None  # why the branch is out of the running
+    history: list[LossEntry] = field(default_factory=list, repr=False)
+    per_sequence: np.ndarray | None = field(default=None, repr=False)  # held-out loss per sequence
+
+
+@dataclass
+class Comparison:
+    parent: str
+    fork_step: int
+    arms: list[str]
+    val_sequences: int  # per arm
+    block_size: int
+    branches: list[BranchResult]
+    winner: str | None = None
+    runner_up: str | None = None
+    margin: float | None = None
+    noise: float | None = None
+    significant: bool = False
+    verdict: str = ""
+    parent_history: list[LossEntry] = field(default_factory=list, repr=False)
+    pivots: list[tuple[int, int]] = field(default_factory=list)  # the parent's (phase, boundary step)
+
+    def branch(self, name: str) -> BranchResult:
+        return next(b for b in self.branches if b.name == name)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able summary (no histories or per-sequence arrays)."""
+        skip = {"history", "per_sequence", "parent_history", "pivots"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        out["branches"] = [
+            {k: v for k, v in dataclasses.asdict(b).items() if k not in skip} for b in self.branches
+        ]
+        return out
+
+
+def evaluation_policy(policies: list[Policy]) -> Policy:
+    """Every arm any branch draws from, without floors or caps: the held-out data is per arm, and the
+    bounds only matter for sampling training batches."""
+    arms: dict[str, ArmSpec] = {}
+    for policy in policies:
+        for arm in policy.arms:
+            arms.setdefault(arm.name, dataclasses.replace(arm, floor=0.0, cap=1.0))
+    return Policy(name="audit-evaluation", arms=list(arms.values()), mixer="uniform")
+
+
+@torch.no_grad()
+def sequence_losses(model: GPT, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+    logits, _ = model(x)
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+    return per_token.view(y.shape).mean(dim=1).double().numpy()
+
+
+def compare_branches(
+    parent_url: str,
+    branch_urls: list[str],
+    fork_step: int,
+    *,
+    val_sequences: int = 32,
+    window: int = 50,
+    failed: dict[str, str] | None = None,
+    warn: Callable[[str], None] = print,
+) -> Comparison:
+    """Score every branch on the same held-out batches and name the one that converges.
+
+    `failed` maps branch names to why their trainer did not finish (they are reported, not ranked)."""
+    parent = RunDir(parent_url)
+    parent_cfg = read_run(parent).config
+    branches = [RunDir(u) for u in branch_urls]
+    records = [read_run(b) for b in branches]
+    policy = evaluation_policy([read_policy(b) for b in branches])
+    data = DataPipeline(parent_cfg, policy, warn, run_tokenizer(parent, parent_cfg))
+    arms = list(data.arms)
+    batches = {arm: data.val_batch(arm, val_sequences) for arm in arms}
+
+    torch.manual_seed(0)
+    model = GPT(parent_cfg.model)
+    optimizer = build_optimizer(model, parent_cfg.train, "cpu")  # restore() fills m and v too
+    model.eval()
+
+    results = []
+    for run, record in zip(branches, records, strict=True):
+        name = record.lineage.get("branch") or run.url.rsplit("/", 1)[-1]
+        result = BranchResult(name, run.url, dict(record.lineage.get("overrides") or {}))
+        result.history = [e for e in read_history(run) if e.step > fork_step]
+        losses = [e.loss for e in result.history]
+        if losses:
+            result.final_loss = losses[-1]
+            result.ema_loss = ema(losses)
+            result.train_noise = float(np.std(losses[-window:], ddof=1)) if len(losses) > 1 else None
+        ckpt = run.newest_valid_checkpoint(model.n_params, warn=warn)
+        if failed and name in failed:
+            result.problem = failed[name]
+        if ckpt is None or ckpt.step <= fork_step:
+            result.problem = result.problem or "no checkpoint past the fork point"
+        if ckpt is not None:
+            result.trained_to = ckpt.step
+            restore(ckpt, model, optimizer)
+            per_arm = {arm: sequence_losses(model, *batches[arm]) for arm in arms}
+            result.val_loss = {arm: float(v.mean()) for arm, v in per_arm.items()}
+            result.val_mean = float(np.mean(list(result.val_loss.values())))
+            result.per_sequence = np.concatenate([per_arm[arm] for arm in arms])
+        results.append(result)
+
+    comparison = Comparison(parent.url, fork_step, arms, val_sequences, parent_cfg.model.block_size, results)
+    comparison.parent_history = [e for e in read_history(parent) if e.step <= fork_step]
+    comparison.pivots = phases(parent)
+    _name_winner(comparison)
+    return comparison
+
+
+def _name_winner(c: Comparison) -> None:
+    ranked = sorted((b for b in c.branches if b.problem is None), key=lambda b: b.val_mean)
+    if not ranked:
+        c.verdict = "no branch could be evaluated: " + "; ".join(f"{b.name}: {b.problem}" for b in c.branches)
+        return
+    best = ranked[0]
+    c.winner = best.name
+    if len(ranked) == 1:
+        c.verdict = f"{best.name} is the only branch that trained (held-out loss {best.val_mean:.4f})"
+        return
+    second = ranked[1]
+    diff = second.per_sequence - best.per_sequence  # paired: the same held-out sequences
+    c.runner_up = second.name
+    c.margin = float(diff.mean())
+    c.noise = float(diff.std(ddof=1) / math.sqrt(diff.size))
+    c.significant = c.margin > SIGNIFICANCE * c.noise
+    figures = (
+        f"held-out loss {best.val_mean:.4f} vs {second.val_mean:.4f} for {second.name}; "
+        f"margin {c.margin:.4f}, noise ±{c.noise:.4f}"
+    )
+    if c.significant:
+        ratio = c.margin / c.noise if c.noise > 0 else math.inf
+        c.verdict = f"{best.name} converges best: {figures} ({ratio:.1f} standard errors)"
+    else:
+        c.verdict = (
+            f"{best.name} leads but within the noise: {figures}; no clear winner yet, run the branches longer"
+        )
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+def plot_comparison(c: Comparison) -> bytes:
+    """PNG: training loss around the fork for the parent and every branch, and held-out loss per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=100, gridspec_kw={"width_ratios": [3, 2]})
+    span = max((len(b.history) for b in c.branches), default=0)
+    lead_in = [e.loss for e in c.parent_history]
+    lead_smooth = ema_curve(lead_in)
+    shown = [i for i, e in enumerate(c.parent_history) if e.step > c.fork_step - max(3 * span, 50)]
+    if shown:
+        steps = [c.parent_history[i].step for i in shown]
+        ax.plot(steps, [lead_smooth[i] for i in shown], color="0.4", lw=1.6, label="parent")
+    for i, b in enumerate(c.branches):
+        if not b.history:
+            continue
+        color = f"C{i}"
+        steps, losses = [e.step for e in b.history], [e.loss for e in b.history]
+        # Continue the parent's EMA, so that every branch's curve leaves the fork point from the same value.
+        smooth = ema_curve([lead_smooth[-1], *losses])[1:] if lead_smooth else ema_curve(losses)
+        ax.plot(steps, losses, color=color, lw=0.6, alpha=0.35)
+        label = f"{b.name} (winner)" if b.name == c.winner else b.name
+        ax.plot(steps, smooth, color=color, lw=1.8, label=label)
+    ax.axvline(c.fork_step, color="0.5", ls="--", lw=1)
+    for _, boundary in c.pivots:
+        if shown and c.parent_history[shown[0]].step <= boundary < c.fork_step:
+            ax.axvline(boundary, color="0.6", ls=":", lw=1)
+            ax.annotate("pivot", (boundary, 1), xycoords=("data", "axes fraction"), fontsize=8, color="0.4",
+                        xytext=(2, -10), textcoords="offset points")  # fmt: skip
+    ax.set(xlabel="step", ylabel="training loss (EMA 0.05; raw faint)", title=f"fork at step {c.fork_step}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+    scored = [b for b in c.branches if b.val_loss]
+    width = 0.8 / max(len(scored), 1)
+    x = np.arange(len(c.arms))
+    for i, b in enumerate(scored):
+        bx.bar(
+            x + i * width,
+            [b.val_loss[a] for a in c.arms],
+            width,
+            label=b.name,
+            color=f"C{c.branches.index(b)}",
+        )
+    bx.set_xticks(x + width * (len(scored) - 1) / 2, c.arms, fontsize=8)
+    bx.set(ylabel="held-out loss", title="held-out loss per arm (same batches)")
+    lows = [v for b in scored for v in b.val_loss.values()]
+    if lows:
+        bx.set_ylim(min(lows) * 0.97, max(lows) * 1.02)
+    bx.grid(axis="y", alpha=0.3)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def png_data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def _fmt(v: float | None, digits: int = 4) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
+    """The audit report: verdict first, then the figures behind it. `plot_src` is an image URL or a
+    data URI (the Prefect UI shows data URIs inside markdown artifacts)."""
+    verdict = f"**Winner: `{c.winner}`**. {c.verdict}" if c.winner else f"**No winner.** {c.verdict}"
+    lines = [
+        f"# Audit fork of `{c.parent}` at step {c.fork_step}",
+        "",
+        verdict,
+        "",
+        "| branch | overrides | trained to | final loss | EMA loss | train noise | held-out loss | "
+        + " | ".join(f"held-out `{a}`" for a in c.arms)
+        + " |",
+        "|---" * (7 + len(c.arms)) + "|",
+    ]
+    for b in c.branches:
+        overrides = ", ".join(f"`{k}={v}`" for k, v in b.overrides.items()) or "(none)"
+        name = f"**{b.name}**" if b.name == c.winner else b.name
+        if b.problem:
+            name += f" ({b.problem})"
+        cells = [
+            name,
+            overrides,
+            str(b.trained_to) if b.trained_to is not None else "n/a",
+            _fmt(b.final_loss),
+            _fmt(b.ema_loss),
+            _fmt(b.train_noise),
+            _fmt(b.val_mean),
+            *(_fmt(b.val_loss.get(a)) for a in c.arms),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Held-out data: {c.val_sequences} sequences of {c.block_size} tokens from the validation split of "
+        f"each arm, the same for every branch. Margin: the runner-up's mean held-out loss minus the "
+        f"winner's ({_fmt(c.margin)}); noise: standard error of the paired per-sequence difference "
+        f"({_fmt(c.noise)}). A margin above {SIGNIFICANCE:g}x the noise names a winner; below, the lead "
+        f"is reported as within the noise.",
+        "",
+    ]
+    if plot_src:
+        lines += [f"![training and held-out loss of the branches]({plot_src})", ""]
+    lines += ["Branch run directories (lineage in each `run.yaml`):", ""]
+    lines += [f"- `{b.name}`: `{b.url}`" for b in c.branches]
+    return "\n".join(lines) + "\n"

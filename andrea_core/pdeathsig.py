@@ -1,0 +1,42 @@
+"""Exec a command that receives SIGTERM when the process that launched it dies.
+
+    python -m andrea_core.pdeathsig PARENT_PID COMMAND [ARGS...]
+
+A trainer launched by an orchestrator (a Prefect flow-run process) is that process's child. If the
+orchestrator is killed outright (SIGKILL, the OOM killer), the trainer must not train on unsupervised,
+holding the GPU and the run lock where nobody watches it: with Linux's parent-death signal it gets the
+same SIGTERM as any other stop, checkpoints the step in flight and exits, and the next run resumes.
+Standard library only, so that the exec happens before any heavy import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m andrea_core.pdeathsig PARENT_PID COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    parent, command = int(argv[0]), argv[1:]
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            print(
+                f"andrea: warning: prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}",
+                file=sys.stderr,
+            )
+        # The launcher may have died before the request took effect: then nobody would ever signal us.
+        if os.getppid() != parent:
+            print(f"andrea: error: launcher pid {parent} is gone; not starting {command[0]}", file=sys.stderr)
+            return 3
+    os.execvp(command[0], command)  # the signal request survives exec; the pid and process group stay
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

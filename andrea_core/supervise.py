@@ -1,0 +1,405 @@
+"""Supervising a trainer from outside its process: launch and follow it, wait for its checkpoints and
+its exit, and check that its loss log was only ever appended to.
+
+An orchestrator talks to a trainer only through signals and the run directory (DESIGN.md "Processes").
+Nothing here imports Prefect: the tasks in tasks/ are thin wrappers over these functions, and a shell
+tool could use them just as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
+from andrea_core.lock import TrainerIdentity, live_trainer
+from andrea_core.loss_log import parse_lines, read_history
+from andrea_core.rundir import LOSS_LOG, RunDir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The trainer's plain log lines (andrea_core/trainer.py, progress.py) that say where it is and how it ended.
+PROGRESS_RE = re.compile(r"^andrea: step (\d+)/(\d+)\s+loss (\S+)")
+STARTED_RE = re.compile(r"^andrea: training steps (\d+)\.\.(\d+) \(pid (\d+)\)")
+STOPPED_RE = re.compile(r"^andrea: (SIGTERM|SIGINT): stopped at step (\d+), checkpoint (\S+)$")
+COMPLETED_RE = re.compile(r"^andrea: completed step (\d+), checkpoint (\S+)$")
+ALREADY_RE = re.compile(r"^andrea: already at step (\d+) >= max_steps (\d+)")
+EARLY_STOP_RE = re.compile(r"^andrea: (SIGTERM|SIGINT) before the first step")
+ERROR_RE = re.compile(r"^andrea: error: (.*)$")
+
+
+class SupervisionError(RuntimeError):
+    """The trainer did not do what the orchestration waited for; the message says what and where."""
+
+
+# --- a trainer process -----------------------------------------------------------------------------
+
+
+def trainer_command(
+    run_dir: str,
+    *,
+    config: str | None = None,
+    max_steps: int | None = None,
+    device: str = "auto",
+    pace: float = 0.0,
+    python: str = sys.executable,
+) -> list[str]:
+    """argv of `python -m andrea_core train ...`, behind the parent-death guard (andrea_core.pdeathsig)."""
+    argv = [python, "-m", "andrea_core", "train", "--run-dir", run_dir, "--device", device]
+    if config:
+        argv += ["--config", config]
+    if max_steps is not None:
+        argv += ["--max-steps", str(max_steps)]
+    if pace > 0:
+        argv += ["--pace", str(pace)]
+    return [python, "-m", "andrea_core.pdeathsig", str(os.getpid()), *argv]
+
+
+def trainer_env() -> dict[str, str]:
+    """The caller's environment, with this andrea_core first on the path and unbuffered output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class TrainerOutcome:
+    """How a trainer process ended, read from its last words and checked against the run directory."""
+
+    run_dir: str
+    returncode: int
+    reason: str  # completed, SIGTERM, SIGINT, already-complete, stopped-before-first-step, error, killed
+    step: int | None  # the last step trained and checkpointed
+    checkpoint: str | None  # that checkpoint's file name, validated on disk
+    detail: str = ""  # an error line, or what is wrong with the checkpoint
+
+    @property
+    def ok(self) -> bool:
+        if self.returncode != 0:
+            return False
+        return self.checkpoint is not None or self.reason in ("already-complete", "stopped-before-first-step")
+
+    def describe(self) -> str:
+        where = f"{self.run_dir}"
+        if self.reason == "completed":
+            text = f"trainer completed step {self.step}; checkpoint {self.checkpoint} is valid"
+        elif self.reason in ("SIGTERM", "SIGINT"):
+            text = (
+                f"trainer stopped at step {self.step} on {self.reason}; checkpoint {self.checkpoint} is valid"
+            )
+        elif self.reason == "already-complete":
+            text = f"nothing to train: the run is already at step {self.step}"
+        elif self.reason == "stopped-before-first-step":
+            text = "trainer was stopped before its first step: nothing new to checkpoint"
+        elif self.reason == "killed":
+            text = f"trainer was killed ({self.detail}); resume takes the newest valid checkpoint"
+        else:
+            text = f"trainer failed (exit {self.returncode}): {self.detail}"
+        if self.detail and self.reason not in ("error", "killed"):
+            text += f" ({self.detail})"
+        return f"{where}: {text}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok, "summary": self.describe()}
+
+
+class TrainerProcess:
+    """One trainer process, started in the caller's process group.
+
+    Not in a session of its own on purpose: a Prefect cancellation signals the flow run's whole process
+    group, and the trainer must get that SIGTERM itself to checkpoint the step in flight."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        config: str | None = None,
+        max_steps: int | None = None,
+        device: str = "auto",
+        pace: float = 0.0,
+    ):
+        self.run = RunDir(run_dir)
+        self.argv = trainer_command(
+            self.run.url, config=config, max_steps=max_steps, device=device, pace=pace
+        )
+        self.proc: subprocess.Popen | None = None
+        self.step: int | None = None
+        self.total: int | None = max_steps
+        self.loss: float | None = None
+        self.tail: deque[str] = deque(maxlen=30)
+        self._ending: re.Match | None = None
+        self._error: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> TrainerProcess:
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=trainer_env(),
+        )
+        return self
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def lines(self) -> Iterator[str]:
+        """The trainer's output, line by line, as it comes; ends when the trainer exits."""
+        assert self.proc is not None and self.proc.stdout is not None, "start() first"
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            self._observe(line)
+            yield line
+        self.proc.wait()
+
+    def _observe(self, line: str) -> None:
+        self.tail.append(line)
+        if m := PROGRESS_RE.match(line):
+            self.step, self.total = int(m.group(1)), int(m.group(2))
+            try:
+                self.loss = float(m.group(3))
+            except ValueError:
+                pass
+        elif m := STARTED_RE.match(line):
+            self.step, self.total = int(m.group(1)) - 1, int(m.group(2))
+        elif m := (STOPPED_RE.match(line) or COMPLETED_RE.match(line) or ALREADY_RE.match(line)):
+            self._ending = m
+        elif EARLY_STOP_RE.match(line):
+            self._ending = EARLY_STOP_RE.match(line)
+        elif m := ERROR_RE.match(line):
+            self._error = m.group(1)
+
+    def stop(self, timeout: float = 120.0, on_line: Callable[[str], None] | None = None) -> TrainerOutcome:
+        """SIGTERM (our own child: its pid cannot have been reused before we reap it), then wait for
+        the checkpoint of the step in flight and the exit. A second SIGTERM is harmless: the trainer
+        only sets its stop flag again."""
+        assert self.proc is not None, "start() first"
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.finish(timeout, on_line)
+
+    def finish(self, timeout: float = 120.0, on_line: Callable[[str], None] | None = None) -> TrainerOutcome:
+        """Wait for the exit, reading whatever the trainer still prints, and report how it ended."""
+        assert self.proc is not None and self.proc.stdout is not None, "start() first"
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise SupervisionError(
+                f"{self.run.url}: trainer pid {self.proc.pid} did not exit within {timeout:.0f}s of being "
+                "asked to stop; it still runs (signal it again, or kill it: resume takes the newest "
+                "valid checkpoint)"
+            ) from None
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            self._observe(line)
+            if on_line is not None:
+                on_line(line)
+        return self.outcome()
+
+    def outcome(self) -> TrainerOutcome:
+        assert self.proc is not None and self.proc.returncode is not None, "the trainer has not exited"
+        rc, m = self.proc.returncode, self._ending
+        url = self.run.url
+        if m is not None and m.re is STOPPED_RE:
+            result = TrainerOutcome(url, rc, m.group(1), int(m.group(2)), m.group(3))
+        elif m is not None and m.re is COMPLETED_RE:
+            result = TrainerOutcome(url, rc, "completed", int(m.group(1)), m.group(2))
+        elif m is not None and m.re is ALREADY_RE:
+            return TrainerOutcome(url, rc, "already-complete", int(m.group(1)), None)
+        elif m is not None and m.re is EARLY_STOP_RE:
+            return TrainerOutcome(url, rc, "stopped-before-first-step", self.step, None)
+        elif rc < 0:
+            return TrainerOutcome(url, rc, "killed", self.step, None, f"signal {signal.Signals(-rc).name}")
+        else:
+            detail = self._error or " | ".join(list(self.tail)[-3:]) or "no output"
+            return TrainerOutcome(url, rc, "error", self.step, None, detail)
+        try:
+            self.run.read_checkpoint(result.step)
+        except CheckpointError as e:
+            result.detail = f"but its checkpoint is not usable: {e}"
+            result.checkpoint = None
+        return result
+
+
+# --- waiting on a trainer we did not start (found through .trainer.json) --------------------------
+
+
+def require_live_trainer(run: RunDir) -> TrainerIdentity:
+    ident = live_trainer(run)
+    if ident is None:
+        raise SupervisionError(f"{run.url}: no live trainer (no lock, or its process is gone)")
+    return ident
+
+
+def logged_step(run: RunDir) -> int | None:
+    """The newest step in the canonical loss history (where the trainer is, give or take a step)."""
+    history = read_history(run)
+    return history[-1].step if history else None
+
+
+def wait_for_checkpoint(
+    run: RunDir,
+    step: int,
+    timeout: float,
+    trainer: TrainerIdentity | None = None,
+    poll: float = 0.1,
+) -> Checkpoint:
+    """Block until step_NNNNNN.bin is on disk and valid. Files appear only whole (atomic publish), so
+    the first sight of the name is the finished file; it is validated all the same. Fails early if the
+    trainer that was to write it exits first."""
+    name = checkpoint_name(step)
+    deadline = time.monotonic() + timeout
+    while True:
+        if run.exists(name):
+            return run.read_checkpoint(step)
+        if trainer is not None and not trainer.is_alive():
+            if run.exists(name):
+                continue
+            raise SupervisionError(
+                f"{run.url}: trainer pid {trainer.pid} exited before writing {name} "
+                f"(newest checkpoint: {_newest_name(run)})"
+            )
+        if time.monotonic() > deadline:
+            raise SupervisionError(
+                f"{run.url}: {name} did not appear within {timeout:.0f}s "
+                f"(trainer at step {logged_step(run)}, newest checkpoint: {_newest_name(run)})"
+            )
+        time.sleep(poll)
+
+
+def wait_for_new_checkpoint(
+    run: RunDir,
+    not_before: int,
+    existing: set[int],
+    timeout: float,
+    trainer: TrainerIdentity | None = None,
+    poll: float = 0.05,
+) -> Checkpoint:
+    """The first checkpoint at a step >= `not_before` that was not in `existing`: the one a SIGUSR1
+    asked for (written at the end of the step in flight)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = [s for s in run.checkpoint_steps() if s >= not_before and s not in existing]
+        if new:
+            return run.read_checkpoint(min(new))
+        if trainer is not None and not trainer.is_alive():
+            raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} exited before checkpointing")
+        if time.monotonic() > deadline:
+            raise SupervisionError(f"{run.url}: no new checkpoint within {timeout:.0f}s of the request")
+        time.sleep(poll)
+
+
+def wait_for_exit(trainer: TrainerIdentity, timeout: float, poll: float = 0.05) -> float:
+    """Block until the trainer process is gone; returns the seconds waited."""
+    t0 = time.monotonic()
+    while trainer.is_alive():
+        if time.monotonic() - t0 > timeout:
+            raise SupervisionError(
+                f"{trainer.run_dir}: trainer pid {trainer.pid} still runs {timeout:.0f}s after SIGTERM"
+            )
+        time.sleep(poll)
+    return time.monotonic() - t0
+
+
+def wait_for_logged_step(run: RunDir, step: int, timeout: float, poll: float = 0.2) -> int:
+    deadline = time.monotonic() + timeout
+    while (now := logged_step(run) or 0) < step:
+        if time.monotonic() > deadline:
+            raise SupervisionError(f"{run.url}: step {step} not reached within {timeout:.0f}s (at {now})")
+        time.sleep(poll)
+    return now
+
+
+def _newest_name(run: RunDir) -> str:
+    steps = run.checkpoint_steps()
+    return checkpoint_name(steps[-1]) if steps else "none"
+
+
+# --- the loss log: append-only, checked byte for byte ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossLogSnapshot:
+    """The exact bytes of .loss.json at one moment, as (size, sha256): enough to prove later that the
+    file still starts with them, without holding a long run's history in memory."""
+
+    size: int
+    sha256: str
+    segments: list[int] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, run: RunDir) -> LossLogSnapshot:
+        data = run.read_bytes(LOSS_LOG) if run.exists(LOSS_LOG) else b""
+        segments = sorted({int(e["segment"]) for e in parse_lines(data)[0]})
+        return cls(len(data), hashlib.sha256(data).hexdigest(), segments)
+
+    def check_prefix_of(self, run: RunDir, what: str = ".loss.json") -> bytes:
+        """Raise unless the file now starts with exactly the snapshot's bytes; returns what was appended."""
+        data = run.read_bytes(LOSS_LOG) if run.exists(LOSS_LOG) else b""
+        if len(data) < self.size:
+            raise SupervisionError(
+                f"{run.path(LOSS_LOG)}: {what} shrank from {self.size} to {len(data)} bytes"
+            )
+        if hashlib.sha256(data[: self.size]).hexdigest() != self.sha256:
+            raise SupervisionError(
+                f"{run.path(LOSS_LOG)}: {what}: its first {self.size} bytes were rewritten (append-only log)"
+            )
+        return data[self.size :]
+
+    def check_unchanged(self, run: RunDir) -> None:
+        appended = self.check_prefix_of(run)
+        if appended:
+            raise SupervisionError(f"{run.path(LOSS_LOG)}: {len(appended)} bytes were appended unexpectedly")
+
+
+def first_entry_after(run: RunDir, snapshot: LossLogSnapshot) -> dict | None:
+    """The first complete loss entry appended since `snapshot`, after checking the prefix is intact."""
+    entries, _ = parse_lines(snapshot.check_prefix_of(run))  # a torn (still being written) line is skipped
+    return entries[0] if entries else None
+
+
+def wait_for_first_entry_after(
+    run: RunDir, snapshot: LossLogSnapshot, timeout: float, poll: float = 0.2
+) -> dict:
+    deadline = time.monotonic() + timeout
+    while (entry := first_entry_after(run, snapshot)) is None:
+        if time.monotonic() > deadline:
+            raise SupervisionError(f"{run.url}: no new loss entry within {timeout:.0f}s")
+        time.sleep(poll)
+    return entry
+
+
+# --- which GPU a trainer occupies -----------------------------------------------------------------
+
+
+def gpu_slot_name(slot: str | None, device: str) -> str | None:
+    """The concurrency slot a trainer on `device` must hold: "gpu-N" for CUDA device N under "auto",
+    none on the CPU, or an explicit name (which also lets CPU tests exercise the limit)."""
+    if slot != "auto":
+        return slot or None
+    from andrea_core.trainer import pick_device  # imports torch: only when asked to resolve a device
+
+    resolved = pick_device(device)
+    if not resolved.startswith("cuda"):
+        return None
+    if ":" in resolved:
+        return f"gpu-{int(resolved.split(':', 1)[1])}"
+    import torch
+
+    return f"gpu-{torch.cuda.current_device()}"

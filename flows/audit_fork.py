@@ -1,0 +1,59 @@
+"""`audit-fork`: copy one checkpoint of a run into two or more branches with their own config overrides,
+train each K steps, compare them on the same held-out data and report which converges.
+
+The parent is never disturbed: the fork reads its checkpoint and appends one line to its forks.jsonl.
+The branch trainers hold the GPU's concurrency slot, so a scheduled audit fork waits for (or, after
+slot_timeout_s, refuses) a GPU the main run is using instead of silently sharing it."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.states import Completed, State
+
+from andrea_core.rundir import RunDir
+from tasks.artifacts import publish_fork_report, run_name
+from tasks.fork import branch_specs, compare_branches, copy_checkpoint_into_branches
+from tasks.gpu import holding_gpu_slot
+from tasks.trainer import run_trainer
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"audit-fork-{run_name(flow_run.parameters['run_dir'])}"
+
+
+@flow(name="audit-fork", flow_run_name=_flow_run_name)
+def audit_fork(
+    run_dir: str,
+    branches: list[dict],
+    steps: int = 200,
+    step: int | None = None,
+    device: str = "auto",
+    pace: float = 0.0,
+    gpu_slot: str | None = "auto",
+    slot_timeout_s: float | None = 60.0,
+    val_sequences: int = 32,
+    report_dir: str | None = None,
+) -> State:
+    """Fork `run_dir` at `step` (default: its newest valid checkpoint) into `branches`, e.g.
+    [{"name": "base"}, {"name": "low-lr", "overrides": {"train.lr": 3e-4}}], train each `steps` steps
+    and publish the comparison (markdown report with the plot, and the plot) as artifacts and files
+    in `report_dir` (default: beside the parent, "<run>-fork<step>-report")."""
+    branch_specs(branches)  # a malformed parameter fails here, before anything is written
+    parent = RunDir(run_dir)
+    with holding_gpu_slot(gpu_slot, device, slot_timeout_s):
+        forked = copy_checkpoint_into_branches(parent.url, branches, step)
+        if forked["already"]:
+            return Completed(
+                message=f"step {forked['step']} of {parent.url} was already audited", data=forked
+            )
+        failed = {}
+        for name, url in zip(forked["names"], forked["branches"], strict=True):
+            outcome = run_trainer(url, max_steps=forked["step"] + steps, device=device, pace=pace)
+            if not outcome["ok"]:
+                failed[name] = outcome["summary"]
+    comparison = compare_branches(parent.url, forked["branches"], forked["step"], val_sequences, failed)
+    where = publish_fork_report(comparison, report_dir or f"{parent.url}-fork{forked['step']}-report")
+    message = f"{comparison.verdict}. Report {where['report']}, plot {where['plot']}"
+    return Completed(message=message, data={**comparison.to_dict(), **where})

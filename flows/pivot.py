@@ -1,0 +1,129 @@
+"""`pivot`: change a run's data policy mid-run without retraining (DESIGN.md "Pivot sequence").
+
+  1. take the pivot checkpoint: the next one on the grid (at="boundary") or one right now (at="now",
+     SIGUSR1); with no trainer running, the newest valid checkpoint
+  2. stop the trainer (SIGTERM) and wait for its exit
+  3. archive .samples.json, .state.json, the old policy and any checkpoint past the pivot point
+  4. leave .loss.json exactly as it is (checked byte for byte)
+  5. install the new policy
+  6. restart the trainer from the pivot checkpoint (full weights, Adam m and v, a fresh bandit) as a new
+     `train` flow run, and confirm its first step is pivot+1 with the old history an untouched prefix
+
+A bad policy is refused before step 1: nothing is touched."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.deployments import run_deployment
+from prefect.states import Completed, State
+
+from andrea_core.lock import live_trainer
+from andrea_core.rundir import RunDir
+from andrea_core.supervise import LossLogSnapshot
+from flows._background import start_subflow
+from flows.train import train
+from tasks.artifacts import run_name
+from tasks.pivot import (
+    archive_phase,
+    check_new_policy,
+    choose_pivot_boundary,
+    confirm_resumed_trainer,
+    install_policy,
+    keep_loss_log,
+    newest_checkpoint,
+)
+from tasks.trainer import signal_trainer, stop_trainer, wait_for_checkpoint, wait_for_requested_checkpoint
+
+
+@task(name="restart-trainer", cache_policy=NO_CACHE)
+def restart_trainer(deployment: str, parameters: dict) -> dict:
+    """Step 6: the resumed trainer as a new run of the `train` deployment, so that the UI keeps showing
+    the run under its own flow run (linked to this pivot as its subflow)."""
+    started = run_deployment(name=deployment, parameters=parameters, timeout=0)
+    get_run_logger().info(f"resumed trainer: flow run {started.name!r} ({started.id}) of {deployment}")
+    return {"flow_run_id": str(started.id), "flow_run_name": started.name}
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"pivot-{run_name(flow_run.parameters['run_dir'])}"
+
+
+@flow(name="pivot", flow_run_name=_flow_run_name)
+def pivot(
+    run_dir: str,
+    policy: str,
+    at: Literal["boundary", "now"] = "boundary",
+    restart: Literal["deployment", "subflow", "none"] = "deployment",
+    max_steps: int | None = None,
+    device: str = "auto",
+    pace: float = 0.0,
+    gpu_slot: str | None = "auto",
+    train_deployment: str = "train/train",
+    timeout_s: float = 1800.0,
+) -> State:
+    """Pivot `run_dir` to `policy` (a name under configs/policies/ or a YAML path).
+
+    restart: "deployment" starts the resumed trainer as a run of `train_deployment` (needs a worker);
+        "subflow" runs it as a `train` subflow in this process until it ends (the embedded demo);
+        "none" leaves the run stopped under its new policy.
+    max_steps, device, pace, gpu_slot: passed to the resumed `train` run.
+    """
+    if at not in ("boundary", "now") or restart not in ("deployment", "subflow", "none"):
+        raise ValueError(
+            f"at={at!r} restart={restart!r}: expected at boundary|now, restart deployment|subflow|none"
+        )
+    run = RunDir(run_dir)
+    new_policy = check_new_policy(run.url, policy)
+    before = LossLogSnapshot.take(run)
+
+    # 1. the pivot checkpoint
+    trainer = live_trainer(run)
+    if trainer is None:
+        boundary = newest_checkpoint(run.url)
+    elif at == "now":
+        receipt = signal_trainer(run.url, "SIGUSR1")
+        boundary = wait_for_requested_checkpoint(run.url, receipt, timeout_s)
+    else:
+        boundary = choose_pivot_boundary(run.url)["boundary"]
+        wait_for_checkpoint(run.url, boundary, timeout_s)
+    # 2. stop the trainer
+    stopped = stop_trainer(run.url)
+    at_stop = LossLogSnapshot.take(run)
+    before.check_prefix_of(run, "the stopped trainer's .loss.json")
+    # 3.-5. the run directory
+    archived = archive_phase(run.url, boundary)
+    keep_loss_log(run.url, at_stop)
+    install_policy(run.url, new_policy["text"], new_policy["source"])
+    message = (
+        f"pivoted {run.url} at step_{boundary:06d}.bin to policy {new_policy['name']!r}; "
+        f"closed phase in {archived['folder']}"
+    )
+    result = {"boundary": boundary, "policy": new_policy["name"], "archive": archived, "stopped": stopped}
+    # 6. restart from the pivot checkpoint
+    if restart == "none":
+        return Completed(message=message + "; trainer left stopped (restart='none')", data=result)
+    params = {
+        "run_dir": run.url,
+        "max_steps": max_steps,
+        "device": device,
+        "pace": pace,
+        "gpu_slot": gpu_slot,
+    }
+    if restart == "deployment":
+        result["resumed_by"] = restart_trainer(train_deployment, params)
+        background = None
+    else:
+        background = start_subflow(train, **params)
+        result["resumed_by"] = {"subflow": "train"}
+    confirmed = confirm_resumed_trainer(run.url, boundary, at_stop, stopped["pid"], timeout_s)
+    result["resumed"] = confirmed
+    message += f"; resumed at step {confirmed['first_step']} with loss {confirmed['first_loss']:.4f}"
+    if background is not None:
+        result["resumed_outcome"] = background.result()
+        message += f"; then {result['resumed_outcome']['summary']}"
+    return Completed(message=message, data=result)

@@ -1,0 +1,56 @@
+"""`train`: start or resume a run as a Prefect flow run.
+
+The trainer runs as a child process in this flow run's process group: a cancellation from the UI or the
+CLI reaches it as SIGTERM, it checkpoints the step in flight, and only then does the flow run end. The
+final state says at which step the trainer stopped and why."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed, State
+
+from andrea_core.rundir import RunDir
+from tasks.artifacts import run_name
+from tasks.gpu import holding_gpu_slot
+from tasks.trainer import run_trainer
+
+
+def _flow_run_name() -> str:
+    return f"train-{run_name(flow_run.parameters['run_dir'])}"
+
+
+@flow(name="train", flow_run_name=_flow_run_name)
+def train(
+    run_dir: str,
+    config: str | None = None,
+    max_steps: int | None = None,
+    device: str = "auto",
+    pace: float = 0.0,
+    gpu_slot: str | None = "auto",
+    slot_timeout_s: float | None = None,
+) -> State:
+    """Train `run_dir` up to `max_steps` (default: the run config's).
+
+    config: a config name or YAML path, only to create a new run; a resume reads the frozen run.yaml.
+    gpu_slot: the one-trainer-per-GPU concurrency slot to hold ("auto": gpu-N for CUDA device N,
+        none on the CPU; or an explicit name). slot_timeout_s: how long to wait for it (None: forever).
+    """
+    run_dir = RunDir(run_dir).url
+    with holding_gpu_slot(gpu_slot, device, slot_timeout_s):
+        outcome = run_trainer(run_dir, config, max_steps, device, pace)
+    final = Completed if outcome["ok"] else Failed
+    return final(message=outcome["summary"], data=outcome)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Run the train flow in this process (no worker needed).")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--config")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--pace", type=float, default=0.0)
+    a = p.parse_args()
+    train(a.run_dir, a.config, a.max_steps, a.device, a.pace)

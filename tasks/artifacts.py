@@ -1,0 +1,86 @@
+"""Publishing to the Prefect UI: artifacts keyed by run, so each run's latest report is one click away."""
+
+from __future__ import annotations
+
+import re
+import time
+from uuid import UUID
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_image_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+
+from andrea_core.compare import Comparison, plot_comparison, png_data_uri, report_markdown
+from andrea_core.rundir import RunDir
+
+
+def artifact_key(*parts: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower()).strip("-")[:120]
+
+
+def run_name(run_dir: str) -> str:
+    return RunDir(run_dir).url.rstrip("/").rsplit("/", 1)[-1]
+
+
+class TrainingProgress:
+    """A progress artifact showing step/total of one trainer, updated at most every `every` seconds
+    (each update is an API call; the trainer logs far more often than the UI needs)."""
+
+    def __init__(self, run_dir: str, total: int | None, every: float = 2.0):
+        self.run_dir = run_dir
+        self.every = every
+        self._last = 0.0
+        self.total = total
+        self._id: UUID = create_progress_artifact(0.0, description=self._describe(None))
+
+    def _describe(self, step: int | None) -> str:
+        return f"{self.run_dir}: step {step if step is not None else '?'} of {self.total or '?'}"
+
+    def update(self, step: int | None, total: int | None, force: bool = False) -> None:
+        self.total = total or self.total
+        now = time.monotonic()
+        if step is None or not self.total or (now - self._last < self.every and not force):
+            return
+        self._last = now
+        update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), self._describe(step))
+
+
+def publish_status(run_dir: str, title: str, rows: dict[str, object]) -> None:
+    """A small markdown table keyed by the run: the UI's Artifacts page shows its latest version."""
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
+    create_markdown_artifact(
+        markdown=f"### {title}\n\n| | |\n|---|---|\n{body}\n",
+        key=artifact_key("trainer", run_name(run_dir)),
+        description=f"trainer status of {run_dir}",
+    )
+
+
+@task(name="publish-fork-report", cache_policy=NO_CACHE)
+def publish_fork_report(comparison: Comparison, report_dir: str) -> dict[str, str]:
+    """The audit report as a markdown artifact with the plot embedded (a data URI: the UI needs no
+    access to the run's storage), the plot as an image artifact, and both as files in `report_dir`."""
+    logger = get_run_logger()
+    png = plot_comparison(comparison)
+    uri = png_data_uri(png)
+    key = artifact_key("audit-fork", run_name(comparison.parent))
+    create_markdown_artifact(
+        markdown=report_markdown(comparison, uri),
+        key=key,
+        description=f"audit fork of {comparison.parent} at step {comparison.fork_step}: {comparison.verdict}",
+    )
+    create_image_artifact(
+        image_url=uri, key=f"{key}-plot", description=f"loss of the branches forked at {comparison.fork_step}"
+    )
+    out = RunDir(report_dir)
+    out.makedirs()
+    out.write_atomic("plot.png", png)
+    out.write_text("report.md", report_markdown(comparison, "plot.png"))
+    paths = {"report": out.path("report.md"), "plot": out.path("plot.png"), "artifact_key": key}
+    logger.info(f"audit report: {paths['report']} (plot {paths['plot']}); Prefect artifact {key!r}")
+    return paths

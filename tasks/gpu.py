@@ -1,0 +1,70 @@
+"""One trainer per GPU: a Prefect global concurrency limit named after the device ("gpu-0") with one
+slot, held for as long as a trainer runs on it. Together with the run lock (.trainer.json), which keeps
+two trainers off one run directory, it keeps a scheduled audit fork off the GPU of the main run.
+
+The slot is a lease that this flow-run process renews; if the process dies, the lease runs out after
+LEASE_S and the slot frees itself. With the server's lease storage on the filesystem
+(PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem), a
+server restart neither forgets a held slot nor leaks it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+from andrea_core.supervise import gpu_slot_name
+
+LEASE_S = 60.0
+
+
+class GpuBusy(RuntimeError):
+    """The GPU's slot stayed taken: another trainer runs on it."""
+
+
+def ensure_gpu_limit(name: str) -> None:
+    """Create the one-slot limit on first use, so that a GPU is never shared just because the operator's
+    setup did not create its limit yet. An existing limit is left as the operator configured it."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+
+@contextlib.contextmanager
+def holding_gpu_slot(slot: str | None, device: str, timeout_s: float | None) -> Iterator[str | None]:
+    """Hold the slot of the GPU that `device` resolves to ("auto": gpu-N on CUDA, nothing on the CPU;
+    an explicit name is used as given). Waits up to `timeout_s` (None: as long as it takes)."""
+    name = gpu_slot_name(slot, device)
+    if name is None:
+        yield None
+        return
+    logger = get_run_logger()
+    ensure_gpu_limit(name)
+    logger.info(f"waiting for concurrency slot {name!r} (one trainer per GPU)")
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(
+                concurrency(
+                    name,
+                    occupy=1,
+                    timeout_seconds=timeout_s,
+                    strict=True,
+                    lease_duration=LEASE_S,
+                    raise_on_lease_renewal_failure=False,
+                )
+            )
+        except TimeoutError:
+            raise GpuBusy(
+                f"concurrency slot {name!r} stayed taken for {timeout_s:.0f}s: another trainer (the main "
+                "run?) runs on that GPU, and a trainer never shares one. Use another device, or wait."
+            ) from None
+        logger.info(f"holding concurrency slot {name!r}")
+        yield name

@@ -1,0 +1,171 @@
+"""Tasks over trainer processes. The trainer is its own OS process (DESIGN.md "Processes"): these start
+and follow one, signal the trainer of a run directory, wait for its checkpoints and stop it."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
+from prefect.exceptions import TerminationSignal
+from prefect.logging.handlers import APILogWorker
+from prefect.states import Cancelled
+
+from andrea_core import supervise
+from andrea_core.lock import live_trainer
+from andrea_core.rundir import RunDir
+from andrea_core.supervise import TrainerProcess
+from tasks.artifacts import TrainingProgress, publish_status, run_name
+
+CONTRACT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # what a trainer understands (DESIGN.md "Signals")
+
+
+def _trainer_task_name() -> str:
+    from prefect.runtime import task_run
+
+    return f"trainer {run_name(task_run.parameters['run_dir'])}"
+
+
+@task(name="run-trainer", task_run_name=_trainer_task_name, cache_policy=NO_CACHE)
+def run_trainer(
+    run_dir: str,
+    config: str | None = None,
+    max_steps: int | None = None,
+    device: str = "auto",
+    pace: float = 0.0,
+    stop_grace_s: float = 25.0,
+) -> dict:
+    """Start a trainer for `run_dir` in this flow run's process group and follow it to its end: each
+    of its lines goes to the Prefect log, its step/total to a progress artifact.
+
+    Cancelling the flow run makes Prefect's worker SIGTERM the flow run's whole process group. The
+    trainer gets that SIGTERM itself and checkpoints the step in flight; this task waits for it (well
+    inside the worker's 30 s before SIGKILL), then lets the cancellation go on."""
+    logger = get_run_logger()
+    trainer = TrainerProcess(run_dir, config=config, max_steps=max_steps, device=device, pace=pace).start()
+    logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
+    progress = TrainingProgress(trainer.run.url, max_steps)
+    try:
+        for line in trainer.lines():
+            logger.info(line)
+            progress.update(trainer.step, trainer.total)
+    except BaseException as exc:
+        # A cancellation (TerminationSignal), Ctrl-C, or anything else that ends this task early: the
+        # trainer must end with a checkpoint of the step in flight before we do.
+        t0 = time.monotonic()
+        outcome = trainer.stop(stop_grace_s, on_line=logger.info)
+        why = "cancelled from Prefect" if isinstance(exc, TerminationSignal) else f"{type(exc).__name__}"
+        message = f"{why}: {outcome.describe()} ({time.monotonic() - t0:.1f}s after the stop request)"
+        logger.warning(message)
+        _finish(trainer, progress, outcome, why)
+        if isinstance(exc, TerminationSignal):
+            _record_cancellation(message)
+        # Prefect may end this process with a bare SIGTERM once the signal propagates: ship the log now.
+        APILogWorker.drain_all(timeout=5)
+        raise
+    outcome = trainer.outcome()
+    result = outcome.to_dict()
+    if outcome.reason in ("SIGTERM", "SIGINT"):
+        result["summary"] += (
+            " (the signal came from outside this flow run: a pivot, an operator or the system)"
+        )
+    _finish(trainer, progress, outcome, "finished")
+    (logger.info if outcome.ok else logger.error)(result["summary"])
+    return result
+
+
+def _finish(trainer: TrainerProcess, progress: TrainingProgress, outcome: supervise.TrainerOutcome, how: str):
+    progress.update(outcome.step, trainer.total, force=True)
+    publish_status(
+        outcome.run_dir,
+        f"trainer of {run_name(outcome.run_dir)}: {outcome.reason}",
+        {
+            "run": outcome.run_dir,
+            "ended": how,
+            "reason": outcome.reason,
+            "step": outcome.step,
+            "checkpoint": outcome.checkpoint or "none",
+            "exit code": outcome.returncode,
+            "summary": outcome.describe(),
+        },
+    )
+
+
+def _record_cancellation(message: str) -> None:
+    """Put the step and the reason into a Cancelled state of this flow run. Prefect's runner then adds
+    its own generic "Flow run was cancelled successfully." state on top (3.9.1 always does): ours stays
+    in the state history, in the log and in the trainer status artifact."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(context.flow_run.id, Cancelled(message=message), force=True)
+    except Exception as e:  # the API may already be going away with this process: the log has it too
+        get_run_logger().warning(f"could not record the cancellation state: {e}")
+
+
+@task(name="signal-trainer", cache_policy=NO_CACHE)
+def signal_trainer(run_dir: str, signal_name: str) -> dict:
+    """Signal the trainer that holds `run_dir`'s lock (.trainer.json), after checking that its pid still
+    belongs to that very process (boot id and kernel start time): a recycled pid is never signalled.
+    Returns what the run looked like just before, for waiting on the signal's effect."""
+    if signal_name not in CONTRACT_SIGNALS:
+        raise ValueError(f"signal {signal_name!r}: a trainer understands only {', '.join(CONTRACT_SIGNALS)}")
+    run = RunDir(run_dir)
+    trainer = supervise.require_live_trainer(run)
+    receipt = {
+        "pid": trainer.pid,
+        "signal": signal_name,
+        "logged_step": supervise.logged_step(run),
+        "checkpoints": run.checkpoint_steps(),
+        "time": time.time(),
+    }
+    trainer.signal(signal.Signals[signal_name])
+    get_run_logger().info(f"sent {signal_name} to trainer pid {trainer.pid} of {run.url}")
+    return receipt
+
+
+@task(name="wait-for-checkpoint", cache_policy=NO_CACHE)
+def wait_for_checkpoint(run_dir: str, step: int, timeout_s: float = 1800.0) -> int:
+    """Block until step_NNNNNN.bin is on disk and valid; fails early if the trainer exits first."""
+    run = RunDir(run_dir)
+    t0 = time.monotonic()
+    ckpt = supervise.wait_for_checkpoint(run, step, timeout_s, trainer=live_trainer(run))
+    get_run_logger().info(
+        f"{run.url}: step_{ckpt.step:06d}.bin is valid (waited {time.monotonic() - t0:.1f}s)"
+    )
+    return ckpt.step
+
+
+@task(name="wait-for-requested-checkpoint", cache_policy=NO_CACHE)
+def wait_for_requested_checkpoint(run_dir: str, receipt: dict, timeout_s: float = 600.0) -> int:
+    """The checkpoint a SIGUSR1 asked for: the first new one at or after the step logged at the signal."""
+    run = RunDir(run_dir)
+    ckpt = supervise.wait_for_new_checkpoint(
+        run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=live_trainer(run)
+    )
+    get_run_logger().info(f"{run.url}: {receipt['signal']} produced step_{ckpt.step:06d}.bin (valid)")
+    return ckpt.step
+
+
+@task(name="stop-trainer", cache_policy=NO_CACHE)
+def stop_trainer(run_dir: str, timeout_s: float = 300.0) -> dict:
+    """SIGTERM the trainer of `run_dir` (identity-checked) and wait until it has exited: by then it has
+    checkpointed the step in flight. A run with no live trainer is left alone."""
+    logger = get_run_logger()
+    run = RunDir(run_dir)
+    trainer = live_trainer(run)
+    if trainer is None:
+        logger.info(f"{run.url}: no live trainer to stop")
+        return {"stopped": False, "pid": None, "step": (run.checkpoint_steps() or [None])[-1], "seconds": 0.0}
+    trainer.stop()
+    waited = supervise.wait_for_exit(trainer, timeout_s)
+    step = (run.checkpoint_steps() or [None])[-1]
+    logger.info(
+        f"{run.url}: trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {step}"
+    )
+    return {"stopped": True, "pid": trainer.pid, "step": step, "seconds": waited}

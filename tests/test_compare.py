@@ -1,0 +1,125 @@
+"""Audit-fork comparison (andrea_core.compare): real branches trained from one checkpoint, scored on the
+same held-out batches; and the winner's margin and noise on known numbers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from andrea_core.checkpoint import restore
+from andrea_core.compare import (
+    BranchResult,
+    Comparison,
+    _name_winner,
+    compare_branches,
+    plot_comparison,
+    png_data_uri,
+    report_markdown,
+    sequence_losses,
+)
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.fork import BranchSpec, fork
+from andrea_core.model import GPT
+from andrea_core.optim import build_optimizer
+from andrea_core.rundir import RunDir
+from andrea_core.runs import read_policy, read_run
+from tests.conftest import andrea
+from tests.tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compare")
+    parent = RunDir(folder / "parent")
+    andrea("train", "--config", tiny_config(folder), "--run-dir", parent.url, "--max-steps", "100")
+    branches = [BranchSpec("base"), BranchSpec("frozen", {"train.lr": 1e-9, "train.min_lr": 0.0})]
+    urls = fork(parent.url, branches, 100)
+    for url in urls:
+        andrea("train", "--run-dir", url, "--max-steps", "160")
+    return parent, urls
+
+
+def test_compare_names_the_branch_that_learns(forked):
+    parent, urls = forked
+    c = compare_branches(parent.url, urls, 100, val_sequences=16)
+    assert c.arms == ["stdlib-code"] and c.fork_step == 100
+    base, frozen = c.branch("base"), c.branch("frozen")
+    assert base.trained_to == frozen.trained_to == 160
+    assert [e.step for e in base.history] == list(range(101, 161))
+    assert c.winner == "base" and c.runner_up == "frozen" and c.significant
+    assert c.margin == pytest.approx(frozen.val_mean - base.val_mean)
+    assert 0 < c.noise < c.margin / 2
+    assert c.verdict.startswith("base converges best")
+    assert frozen.overrides == {"train.lr": 1e-9, "train.min_lr": 0.0}
+
+
+def test_held_out_loss_is_the_checkpoints_own(forked):
+    """The score of a branch is its newest checkpoint's loss on the arm's fixed validation batch,
+    recomputed here from scratch."""
+    parent, urls = forked
+    c = compare_branches(parent.url, urls, 100, val_sequences=16)
+    branch = RunDir(urls[0])
+    cfg = read_run(branch).config
+    model = GPT(cfg.model)
+    restore(branch.read_checkpoint(160), model, build_optimizer(model, cfg.train, "cpu"))
+    model.eval()
+    x, y = DataPipeline(cfg, read_policy(branch)).val_batch("stdlib-code", 16)
+    with torch.no_grad():
+        _, loss = model(x, y)
+    assert c.branch("base").val_loss["stdlib-code"] == pytest.approx(loss.item(), rel=1e-5)
+    assert sequence_losses(model, x, y).mean() == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_report_and_plot(forked):
+    parent, urls = forked
+    c = compare_branches(parent.url, urls, 100, val_sequences=16)
+    png = plot_comparison(c)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    md = report_markdown(c, png_data_uri(png))
+    assert md.startswith(f"# Audit fork of `{parent.url}` at step 100")
+    assert "**Winner: `base`**" in md
+    assert "| **base** | (none) | 160 |" in md
+    assert "`train.lr=1e-09`" in md
+    assert "](data:image/png;base64,iVBORw0KGgo" in md
+    assert all(f"`{u}`" in md for u in urls)
+    assert c.to_dict()["winner"] == "base" and "history" not in c.to_dict()["branches"][0]
+
+
+def test_a_branch_that_failed_is_reported_not_ranked(forked):
+    parent, urls = forked
+    c = compare_branches(parent.url, urls, 100, val_sequences=16, failed={"base": "trainer exited 1"})
+    assert c.winner == "frozen" and c.runner_up is None and c.margin is None
+    assert c.branch("base").problem == "trainer exited 1"
+    assert "(trainer exited 1)" in report_markdown(c)
+
+
+def _result(name: str, per_sequence: list[float]) -> BranchResult:
+    values = np.asarray(per_sequence)
+    return BranchResult(name, name, {}, val_loss={"a": float(values.mean())}, val_mean=float(values.mean()),
+                        per_sequence=values)  # fmt: skip
+
+
+def test_margin_and_noise_are_paired():
+    """Sequences differ in difficulty far more than the branches do; pairing cancels that spread."""
+    hard_and_easy = [1.0, 3.0, 1.5, 2.5, 2.0, 4.0]
+    better = _result("better", hard_and_easy)
+    worse = _result(
+        "worse", [v + d for v, d in zip(hard_and_easy, [0.10, 0.12, 0.08, 0.11, 0.09, 0.10], strict=True)]
+    )
+    c = Comparison("p", 10, ["a"], 6, 64, [worse, better])
+    _name_winner(c)
+    diffs = np.array([0.10, 0.12, 0.08, 0.11, 0.09, 0.10])
+    assert c.winner == "better" and c.runner_up == "worse"
+    assert c.margin == pytest.approx(diffs.mean())
+    assert c.noise == pytest.approx(diffs.std(ddof=1) / math.sqrt(6))
+    assert c.significant  # unpaired, the spread of 1.0..4.0 would have drowned a 0.1 lead
+
+    tie = _result(
+        "tie", [v + d for v, d in zip(hard_and_easy, [0.2, -0.2, 0.1, -0.15, 0.05, 0.02], strict=True)]
+    )
+    c = Comparison("p", 10, ["a"], 6, 64, [tie, better])
+    _name_winner(c)
+    assert c.winner == "better" and not c.significant and "within the noise" in c.verdict

@@ -1,0 +1,651 @@
+"""The Prefect layer end to end: a real local Prefect server and a process worker started here (127.0.0.1,
+a free port, PREFECT_HOME in a temporary folder), the repository's prefect.yaml deployed with
+`prefect deploy --all`, real trainer processes, and the UI in headless Chromium.
+
+The tests share one server, worker and "live" run and build on each other in file order, like an
+operator's day: train, audit-fork the live run, refuse a busy GPU, pivot, cancel, look at the UI, lose
+a flow-run process. Figures (server start, flow durations, cancellation to checkpoint) are written to
+test-output/prefect/timings.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from uuid import UUID
+
+import httpx
+import pytest
+import torch
+
+from andrea_core.checkpoint import checkpoint_name, restore
+from andrea_core.config import ConfigError
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import load_policy
+from andrea_core.data.tokens import run_tokenizer
+from andrea_core.lock import live_trainer
+from andrea_core.loss_log import parse_lines, read_history
+from andrea_core.model import GPT
+from andrea_core.optim import build_optimizer, lr_at
+from andrea_core.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLES, STATE, RunDir
+from andrea_core.runs import read_run
+from andrea_core.supervise import LossLogSnapshot, TrainerProcess, wait_for_first_entry_after
+from andrea_core.trainer import step_seed
+from tests.browser import Chromium, chromium_path
+from tests.conftest import REPO, wait_for
+from tests.tiny import tiny_config
+
+pytestmark = pytest.mark.slow
+
+PREFECT = str(Path(sys.executable).parent / "prefect")
+OUT = REPO / "test-output" / "prefect"
+LIVE_PACE = 0.1  # 10 steps/s at most: a checkpoint every 10 s, little CPU on a small machine
+TIMINGS: dict[str, float] = {}
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(name: str, value: float) -> None:
+    TIMINGS[name] = round(value, 1) if name.endswith("(s)") else float(f"{value:.3g}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "timings.json").write_text(json.dumps(TIMINGS, indent=1) + "\n")
+
+
+class Stack:
+    """The server, the worker and what the tests share."""
+
+    def __init__(self, home: Path, port: int):
+        self.home = home
+        self.api = f"http://127.0.0.1:{port}/api"
+        self.ui = f"http://127.0.0.1:{port}"
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": self.api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.server: subprocess.Popen | None = None
+        self.worker: subprocess.Popen | None = None
+        self.live: dict = {}  # run dir and flow run of the trainer the tests share
+        self.setup_output = self.deploy_output = ""
+
+    def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [PREFECT, "--no-prompt", *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"prefect {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+    def start_worker(self) -> None:
+        log = open(OUT / "worker.log", "ab")
+        self.worker = subprocess.Popen(
+            [PREFECT, "worker", "start", "--pool", "andrea", "--type", "process"],
+            env=self.env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        with client() as c:
+            wait_for(
+                lambda: any(w.status.value == "ONLINE" for w in c.read_workers_for_work_pool("andrea")),
+                timeout=120,
+                what="the worker to come online",
+            )
+
+    def stop_worker(self) -> None:
+        if self.worker and self.worker.poll() is None:
+            self.worker.terminate()  # an idle worker needs a second SIGTERM
+            try:
+                self.worker.wait(5)
+            except subprocess.TimeoutExpired:
+                self.worker.terminate()
+                try:
+                    self.worker.wait(20)
+                except subprocess.TimeoutExpired:
+                    self.worker.kill()
+
+
+def client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, token_cache_dir):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    s = Stack(tmp_path_factory.mktemp("prefect-home"), _free_port())
+    t0 = time.monotonic()
+    s.server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", s.api.split(":")[2].split("/")[0]],
+        env=s.env,
+        cwd=REPO,
+        stdout=open(OUT / "server.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{s.api}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, timeout=240, what="the Prefect server to be healthy")
+        _timed("server start to healthy (s)", time.monotonic() - t0)
+        with temporary_settings(updates={PREFECT_API_URL: s.api, PREFECT_HOME: str(s.home)}):
+            t0 = time.monotonic()
+            setup = subprocess.run(
+                [sys.executable, "scripts/prefect_setup.py", "--gpus", "0"],
+                env=s.env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            assert setup.returncode == 0, setup.stdout + setup.stderr
+            s.setup_output = setup.stdout
+            _timed("scripts/prefect_setup.py (s)", time.monotonic() - t0)
+            t0 = time.monotonic()
+            s.deploy_output = s.cli("deploy", "--all").stdout
+            _timed("prefect deploy --all (s)", time.monotonic() - t0)
+            t0 = time.monotonic()
+            s.start_worker()
+            _timed("worker start to online (s)", time.monotonic() - t0)
+            yield s
+    finally:
+        _stop_trainers(tmp_path_factory.getbasetemp())
+        s.stop_worker()
+        if s.server.poll() is None:
+            s.server.terminate()
+            try:
+                s.server.wait(30)
+            except subprocess.TimeoutExpired:
+                s.server.kill()
+
+
+def _stop_trainers(base: Path) -> None:
+    """Leave no trainer behind: each one's flow run then ends on its own."""
+    for lock in base.glob("**/.trainer.json"):
+        trainer = live_trainer(RunDir(lock.parent))
+        if trainer is not None:
+            trainer.stop()
+
+
+# --- helpers over the API ----------------------------------------------------------------------------
+
+
+def start_deployment(name: str, **parameters) -> UUID:
+    with client() as c:
+        deployment = c.read_deployment_by_name(name)
+        return c.create_flow_run_from_deployment(deployment.id, parameters=parameters).id
+
+
+def wait_for_final(flow_run_id: UUID, timeout: float = 420):
+    with client() as c:
+        run = wait_for(
+            lambda: (r := c.read_flow_run(flow_run_id)).state and r.state.type.value in FINAL and r,
+            timeout=timeout,
+            what=f"flow run {flow_run_id} to finish",
+        )
+    return run
+
+
+def flow_run_logs(flow_run_id: UUID) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    where, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), []
+    with client() as c:
+        while page := c.read_logs(where, limit=200, offset=len(logs)):  # the API's largest page
+            logs += page
+    return "\n".join(entry.message for entry in logs)
+
+
+def artifact(key: str):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with client() as c:
+        found = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact with key {key!r}"
+    return max(found, key=lambda a: a.created)
+
+
+def run_id_in(output: str) -> UUID:
+    return UUID(re.search(r"UUID: ([0-9a-f-]{36})|'([0-9a-f-]{36})'", output).group(1) or "")
+
+
+def files_of(run: RunDir) -> dict[str, str]:
+    root = Path(run.url)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def ensure_live_train(stack: Stack, run: RunDir) -> dict:
+    """A `train` deployment run of `run` whose trainer is live and past its first checkpoint."""
+    trainer = live_trainer(run)
+    if trainer is None or not stack.live.get("flow_run_id"):
+        params = {"run_dir": run.url, "max_steps": 100_000, "pace": LIVE_PACE, "gpu_slot": "test-gpu"}
+        if not run.exists("run.yaml"):
+            params["config"] = tiny_config(Path(run.url).parent)
+        t0 = time.monotonic()
+        flow_run_id = start_deployment("train/train", **params)
+        wait_for(lambda: live_trainer(run), timeout=300, what="the trainer of the train flow run")
+        _timed("train flow run: created to trainer live (s)", time.monotonic() - t0)
+        stack.live = {"run": run, "flow_run_id": flow_run_id}
+    wait_for(lambda: run.checkpoint_steps(), timeout=300, what="a first checkpoint")
+    return stack.live
+
+
+@pytest.fixture(scope="module")
+def live_run(stack, tmp_path_factory) -> RunDir:
+    return RunDir(tmp_path_factory.mktemp("runs") / "live")
+
+
+# --- the tests -----------------------------------------------------------------------------------
+
+
+def test_prefect_deploy_all_creates_the_deployments(stack):
+    assert "andrea-crash-silent-train-runs" in stack.setup_output
+    for name in ("train/train", "pivot/pivot", "audit-fork/audit-fork"):
+        assert name in stack.deploy_output
+    with client() as c:
+        pool = c.read_work_pool("andrea")
+        assert pool.type == "process"
+        train = c.read_deployment_by_name("train/train")
+        assert train.entrypoint == "flows/train.py:train" and train.work_pool_name == "andrea"
+        assert train.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+        assert train.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(
+            REPO
+        )
+        fork = c.read_deployment_by_name("audit-fork/audit-fork")
+        (schedule,) = fork.schedules
+        assert schedule.schedule.cron == "0 */6 * * *" and schedule.active
+        assert fork.parameters["run_dir"] == "runs/andrea-12m" and len(fork.parameters["branches"]) == 2
+        (automation,) = c.read_automations_by_name("andrea-crash-silent-train-runs")
+        assert automation.enabled and automation.actions[0].type == "change-flow-run-state"
+
+
+def test_audit_fork_of_a_live_run(stack, live_run):
+    ensure_live_train(stack, live_run)
+    trainer = live_trainer(live_run)
+    # Freeze the live parent trainer (it stays alive and holds its lock) so that any change to the
+    # parent's files during the fork would be the fork's doing.
+    trainer.signal(signal.SIGSTOP)
+    try:
+        before = files_of(live_run)
+        forks_before = live_run.read_bytes(FORKS) if live_run.exists(FORKS) else b""
+        t0 = time.monotonic()
+        flow_run_id = start_deployment(
+            "audit-fork/audit-fork",
+            run_dir=live_run.url,
+            branches=[
+                {"name": "base"},
+                {"name": "frozen", "overrides": {"train.lr": 1e-9, "train.min_lr": 0.0}},
+            ],
+            steps=60,
+            val_sequences=64,
+        )
+        run = wait_for_final(flow_run_id)
+        _timed("audit-fork flow run: created to completed (s)", time.monotonic() - t0)
+        after = files_of(live_run)
+    finally:
+        trainer.signal(signal.SIGCONT)
+    assert run.state.type.value == "COMPLETED", run.state.message
+    assert run.state.message.startswith("base converges best")
+
+    # The parent: byte-identical, but for the one line the fork appends to forks.jsonl.
+    assert {k: v for k, v in after.items() if k != FORKS} == {k: v for k, v in before.items() if k != FORKS}
+    forks_after = live_run.read_bytes(FORKS)
+    assert forks_after.startswith(forks_before)
+    (record,) = [json.loads(line) for line in forks_after[len(forks_before) :].splitlines()]
+    step = record["step"]
+    assert step == max(int(k[5:11]) for k in before if re.fullmatch(r"step_\d{6}\.bin", k))
+    assert record["names"] == ["base", "frozen"]
+
+    # The branches: lineage, their own training, the same checkpoint to start from.
+    for name, url in zip(record["names"], record["branches"], strict=True):
+        branch = RunDir(url)
+        lineage = read_run(branch).lineage
+        assert (
+            lineage["parent"] == live_run.url and lineage["parent_step"] == step and lineage["branch"] == name
+        )
+        assert branch.read_bytes(checkpoint_name(step)) == live_run.read_bytes(checkpoint_name(step))
+        branch.read_checkpoint(step + 60)
+    assert read_run(RunDir(record["branches"][1])).config.train.lr == 1e-9
+
+    # The report and the plot, as artifacts and as files.
+    report = artifact("audit-fork-live")
+    assert report.type == "markdown"
+    assert "**Winner: `base`**" in report.data and "base converges best" in report.data
+    assert "](data:image/png;base64,iVBORw0KGgo" in report.data
+    plot = artifact("audit-fork-live-plot")
+    assert plot.type == "image" and plot.data.startswith("data:image/png;base64,")
+    folder = Path(f"{live_run.url}-fork{step}-report")
+    assert (folder / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "**Winner: `base`**" in (folder / "report.md").read_text()
+    assert trainer.is_alive(), "the parent trainer trains on"
+
+
+def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
+    """The live trainer holds the "test-gpu" slot: an audit fork on that GPU waits, then fails clearly
+    (it never shares the GPU), before it has written anything."""
+    ensure_live_train(stack, live_run)
+    with client() as c:
+        limit = c.read_global_concurrency_limit_by_name("test-gpu")
+        assert limit.limit == 1 and limit.active_slots == 1
+    forks_before = live_run.read_bytes(FORKS)
+    flow_run_id = start_deployment(
+        "audit-fork/audit-fork",
+        run_dir=live_run.url,
+        branches=[{"name": "a"}, {"name": "b", "overrides": {"train.lr": 1e-3}}],
+        steps=10,
+        gpu_slot="test-gpu",
+        slot_timeout_s=5,
+    )
+    run = wait_for_final(flow_run_id)
+    assert run.state.type.value == "FAILED"
+    assert "GpuBusy: concurrency slot 'test-gpu' stayed taken for 5s" in run.state.message
+    assert live_run.read_bytes(FORKS) == forks_before
+    assert not list(Path(live_run.url).parent.glob("live-fork*-a"))
+
+
+def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
+    """The pivot flow called in this process (against the test server), on a trainer started here.
+    A policy whose floors sum above 1 fails the pivot before the trainer is signalled or a file moves;
+    then at="now" pivots at the checkpoint a SIGUSR1 asks for, off the grid, and with restart="none"
+    leaves the run stopped under its new policy."""
+    from flows.pivot import pivot
+
+    run = RunDir(tmp_path / "run")
+    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=100_000, pace=LIVE_PACE).start()
+    try:
+        wait_for(lambda: run.exists(LOSS_LOG) and read_history(run), timeout=300, what="the first steps")
+        bad = tmp_path / "bad-policy.yaml"
+        bad.write_text(
+            "name: bad\narms:\n  - {name: stdlib-code, kind: python-stdlib, floor: 0.7}\n"
+            "  - {name: docs-prose, kind: prose, floor: 0.6}\n"
+        )
+        identity = live_trainer(run)
+        identity.signal(signal.SIGSTOP)  # hold its files still while we compare them
+        try:
+            before = files_of(run)
+            with pytest.raises(
+                ConfigError, match=r"bad-policy\.yaml: infeasible policy: floors sum to 1\.3 > 1"
+            ):
+                pivot(run.url, str(bad), restart="none")
+            assert files_of(run) == before
+        finally:
+            identity.signal(signal.SIGCONT)
+        assert identity.is_alive()
+
+        wait_for(lambda: 20 <= read_history(run)[-1].step % 100 < 50, timeout=120, what="a step off the grid")
+        result = pivot(run.url, "polish", at="now", restart="none")
+    finally:
+        outcome = trainer.stop()
+    boundary = result["boundary"]
+    assert boundary % 100 != 0, "a checkpoint written on request, not one of the grid"
+    assert outcome.reason == "SIGTERM" and outcome.step >= boundary
+    assert run.checkpoint_steps()[-1] == boundary
+    assert run.read_bytes(POLICY_YAML) == load_policy("polish")[1].encode()
+    assert live_trainer(run) is None
+    archived = RunDir(result["archive"]["folder"])
+    assert archived.read_bytes(POLICY_YAML) == load_policy(read_run(run).config.data.policy)[1].encode()
+    assert all(s > boundary for s in archived.checkpoint_steps())
+
+
+def test_pivot_of_a_live_run(stack, live_run):
+    live = ensure_live_train(stack, live_run)
+    old_trainer = live_trainer(live_run)
+    old_policy = live_run.read_bytes(POLICY_YAML)
+    # The sidecars of the closing phase (the bandit's .state.json and the audit's .samples.json): a
+    # trainer without them yet gets stand-ins, so that the archive step has them to move.
+    planted = {}
+    for name in (SAMPLES, STATE):
+        if not live_run.exists(name):
+            planted[name] = json.dumps({"stand-in for the test": name, "policy": "stdlib-only"}).encode()
+            live_run.write_atomic(name, planted[name])
+    loss_before = live_run.read_bytes(LOSS_LOG)
+    new_policy, new_policy_text = load_policy("polish")
+
+    t0 = time.monotonic()
+    out = stack.cli(
+        "deployment", "run", "pivot/pivot",
+        "--param", f"run_dir={live_run.url}",
+        "--param", "policy=polish",
+        "--param", "max_steps=100000",
+        "--param", f"pace={LIVE_PACE}",
+        "--param", "gpu_slot=test-gpu",
+    ).stdout  # fmt: skip
+    pivot_id = run_id_in(out)
+    run = wait_for_final(pivot_id)
+    _timed(
+        "pivot flow run (CLI to completed, incl. the resumed trainer's first step) (s)", time.monotonic() - t0
+    )
+    assert run.state.type.value == "COMPLETED", run.state.message
+    boundary = int(re.search(r"at step_(\d+)\.bin", run.state.message).group(1))
+    every = read_run(live_run).config.train.checkpoint_every
+    assert boundary % every == 0
+
+    # The boundary checkpoint is the newest of the old phase left in place; the tail went to the archive.
+    ckpt = live_run.read_checkpoint(boundary)
+    (folder,) = [f for f in live_run.listdir(ARCHIVE) if f.endswith(f"_step_{boundary:06d}")]
+    archive = RunDir(live_run.path(f"{ARCHIVE}/{folder}"))
+    assert archive.read_bytes(POLICY_YAML) == old_policy
+    for name in (SAMPLES, STATE):
+        assert archive.exists(name)
+        if name in planted:
+            assert archive.read_bytes(name) == planted[name]
+    assert all(s > boundary for s in archive.checkpoint_steps())
+    assert "SIGTERM" in flow_run_logs(live["flow_run_id"])
+
+    # The new phase: the new policy, a new trainer, a fresh bandit, .loss.json an untouched prefix.
+    assert live_run.read_bytes(POLICY_YAML) == new_policy_text.encode()
+    new_trainer = live_trainer(live_run)
+    assert new_trainer is not None and new_trainer.pid != old_trainer.pid
+    if live_run.exists(STATE):
+        assert live_run.read_bytes(STATE) != archive.read_bytes(STATE)
+    wait_for(lambda: read_history(live_run)[-1].step >= boundary + 2, timeout=120, what="two new steps")
+    loss_now = live_run.read_bytes(LOSS_LOG)
+    assert loss_now[: len(loss_before)] == loss_before
+    appended, _ = parse_lines(loss_now[len(loss_before) :])
+    old_segment = max(json.loads(line)["segment"] for line in loss_before.splitlines())
+    new_entries = [e for e in appended if e["segment"] > old_segment]
+    assert [e["step"] for e in new_entries[:2]] == [boundary + 1, boundary + 2]
+
+    # The first losses are what the pivot checkpoint predicts: its weights give step boundary+1's loss,
+    # and its Adam m and v (not fresh zeros) give step boundary+2's.
+    # Bit for bit: the CPU at the run's thread count is deterministic (DESIGN.md "Determinism").
+    actual = [e["loss"] for e in new_entries[:2]]
+    assert actual == expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt)
+    # With m and v lost (zeros), the first loss is the same (weights alone set it), the second is not.
+    zeroed = expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt, zero_moments=True)
+    assert zeroed[0] == actual[0] and zeroed[1] != actual[1], "lost m and v show at the second step"
+    _timed("pivot: second loss with m and v zeroed, relative change", abs(zeroed[1] / actual[1] - 1))
+
+    # The resumed trainer is a `train` flow run of its own, a subflow of the pivot.
+    with client() as c:
+        resumed = _running_train_runs(c, live_run)
+        assert len(resumed) == 1 and resumed[0].id != live["flow_run_id"]
+        assert resumed[0].parent_task_run_id is not None
+    stack.live = {"run": live_run, "flow_run_id": resumed[0].id}
+    old = wait_for_final(live["flow_run_id"], timeout=60)
+    assert old.state.type.value == "COMPLETED" and "stopped at step" in old.state.message
+
+
+def _running_train_runs(c, run: RunDir):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState
+
+    runs = c.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type={"any_": ["RUNNING"]})),
+    )
+    return [r for r in runs if r.parameters.get("run_dir") == run.url]
+
+
+def expected_losses(run, boundary, policy, steps, ckpt, zero_moments=False) -> list[float]:
+    """Replay the trainer's first `steps` steps after `boundary` in this process, from the checkpoint
+    alone: its weights and Adam moments, a fresh bandit, batches as a pure function of (seed, step)."""
+    cfg = read_run(run).config
+    torch.set_num_threads(cfg.train.num_threads)
+    model = GPT(cfg.model)
+    optimizer = build_optimizer(model, cfg.train, "cpu")
+    restore(ckpt, model, optimizer)
+    if zero_moments:
+        for state in optimizer.state.values():
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+    data = DataPipeline(cfg, policy, tokenizer=run_tokenizer(run, cfg))  # a fresh bandit
+    losses, previous = [], None
+    for step in range(boundary + 1, boundary + 1 + steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.train)
+        batch = data.batch(step)
+        torch.manual_seed(step_seed(cfg.train.seed, step))
+        _, loss = model(batch.x, batch.y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if previous is not None:  # the bandit hears of a step's loss one step late, as in the trainer
+            data.observe(*previous)
+        previous = (step, batch.arm, loss.item())
+        losses.append(loss.item())
+    return losses
+
+
+def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack, live_run):
+    live = ensure_live_train(stack, live_run)
+    trainer = live_trainer(live_run)
+    t0 = time.monotonic()
+    cancel_wall = time.time()
+    stack.cli("flow-run", "cancel", str(live["flow_run_id"]))
+    wait_for(lambda: not trainer.is_alive(), timeout=60, what="the trainer to exit")
+    run = wait_for_final(live["flow_run_id"], timeout=120)
+    _timed("cancel: CLI call to Cancelled state (s)", time.monotonic() - t0)
+    assert run.state.type.value == "CANCELLED"
+
+    history = read_history(live_run)
+    stopped_at = history[-1].step
+    name = checkpoint_name(stopped_at)
+    assert live_run.checkpoint_steps()[-1] == stopped_at
+    assert live_run.read_checkpoint(stopped_at).step == stopped_at  # valid, and of the last step trained
+    written = os.stat(live_run.path(name)).st_mtime
+    with client() as c:
+        states = c.read_flow_run_states(live["flow_run_id"])
+    cancelling = next(s.timestamp for s in states if s.type.value == "CANCELLING").timestamp()
+    _timed("cancel: Cancelling state to checkpoint durable (s)", written - cancelling)
+    _timed("cancel: CLI call to checkpoint durable (s)", written - cancel_wall)
+    assert 0 < written - cancelling < 30, "durable well inside the worker's 30 s before SIGKILL"
+
+    logs = flow_run_logs(live["flow_run_id"])
+    assert f"andrea: SIGTERM: stopped at step {stopped_at}, checkpoint {name}" in logs
+    assert f"cancelled from Prefect: {live_run.url}: trainer stopped at step {stopped_at} on SIGTERM" in logs
+    with client() as c:
+        messages = [s.message or "" for s in c.read_flow_run_states(live["flow_run_id"])]
+        assert any(f"stopped at step {stopped_at} on SIGTERM" in m for m in messages), messages
+        wait_for(
+            lambda: c.read_global_concurrency_limit_by_name("test-gpu").active_slots == 0,
+            timeout=30,
+            what="the GPU slot to be released",
+        )
+    status = artifact("trainer-live")
+    assert f"| step | {stopped_at} |" in status.data and "| reason | SIGTERM |" in status.data
+    stack.live = {}
+
+
+def test_the_ui_shows_the_flow_runs_and_the_fork_report(stack, live_run):
+    exe = chromium_path()
+    assert exe, "chromium is not installed (scripts/test.sh installs it)"
+    report = artifact("audit-fork-live")
+    t0 = time.monotonic()
+    with Chromium(exe) as browser:
+        text = browser.open(f"{stack.ui}/runs", ["train-live", "pivot-live", "audit-fork-live"], timeout=120)
+        browser.screenshot(OUT / "ui-runs.png")
+        assert "Cancelled" in text and "Completed" in text
+        text = browser.open(f"{stack.ui}/artifacts/artifact/{report.id}", ["Winner:", "base converges best"])
+        wait_for(
+            lambda: browser.evaluate(
+                "[...document.images].some(i => i.src.startsWith('data:image/png') && i.naturalWidth > 0)"
+            ),
+            timeout=30,
+            what="the report's embedded plot to render",
+        )
+        browser.screenshot(OUT / "ui-fork-report.png")
+        assert f"Audit fork of {live_run.url}" in text and "held-out loss" in text
+    _timed("UI check in headless chromium (s)", time.monotonic() - t0)
+    assert (OUT / "ui-runs.png").stat().st_size > 10_000 and (
+        OUT / "ui-fork-report.png"
+    ).stat().st_size > 10_000
+
+
+def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, live_run):
+    """Worker and flow-run process killed outright: the trainer stops itself with a checkpoint
+    (parent-death SIGTERM), the automation marks the silent run Crashed, a new run resumes. Last in
+    the module: it leaves no worker behind."""
+    live = ensure_live_train(stack, live_run)
+    trainer = live_trainer(live_run)
+    flow_process = int(Path(f"/proc/{trainer.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    wait_for(lambda: _heartbeats(stack, live["flow_run_id"]), timeout=120, what="a first heartbeat")
+    stack.worker.kill()
+    stack.worker.wait()
+    os.kill(flow_process, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: not trainer.is_alive(), timeout=60, what="the orphaned trainer to stop")
+    stopped_at = read_history(live_run)[-1].step
+    assert live_run.checkpoint_steps()[-1] == stopped_at
+    live_run.read_checkpoint(stopped_at)
+
+    run = wait_for_final(live["flow_run_id"], timeout=300)
+    _timed("crash: flow-run process SIGKILL to Crashed (s)", time.monotonic() - t0)
+    assert run.state.type.value == "CRASHED" and "No heartbeat" in run.state.message
+
+    # A later `train` run resumes from that checkpoint (called in this process: the worker is gone).
+    from flows.train import train
+
+    at_stop = LossLogSnapshot.take(live_run)
+    outcome = train(live_run.url, max_steps=stopped_at + 3, gpu_slot="test-gpu", slot_timeout_s=120)
+    assert outcome["reason"] == "completed" and outcome["step"] == stopped_at + 3
+    first = wait_for_first_entry_after(live_run, at_stop, timeout=1)
+    assert first["step"] == stopped_at + 1, "the new run resumed from the dead run's last checkpoint"
+
+
+def _heartbeats(stack: Stack, flow_run_id: UUID) -> list:
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.flow-run.heartbeat"]},
+            "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+        },
+        "limit": 5,
+    }
+    return httpx.post(f"{stack.api}/events/filter", json=body, timeout=10).json().get("events", [])

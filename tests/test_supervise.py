@@ -1,0 +1,152 @@
+"""Supervising real trainer processes from outside (andrea_core.supervise, andrea_core.pdeathsig): what
+the Prefect tasks are thin wrappers over, exercised without Prefect."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.lock import TrainerIdentity, _boot_id, live_trainer, process_start_ticks, read_lock
+from andrea_core.loss_log import read_history
+from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.supervise import (
+    LossLogSnapshot,
+    SupervisionError,
+    TrainerProcess,
+    first_entry_after,
+    gpu_slot_name,
+    wait_for_checkpoint,
+    wait_for_exit,
+)
+from tests.conftest import REPO, _env, andrea, wait_for
+from tests.tiny import tiny_config
+
+
+def test_trainer_process_follows_and_stops_with_a_checkpoint_of_the_step_in_flight(tmp_path):
+    run = RunDir(tmp_path / "run")
+    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=100_000, pace=0.02).start()
+    seen = []
+    for line in trainer.lines():
+        seen.append(line)
+        if trainer.step is not None and trainer.step >= 50:
+            break
+    outcome = trainer.stop(timeout=120)
+    assert outcome.reason == "SIGTERM" and outcome.returncode == 0 and outcome.ok
+    history = read_history(run)
+    # Nothing lost but nothing invented: the checkpoint is of the last step the trainer logged.
+    assert outcome.step == history[-1].step >= 50
+    assert outcome.checkpoint == checkpoint_name(outcome.step)
+    assert run.read_checkpoint(outcome.step).step == outcome.step
+    assert any(line.startswith("andrea: step 50/100000") for line in seen)
+    assert read_lock(run) is None, "the trainer releases its lock on the way out"
+    assert "stopped at step" in outcome.describe()
+
+
+def test_trainer_process_reports_a_refused_start(tmp_path):
+    run = RunDir(tmp_path / "run")
+    andrea("train", "--config", tiny_config(tmp_path), "--run-dir", run.url, "--max-steps", "10")
+    trainer = TrainerProcess(run.url, config=str(REPO / "configs" / "andrea-12m.yaml"), max_steps=20).start()
+    for _ in trainer.lines():
+        pass
+    outcome = trainer.outcome()
+    assert not outcome.ok and outcome.reason == "error" and outcome.returncode == 2
+    assert "differs from the frozen run.yaml" in outcome.detail
+
+
+def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
+    """SIGKILL of the process that launched the trainer (a flow-run process, in production) reaches
+    the trainer as SIGTERM through the parent-death signal: it checkpoints the step in flight and exits,
+    and a later trainer resumes from exactly there."""
+    run = RunDir(tmp_path / "run")
+    config = tiny_config(tmp_path)
+    launcher = textwrap.dedent(
+        f"""
+        import sys, time
+        from andrea_core.supervise import TrainerProcess
+        t = TrainerProcess({run.url!r}, config={config!r}, max_steps=100000, pace=0.02).start()
+        print(t.pid, flush=True)
+        for line in t.lines():
+            pass
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=_env())
+    trainer_pid = int(proc.stdout.readline())
+    wait_for(lambda: run.exists(checkpoint_name(100)), timeout=180, what="first checkpoint")
+    identity = live_trainer(run)
+    assert identity is not None and identity.pid == trainer_pid
+    proc.kill()
+    proc.wait()
+    wait_for_exit(identity, timeout=60)
+    stopped_at = read_history(run)[-1].step
+    assert run.checkpoint_steps()[-1] == stopped_at > 100
+    run.read_checkpoint(stopped_at)
+    resumed = andrea("train", "--run-dir", run.url, "--max-steps", str(stopped_at + 5))
+    assert f"resuming {run.url} from {checkpoint_name(stopped_at)}" in resumed.stdout
+
+
+def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):
+    run = RunDir(tmp_path / "run")
+    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=150).start()
+    wait_for(lambda: live_trainer(run), timeout=120, what="the trainer's lock")
+    identity = live_trainer(run)
+    with pytest.raises(SupervisionError, match=r"exited before writing step_000200\.bin"):
+        wait_for_checkpoint(run, 200, timeout=300, trainer=identity)
+    for _ in trainer.lines():
+        pass
+    assert wait_for_checkpoint(run, 150, timeout=1).step == 150
+
+
+def test_loss_log_snapshot_accepts_appends_and_refuses_rewrites(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.makedirs()
+    line = {"step": 1, "loss": 2.5, "lr": 0.1, "arm": "a", "tokens": 8, "segment": 1, "time": 0.0}
+    run.append(LOSS_LOG, (json.dumps(line) + "\n").encode())
+    snap = LossLogSnapshot.take(run)
+    snap.check_unchanged(run)
+    assert first_entry_after(run, snap) is None
+    run.append(LOSS_LOG, (json.dumps({**line, "step": 2, "segment": 2}) + "\n").encode())
+    assert first_entry_after(run, snap)["step"] == 2
+    with pytest.raises(SupervisionError, match="appended"):
+        snap.check_unchanged(run)
+    data = bytearray(run.read_bytes(LOSS_LOG))
+    data[10] ^= 1
+    run.write_atomic(LOSS_LOG, bytes(data))
+    with pytest.raises(SupervisionError, match="rewritten"):
+        snap.check_prefix_of(run)
+    run.write_atomic(LOSS_LOG, bytes(data[:5]))
+    with pytest.raises(SupervisionError, match="shrank"):
+        snap.check_prefix_of(run)
+
+
+def test_gpu_slot_names():
+    assert gpu_slot_name("auto", "cpu") is None
+    assert gpu_slot_name(None, "cuda:1") is None
+    assert gpu_slot_name("", "auto") is None
+    assert gpu_slot_name("gpu-3", "cpu") == "gpu-3"
+
+
+def test_zombie_trainer_counts_as_gone():
+    """An exited trainer that its parent has not reaped yet is a zombie: its pid and start time are
+    still in /proc, but it holds nothing, so waiting for its exit must not hang."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    ident = TrainerIdentity(
+        child.pid, socket.gethostname(), _boot_id(), process_start_ticks(child.pid), time.time(), "run"
+    )
+    assert ident.is_alive()
+    wait_for(lambda: _state(child.pid) == "Z", what="the child to exit (unreaped)")
+    assert process_start_ticks(child.pid) is None
+    assert not ident.is_alive()
+    assert wait_for_exit(ident, timeout=1) < 1
+    child.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
