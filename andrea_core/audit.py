@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from andrea_core.config import RunConfig
+from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.model import GPT
 from andrea_core.rundir import SAMPLES, RunDir
@@ -129,9 +129,15 @@ def read_audits(run: RunDir) -> list[dict[str, Any]]:
     """The audits in .samples.json, oldest first ([] when there is none yet)."""
     if not run.exists(SAMPLES):
         return []
-    doc = run.read_json(SAMPLES)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("audits"), list):
-        raise ValueError(f"{run.path(SAMPLES)}: not a sample audit file of format {FORMAT}")
+    try:
+        doc = run.read_json(SAMPLES)
+        if doc.get("format") != FORMAT or not all(isinstance(a["step"], int) for a in doc["audits"]):
+            raise ValueError(f"format {doc.get('format')!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(
+            f"{run.path(SAMPLES)}: not a sample audit file of format {FORMAT} ({type(e).__name__}: {e}); "
+            "move it aside to start a new one"
+        ) from None
     return doc["audits"]
 
 

@@ -91,7 +91,7 @@ class Checkpointer:
         copied = None
         if self._cuda:
             # Recorded on the stream that queued the copies: the writer waits for it, the loop does not.
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=True)  # the writer sleeps on it instead of spinning
             copied.record(torch.cuda.current_stream(self.device))
         record = SaveRecord(step, checkpoint_name(step))
         self.records.append(record)

@@ -139,9 +139,12 @@ class Trainer:
     def _build(self) -> None:
         torch.set_num_threads(self.cfg.train.num_threads)
         if self.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.device))
-            # TF32 for the float32 matmuls left outside bf16 autocast; CUDA only: the CPU stays bit-exact.
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            if torch.device(self.device).index is not None:
+                torch.cuda.set_device(torch.device(self.device))  # events and pinned copies follow it
+            # TF32 for the float32 matmuls left outside bf16 autocast, on CUDA only (the CPU stays
+            # bit-exact). The flag, not fp32_precision: inductor still reads the global getter, which
+            # raises once the per-backend API has been used for one backend alone (torch 2.13).
+            torch.backends.cuda.matmul.allow_tf32 = True
         torch.manual_seed(self.cfg.train.seed)
         self.model = GPT(self.cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
@@ -319,6 +322,8 @@ class Trainer:
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:
                 if flags.checkpoint and not on_grid:
                     self.log(f"SIGUSR1: checkpoint of step {step} requested")
+                if flags.stop:
+                    self.log(f"{flags.stop}: checkpointing step {step}, then exiting")
                 flags.checkpoint = False
                 self._read(current)  # logged before its checkpoint; the mixer still hears of it later
                 last_saved = self.save(step, audit)

@@ -11,12 +11,15 @@ In one process, on the same model class, batch shape and device, it measures tok
 and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time.
 
 The arms run in rounds (a, b, c, a, b, c, ...) so that a machine whose load drifts (a shared CPU) favours
-none of them. Round r of every arm covers the steps (offset + E(r-1), offset + E r] (round 1 starts at
-step 1), so that each trainer round of (c) holds exactly one checkpoint on the E-step grid, well inside
-the timed window; between rounds the trainers stop (their exit checkpoint is outside the timed window)
-and resume from their own run directories, as a real run would. The first --skip steps of every round
-are not timed (compilation, allocator warm-up). Trainer steps are timed from .loss.json's "time" field;
-the reference loop is timed with a device sync at the edges of its window only.
+none of them. Round r of every arm covers the steps (offset + L(r-1), offset + L r] (round 1 starts at
+step 1), L = --round-steps, a multiple of the checkpoint interval E: each trainer round of (c) holds
+L/E checkpoints on the E-step grid, inside its timed window. Between rounds the trainers stop (their exit
+checkpoint falls outside the timed window) and resume from their own run directories, as a real run
+would. The first --skip steps of every round are not timed (compilation, allocator warm-up). Trainer
+steps are timed from .loss.json's "time" field; the reference loop with a device sync at the edges of
+its window only. The checkpoint stall is measured two ways: the time the loop spent inside save()
+(waiting for the previous write, taking the snapshot), and how much longer the step after a checkpoint
+took than the median step (which also catches device-side costs such as the snapshot's copies).
 
     .venv/bin/python bench/train_throughput.py --device cpu --config andrea-12m --rounds 1
     .venv/bin/python bench/train_throughput.py --device cuda --config gpt2-124m-bench --rounds 3
@@ -43,16 +46,19 @@ import torch  # noqa: E402
 
 from andrea_core.checkpoint import expected_size  # noqa: E402
 from andrea_core.config import RunConfig, load_run_config  # noqa: E402
+from andrea_core.data.policy import load_policy  # noqa: E402
+from andrea_core.data.tokens import train_run_bpe  # noqa: E402
 from andrea_core.loss_log import read_history  # noqa: E402
 from andrea_core.model import GPT  # noqa: E402
 from andrea_core.optim import lr_at  # noqa: E402
 from andrea_core.progress import Progress  # noqa: E402
 from andrea_core.rundir import RunDir  # noqa: E402
+from andrea_core.runs import create_run  # noqa: E402
 from andrea_core.trainer import Trainer  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device-name fragment.
 CUDA_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0}
-NEVER = 10**9  # a checkpoint_every that never comes: (b) checkpoints only when a round ends
+NEVER = 10**9  # an interval that never comes: (b) checkpoints only when a round ends
 
 
 @dataclass
@@ -108,7 +114,7 @@ class Reference:
         cuda = device.startswith("cuda")
         torch.manual_seed(cfg.train.seed)
         if cuda:
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = True
         self.model = GPT(cfg.model).to(device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
@@ -149,8 +155,8 @@ class Reference:
             torch.cuda.synchronize()
 
 
-def round_bounds(r: int, offset: int, every: int) -> tuple[int, int]:
-    return (0 if r == 1 else offset + every * (r - 1)), offset + every * r
+def round_bounds(r: int, offset: int, length: int) -> tuple[int, int]:
+    return (0 if r == 1 else offset + length * (r - 1)), offset + length * r
 
 
 def time_reference(ref: Reference, arm: Arm, start: int, end: int, skip: int) -> None:
@@ -163,13 +169,21 @@ def time_reference(ref: Reference, arm: Arm, start: int, end: int, skip: int) ->
     arm.steps += end - start - skip
 
 
-def time_trainer(
-    run_url: str, cfg: RunConfig, device: str, arm: Arm, start: int, end: int, skip: int, log_file
-) -> Trainer:
+def create_runs(configs: dict[str, RunConfig], root: str) -> None:
+    """The trainers' run directories, sharing one BPE (trained once: not what is measured here)."""
+    first = next(iter(configs.values()))
+    tokenizer = None
+    if first.data.tokenizer == "bpe":
+        tokenizer = train_run_bpe(load_policy(first.data.policy)[0], first)
+    for key, cfg in configs.items():
+        create_run(RunDir(f"{root}/{key}"), cfg, tokenizer=tokenizer)
+
+
+def time_trainer(run_url: str, device: str, arm: Arm, start: int, end: int, skip: int, log_file) -> Trainer:
     def log(message: str) -> None:
         log_file.write(f"[{arm.label}] {message}\n")
 
-    trainer = Trainer(run_url, cfg if start == 0 else None, max_steps=end, device=device, log=log)
+    trainer = Trainer(run_url, max_steps=end, device=device, log=log)
     trainer.progress = Progress(end, trainer.cfg.train.log_every, stream=log_file)  # as under a service
     result = trainer.train()
     if result.reason != "completed":
@@ -179,7 +193,8 @@ def time_trainer(
     arm.steps += end - start - skip
     dts = {s: times[s] - times[s - 1] for s in range(start + skip + 1, end + 1)}
     every = trainer.cfg.train.checkpoint_every
-    grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step < end]
+    # Grid checkpoints whose following step is timed (not the one a round ends with).
+    grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step + 1 in dts]
     for record in grid:
         arm.stalls.append(record.stall_s)
         arm.writes.append(record.write_s)
@@ -201,10 +216,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--config", default="andrea-12m", help="a config name under configs/ or a YAML path")
-    p.add_argument(
-        "--rounds", type=int, default=3, help="timed rounds per arm (each --checkpoint-every steps)"
-    )
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per arm")
     p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--round-steps", type=int, help="steps per round (default: --checkpoint-every)")
     p.add_argument(
         "--offset", type=int, default=5, help="steps before the first round's grid checkpoint ends"
     )
@@ -215,10 +229,16 @@ def main() -> None:
     p.add_argument("--with-sync", action="store_true", help="add (d): (c) with synchronous checkpoints")
     p.add_argument("--run-root", help="where the trainers' run directories go (default: beside the repo)")
     args = p.parse_args()
-    if not 0 <= args.skip < args.offset:
-        p.error("--skip must be below --offset, so that the grid checkpoint lies in a timed window")
+    length = args.round_steps or args.checkpoint_every
+    if not 0 <= args.skip < args.offset or length % args.checkpoint_every:
+        p.error(
+            "need --skip < --offset and --round-steps a multiple of --checkpoint-every, so that every "
+            "round holds the same number of grid checkpoints, each inside its timed window"
+        )
 
-    overrides = {"train.checkpoint_every": args.checkpoint_every}
+    # The sample audit (every checkpoint by default) is its own feature with its own cost: kept out of
+    # every timed window, so that (c) - (b) is what checkpoints cost.
+    overrides = {"train.checkpoint_every": args.checkpoint_every, "train.sample_every": NEVER}
     if args.batch_size:
         overrides["train.batch_size"] = args.batch_size
     if args.threads:
@@ -245,13 +265,12 @@ def main() -> None:
     fed = None
     with tempfile.TemporaryDirectory(dir=root, prefix=".bench-throughput-") as tmp:
         log_file = open(Path(tmp) / "trainers.log", "w", buffering=1)  # noqa: SIM115
+        create_runs(configs, tmp)
         for r in range(1, args.rounds + 1):
-            start, end = round_bounds(r, args.offset, args.checkpoint_every)
+            start, end = round_bounds(r, args.offset, length)
             time_reference(ref, arms["a"], start, end, args.skip)
-            for key, arm_cfg in configs.items():
-                trainer = time_trainer(
-                    f"{tmp}/{key}", arm_cfg, device, arms[key], start, end, args.skip, log_file
-                )
+            for key in configs:
+                trainer = time_trainer(f"{tmp}/{key}", device, arms[key], start, end, args.skip, log_file)
                 fed = fed or describe_data(trainer)
                 del trainer
                 gc.collect()
@@ -271,9 +290,10 @@ def main() -> None:
     print(f"  fed to (a): uniform random token ids in [0, {cfg.model.vocab_size:,}), a fixed generator")
     print(f"  fed to (b), (c): the trainer's own DataPipeline: {fed}")
     print(
-        f"  {args.rounds} round(s) of {args.checkpoint_every} steps per arm, interleaved; the first "
+        f"  {args.rounds} round(s) of {length} steps per arm, interleaved; the first "
         f"{args.skip} steps of every round untimed; (c) checkpoints every {args.checkpoint_every} steps"
     )
+    print("  the sample audit (every checkpoint by default) is off in (b), (c), (d): not a checkpoint cost")
     print(f"  MFU against {peak_note}")
     print(
         f"  load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}, {os.cpu_count()} cores"

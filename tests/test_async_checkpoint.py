@@ -13,12 +13,14 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import struct
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -27,6 +29,8 @@ from conftest import TINY, andrea, start_trainer, wait_for
 from andrea_core.checkpoint import checkpoint_name, encode, snapshot
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import load_run_config
+from andrea_core.data.mixer import Exp3Mixer
+from andrea_core.data.pipeline import step_rng
 from andrea_core.loss_log import read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer
@@ -35,6 +39,7 @@ from andrea_core.trainer import Trainer
 
 F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)  # Linux: F_LINUX_SPECIFIC_BASE + 0
 EVERY = 20  # checkpoint_every of these tests' runs: the tiny config, on a finer grid
+SLOW = 600  # seconds: what a trainer may take on a machine shared with other work, start-up included
 REFERENCE_STEPS = (20, 40, 60, 70)
 
 
@@ -80,24 +85,28 @@ def last_logged_step(run: Path) -> int:
     return json.loads(lines[-1])["step"] if lines[-1] else 0
 
 
-def wait_stalled(run: Path, proc, quiet: float = 2.0) -> int:
-    """The step at which training stopped making progress (no new loss line for `quiet` seconds)."""
-    step, since = last_logged_step(run), time.monotonic()
-    deadline = since + 60
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = last_logged_step(run)
-        if now != step:
-            step, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            assert proc.poll() is None, f"trainer exited ({proc.returncode}) instead of waiting"
-            return step
-    raise AssertionError("training never stalled")
+def wait_logged(log: Path, pattern: str, proc) -> int:
+    """The step in the first line of the trainer's log that matches `pattern` (with one `(\\d+)`)."""
+
+    def found():
+        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before logging {pattern!r}"
+        m = re.search(pattern, log.read_text())
+        return m and int(m.group(1))
+
+    return wait_for(found, timeout=SLOW, what=f"a line like {pattern!r}")
+
+
+def assert_held(run: Path, step: int, proc, seconds: float = 1.0) -> None:
+    """Training logs `step`, then stays there (the process alive) while a write is held."""
+    wait_for(lambda: last_logged_step(run) >= step, timeout=SLOW, what=f"step {step}'s loss")
+    time.sleep(seconds)
+    assert proc.poll() is None and last_logged_step(run) == step
 
 
 def tiny_config(tmp: Path, async_checkpoint: bool = True) -> str:
     raw = yaml.safe_load(Path(TINY).read_text())
-    raw["train"].update(checkpoint_every=EVERY, async_checkpoint=async_checkpoint)
+    # No sample audit on the grid: not what these tests are about, and the slowest part of a tiny run.
+    raw["train"].update(checkpoint_every=EVERY, async_checkpoint=async_checkpoint, sample_every=10**6)
     path = tmp / f"andrea-tiny-every{EVERY}-{'async' if async_checkpoint else 'sync'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
@@ -117,7 +126,8 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Reference:
     tmp = tmp_path_factory.mktemp("reference")
-    andrea("train", "--config", tiny_config(tmp, False), "--run-dir", str(tmp / "run"), "--max-steps", "70")
+    run = str(tmp / "run")
+    andrea("train", "--config", tiny_config(tmp, False), "--run-dir", run, "--max-steps", "70", timeout=SLOW)
     return Reference(tmp / "run")
 
 
@@ -127,7 +137,7 @@ def sync_checkpoints(tmp: Path, steps: list[int]) -> dict[int, bytes]:
     config = tiny_config(tmp, async_checkpoint=False)
     for step in sorted(steps):
         args = ["--config", config] if not run.exists() else []
-        andrea("train", *args, "--run-dir", str(run), "--max-steps", str(step))
+        andrea("train", *args, "--run-dir", str(run), "--max-steps", str(step), timeout=SLOW)
     return {s: (run / checkpoint_name(s)).read_bytes() for s in steps}
 
 
@@ -207,6 +217,7 @@ def test_at_most_one_write_in_flight(tmp_path, sigio):
 # --- the trainer, as a real process ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigusr1_and_sigterm_wait_for_the_write_in_flight(tmp_path, reference, sigio):
     run = tmp_path / "run"
     run.mkdir()
@@ -216,29 +227,33 @@ def test_sigusr1_and_sigterm_wait_for_the_write_in_flight(tmp_path, reference, s
     held = HeldOpen(run / temp_name(20, proc.pid))
     later = None
     try:
-        wait_for(lambda: len(sigio) >= 1, what="the write of step 20 to start")
-        wait_for(lambda: last_logged_step(run) >= 24, what="training to go on past step 24")
+        wait_for(lambda: len(sigio) >= 1, timeout=SLOW, what="the write of step 20 to start")
+        wait_for(lambda: last_logged_step(run) >= 24, timeout=SLOW, what="training to go on past step 24")
         assert not (run / checkpoint_name(20)).exists()
 
         proc.send_signal(signal.SIGUSR1)
-        usr1_step = wait_stalled(run, proc)  # its checkpoint waits for the write in flight
+        usr1_step = wait_logged(log, r"SIGUSR1: checkpoint of step (\d+) requested", proc)
         assert 24 <= usr1_step < 40
+        assert_held(run, usr1_step, proc)  # its checkpoint waits for the write in flight
         assert not (run / checkpoint_name(20)).exists()
         assert not (run / checkpoint_name(usr1_step)).exists()
 
         later = HeldOpen(run / temp_name(40, proc.pid))
         held.release()
-        wait_for(lambda: (run / checkpoint_name(usr1_step)).exists(), what="the SIGUSR1 checkpoint")
-        wait_for(lambda: len(sigio) >= 2, what="the write of step 40 to start")
+        wait_for(
+            lambda: (run / checkpoint_name(usr1_step)).exists(), timeout=SLOW, what="the SIGUSR1 checkpoint"
+        )
+        wait_for(lambda: len(sigio) >= 2, timeout=SLOW, what="the write of step 40 to start")
         assert proc.poll() is None  # SIGUSR1 trains on
-        wait_for(lambda: last_logged_step(run) >= 44, what="training to go on past step 44")
+        wait_for(lambda: last_logged_step(run) >= 44, timeout=SLOW, what="training to go on past step 44")
 
         proc.send_signal(signal.SIGTERM)
-        term_step = wait_stalled(run, proc)  # finishes its step, then waits for the write in flight
+        term_step = wait_logged(log, r"SIGTERM: checkpointing step (\d+), then exiting", proc)
         assert 44 <= term_step < 60
+        assert_held(run, term_step, proc)  # finished its step, and waits for the write in flight
         assert not (run / checkpoint_name(40)).exists()
         later.release()
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=SLOW) == 0
     finally:
         held.release()
         if later is not None:
@@ -268,9 +283,9 @@ def test_failed_write_is_logged_and_retried_at_the_next_boundary(tmp_path, refer
     (run / temp_name(40, proc.pid)).symlink_to("/dev/full")
     (run / temp_name(70, proc.pid)).symlink_to("/dev/full")
     try:
-        wait_for(lambda: (run / checkpoint_name(20)).exists(), what="step_000020.bin")
+        wait_for(lambda: (run / checkpoint_name(20)).exists(), timeout=SLOW, what="step_000020.bin")
         first = sha(run / checkpoint_name(20))
-        assert proc.wait(timeout=180) == 0
+        assert proc.wait(timeout=SLOW) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -296,7 +311,7 @@ def test_final_checkpoint_that_cannot_be_written_fails_the_exit(tmp_path, refere
         "--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "30", log=log
     )
     (run / temp_name(30, proc.pid)).mkdir()  # in the way of both tries
-    assert proc.wait(timeout=180) == 1
+    assert proc.wait(timeout=SLOW) == 1
     text = log.read_text()
     assert text.count(f"ERROR: checkpoint {checkpoint_name(30)} was NOT written") == 2
     assert (
@@ -313,7 +328,7 @@ def test_final_checkpoint_that_cannot_be_written_fails_the_exit(tmp_path, refere
 class RecordingMixer:
     def __init__(self, inner, events: list, on_choose=None):
         self.inner, self.events, self.on_choose = inner, events, on_choose
-        self.arms = inner.arms
+        self.arms, self.kind = inner.arms, inner.kind
 
     def probabilities(self):
         return self.inner.probabilities()
@@ -384,23 +399,23 @@ def test_bit_exact_resume_across_signals_and_kill(tmp_path, reference):
         return start_trainer(*extra, "--run-dir", str(run), "--max-steps", "70", "--pace", "0.05")
 
     proc = start("--config", tiny_config(tmp_path))
-    wait_for(lambda: last_logged_step(run) >= 12, what="step 12")
+    wait_for(lambda: last_logged_step(run) >= 12, timeout=SLOW, what="step 12")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=SLOW) == 0
     stopped = RunDir(run).checkpoint_steps()[-1]
 
     proc = start()
-    wait_for(lambda: last_logged_step(run) >= 30, what="step 30")
+    wait_for(lambda: last_logged_step(run) >= 30, timeout=SLOW, what="step 30")
     proc.send_signal(signal.SIGUSR1)
-    wait_for(lambda: len(RunDir(run).checkpoint_steps()) >= 3, what="the SIGUSR1 checkpoint")
-    wait_for(lambda: last_logged_step(run) >= 50, what="step 50")
+    wait_for(lambda: len(RunDir(run).checkpoint_steps()) >= 3, timeout=SLOW, what="the SIGUSR1 checkpoint")
+    wait_for(lambda: last_logged_step(run) >= 50, timeout=SLOW, what="step 50")
     proc.kill()
-    proc.wait(timeout=60)
+    proc.wait(timeout=SLOW)
     (run / temp_name(40, 999_999)).write_bytes(b"left by a writer killed mid-write")
 
     log = tmp_path / "last.log"
     proc = start_trainer("--run-dir", str(run), "--max-steps", "70", log=log)
-    assert proc.wait(timeout=180) == 0
+    assert proc.wait(timeout=SLOW) == 0
     assert f"{temp_name(40, 999_999)}, left by a writer that did not finish" in log.read_text()
     assert not [p for p in run.iterdir() if ".tmp." in p.name]
     assert (run / checkpoint_name(70)).read_bytes() == reference[70]
@@ -408,3 +423,27 @@ def test_bit_exact_resume_across_signals_and_kill(tmp_path, reference):
     assert [e.step for e in history] == list(range(1, 71))
     assert len({e.segment for e in history}) == 3 and stopped >= 12
     assert [e.loss for e in history] == [e.loss for e in read_history(RunDir(reference.run))]
+
+
+def test_late_observation_is_weighted_by_the_probability_drawn_with_even_across_a_restart():
+    """The loss of step 6 arrives after step 5's has moved the distribution: EXP3 must still divide by
+    the probability arm 6 was drawn with, and so must a bandit restored from the state of checkpoint 6."""
+    mixer = Exp3Mixer(["a", "b", "c"], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0])
+    for step, arm in enumerate(["a", "b", "c", "b"], start=1):
+        mixer.observe(step, arm, 3.0 - 0.1 * step)  # baselines and the reward scale are set now
+    arm = mixer.choose(6, step_rng(1337, 6))
+    i = mixer.arms.index(arm)
+    drawn_with = float(mixer.probabilities()[i])
+    mixer.observe(5, "c", 1.0)  # step 5's loss, heard after the draw of step 6
+    assert mixer.probabilities()[i] != drawn_with, "the test needs a distribution that moved"
+    saved = json.loads(json.dumps(mixer.state_dict()))  # .state.json of checkpoint 6
+    restored = Exp3Mixer(["a", "b", "c"], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0])
+    restored.load_state_dict(saved)
+
+    before = mixer.reward.copy()
+    for bandit in (mixer, restored):
+        bandit.observe(6, arm, 0.01)  # a huge improvement: the normalised reward clips to exactly 1
+    expected = (1 - mixer.reward_ema) * before
+    expected[i] += mixer.reward_ema * 1.0 / drawn_with
+    assert np.array_equal(mixer.reward, expected) and np.array_equal(restored.reward, expected)
+    assert mixer.state_dict() == restored.state_dict() and mixer.drawn == {}

@@ -12,11 +12,12 @@ from data_runs import EVERY, STEPS, mix_runs
 
 from andrea_core.audit import PROMPTS, read_audits, run_audit, validation_losses
 from andrea_core.checkpoint import restore
-from andrea_core.config import load_run_config
+from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer
+from andrea_core.rundir import SAMPLES, RunDir
 from andrea_core.runs import read_run
 
 
@@ -113,3 +114,12 @@ def test_an_audit_draws_nothing_from_the_global_rng_and_restores_the_model_mode(
     assert torch.equal(torch.get_rng_state(), before)
     assert model.training
     assert run_audit(model, data, cfg, 5, "cpu") == first
+
+
+def test_an_unreadable_samples_file_is_refused_naming_it(tmp_path):
+    run = RunDir(str(tmp_path))
+    run.write_text(SAMPLES, '{"format": 1, "audits": [{"step": "ten"}]}')
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/{SAMPLES}: not a sample audit file of format 1"):
+        read_audits(run)
+    proc = andrea("audit", run.url, check=False)
+    assert proc.returncode == 2 and "not a sample audit file" in proc.stderr

@@ -35,11 +35,12 @@ def test_sigterm_then_resume_is_bit_exact_with_the_bandit_on(mix):
     assert a.read_bytes(STATE) == b.read_bytes(STATE)
 
     # The same batches, arm for arm, and the bandit really mixed: every arm drawn, and the state's
-    # pulls are exactly the draws the loss log records.
+    # pulls are exactly the draws the loss log records. The state of checkpoint S is the bandit that
+    # draws batch S+1: the trainer reads each loss one step late, so it has heard steps 1..S-1.
     ha, hb = read_history(a), read_history(b)
     assert [(e.step, e.loss, e.arm) for e in ha] == [(e.step, e.loss, e.arm) for e in hb]
     assert {e.segment for e in hb} == {1, 2}
-    drawn = Counter(e.arm for e in ha)
+    drawn = Counter(e.arm for e in ha if e.step < STEPS)
     state = a.read_json(STATE)
     assert state["step"] == STEPS and state["mixer"] == "exp3"
     assert {arm: s["pulls"] for arm, s in state["arms"].items()} == dict(drawn)
@@ -67,14 +68,14 @@ def test_zombie_repo_docstrings_arm_is_dropped_never_pulled_and_the_rest_is_kept
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(TINY_MIX.replace("policy: tiny-mix", f"policy: {tmp_path / 'policy.yaml'}"))
     run = RunDir(str(tmp_path / "run"))
-    andrea("train", "--config", str(cfg), "--run-dir", run.url, "--max-steps", "100")
+    andrea("train", "--config", str(cfg), "--run-dir", run.url, "--max-steps", "50")
     before = run.read_json(STATE)
-    assert before["step"] == 100 and before["arms"]["repo-docstrings"]["pulls"] > 0
+    assert before["step"] == 50 and before["arms"]["repo-docstrings"]["pulls"] > 0
     before["arms"]["repo-docstrings"]["weight"] = 1.546  # the state the design's operator found
     run.write_text(STATE, json.dumps(before))
 
     shutil.rmtree(site / "zombiedocs")  # the source is gone
-    out = andrea("train", "--run-dir", run.url, "--max-steps", "150").stdout
+    out = andrea("train", "--run-dir", run.url, "--max-steps", "80").stdout
     pulls = before["arms"]["repo-docstrings"]["pulls"]
     assert (
         "warning: zombie arm 'repo-docstrings' dropped: its source is unavailable (arm 'repo-docstrings' "
@@ -85,16 +86,18 @@ def test_zombie_repo_docstrings_arm_is_dropped_never_pulled_and_the_rest_is_kept
 
     entries, _ = parse_lines(run.read_bytes(LOSS_LOG))
     resumed = [e for e in entries if e["segment"] == 2]
-    assert [e["step"] for e in resumed] == list(range(101, 151))
+    assert [e["step"] for e in resumed] == list(range(51, 81))
     assert "repo-docstrings" not in {e["arm"] for e in resumed}, "the zombie was pulled"
     after = run.read_json(STATE)
     assert sorted(after["arms"]) == ["docs-prose", "stdlib-code"]
-    drawn = Counter(e["arm"] for e in resumed)
+    # The state of checkpoint S has heard the losses of steps up to S-1 (the trainer reads each loss
+    # one step late): from 50 to 80 the bandit heard steps 50..79, step 50's loss read from .loss.json.
+    drawn = Counter(e.arm for e in read_history(run) if 50 <= e.step < 80)
     for arm in ("stdlib-code", "docs-prose"):
         assert after["arms"][arm]["pulls"] == before["arms"][arm]["pulls"] + drawn[arm]
         assert 0.15 <= after["arms"][arm]["p"] <= 0.6 + 1e-12
     assert abs(sum(s["p"] for s in after["arms"].values()) - 1.0) < 1e-12
-    assert after["phase"] == {"number": 1, "start_step": 0, "steps": 150}
+    assert after["step"] == 80 and after["phase"] == {"number": 1, "start_step": 0, "steps": 80}
 
 
 def test_no_available_arm_is_a_clear_error_before_training(tmp_path):

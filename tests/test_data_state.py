@@ -45,12 +45,19 @@ def store(run, policy, unavailable=None, log=None):
     return BanditStore(run, policy, 50, unavailable, warn=(log.append if log is not None else print))
 
 
-def test_a_crash_between_state_and_checkpoint_resumes_the_previous_checkpoints_bandit(tmp_path):
-    run, policy = RunDir(str(tmp_path)), make_policy()
-    s, mixer = store(run, policy), make_mixer(policy, ARMS)
+def trained_run(path, policy, arms=ARMS, steps: int = 100):
+    """A run directory whose bandit trained `steps` steps and saved its state at the last one."""
+    run = RunDir(str(path))
+    s, mixer = store(run, policy), make_mixer(policy, arms)
     s.restore(mixer, 0)
-    train(mixer, 1, 50)
-    s.save(mixer, 50)
+    train(mixer, 1, steps)
+    s.save(mixer, steps)
+    return run, s, mixer
+
+
+def test_a_crash_between_state_and_checkpoint_resumes_the_previous_checkpoints_bandit(tmp_path):
+    policy = make_policy()
+    run, s, mixer = trained_run(tmp_path, policy, steps=50)
     at_50 = mixer.state_dict()
     train(mixer, 51, 100)
     s.save(mixer, 100)  # ...and the process dies before step_000100.bin is published
@@ -87,12 +94,8 @@ def test_kept_states_end_the_same_for_an_interrupted_and_an_uninterrupted_run(tm
 
 
 def test_a_state_of_another_policy_is_not_loaded_and_is_kept_aside(tmp_path):
-    run = RunDir(str(tmp_path))
     old = make_policy(cap=0.6)
-    s, mixer = store(run, old), make_mixer(old, ARMS)
-    s.restore(mixer, 0)
-    train(mixer, 1, 100)
-    s.save(mixer, 100)
+    run, _, _ = trained_run(tmp_path, old)
     before = run.read_bytes(STATE)
 
     new, log = make_policy(cap=0.5), []
@@ -109,11 +112,8 @@ def test_a_state_of_another_policy_is_not_loaded_and_is_kept_aside(tmp_path):
 
 
 def test_after_a_pivot_the_bandit_is_fresh_and_counts_the_new_phase(tmp_path):
-    run, policy = RunDir(str(tmp_path)), make_policy()
-    s, mixer = store(run, policy), make_mixer(policy, ARMS)
-    s.restore(mixer, 0)
-    train(mixer, 1, 100)
-    s.save(mixer, 100)
+    policy = make_policy()
+    run, _, _ = trained_run(tmp_path, policy)
     run.write_atomic(checkpoint_name(100), encode(100, np.zeros(30, dtype=np.float32)))
     archive_phase(run, 100)  # moves .state.json into archive/phase_001_step_000100/
 
@@ -126,11 +126,8 @@ def test_after_a_pivot_the_bandit_is_fresh_and_counts_the_new_phase(tmp_path):
 
 
 def test_zombie_arm_is_dropped_with_a_warning_and_the_other_arms_are_kept(tmp_path):
-    run, policy = RunDir(str(tmp_path)), make_policy()
-    s, mixer = store(run, policy), make_mixer(policy, ARMS)
-    s.restore(mixer, 0)
-    train(mixer, 1, 100)
-    s.save(mixer, 100)
+    policy = make_policy()
+    run, _, _ = trained_run(tmp_path, policy)
     doc = run.read_json(STATE)
     doc["arms"]["repo-docstrings"]["weight"] = 1.546  # the design's case
     doc["arms"]["old-arm"] = {"pulls": 7, "reward": 0.3, "loss_baseline": 2.0, "weight": 0.8, "p": 0.1}
@@ -162,12 +159,9 @@ def test_zombie_arm_is_dropped_with_a_warning_and_the_other_arms_are_kept(tmp_pa
 
 
 def test_an_arm_new_to_the_state_starts_at_the_prior(tmp_path):
-    run, policy = RunDir(str(tmp_path)), make_policy()
+    policy = make_policy()
     two = ["stdlib-code", "docs-prose"]  # repo-docstrings had no source when the state was written
-    s, mixer = store(run, policy), make_mixer(policy, two)
-    s.restore(mixer, 0)
-    train(mixer, 1, 100)
-    s.save(mixer, 100)
+    run, _, mixer = trained_run(tmp_path, policy, two)
     resumed, log = make_mixer(policy, ARMS), []
     store(run, policy, log=log).restore(resumed, 100)
     assert log == ["bandit: arm 'repo-docstrings' is new to the bandit and starts at the prior"]

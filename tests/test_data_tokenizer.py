@@ -12,8 +12,9 @@ from conftest import REPO, andrea
 from andrea_core.audit import read_audits
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import ArmSpec
 from andrea_core.data.sources import open_source
-from andrea_core.data.tokens import cache_dir, run_tokenizer
+from andrea_core.data.tokens import ByteTokenizer, cache_dir, run_tokenizer, token_cache
 from andrea_core.fork import BranchSpec, fork
 from andrea_core.rundir import TOKENIZER_JSON, RunDir
 from andrea_core.runs import create_run, read_policy
@@ -68,6 +69,20 @@ def test_a_bpe_run_freezes_its_tokenizer_and_keys_its_caches_by_the_tokenizers_h
     other = RunDir(str(tmp_path / "other"))
     create_run(other, bpe_config(768))
     assert run_tokenizer(other, bpe_config(768)).id != tok.id
+
+
+def test_a_token_cache_is_reused_until_its_source_changes(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    page = docs / "guide.md"
+    page.write_text((REPO / "README.md").read_text())
+    arm = ArmSpec("guide", "prose", paths=[str(docs)])
+    first = token_cache(open_source(arm, 10**6), ByteTokenizer())
+    assert token_cache(open_source(arm, 10**6), ByteTokenizer()).filename == first.filename
+    page.write_text(page.read_text() + "\nOne more paragraph.\n")
+    changed = token_cache(open_source(arm, 10**6), ByteTokenizer())
+    assert changed.filename != first.filename
+    assert ByteTokenizer().decode(changed[-22:].tolist()) == "One more paragraph.\n\n\n"
 
 
 def test_a_bpe_run_without_a_readable_tokenizer_is_refused(tmp_path):

@@ -285,7 +285,9 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(s3_bucket, s3_server, tmp
     second.wait()
     assert steps_of_b() == [100, stopped_at, 200]
     published = parse_lines(RunDir(b).read_bytes(LOSS_LOG))[0]
-    assert published[-1]["step"] == 200  # what the SIGKILL took was never published
+    # Published at checkpoint 200 (a background writer may publish a few steps more); what the trainer
+    # logged after that, up to step 250 and beyond, lived only in the mirror and died with it.
+    assert 200 <= published[-1]["step"] < 250
 
     monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "another-machine"))
     third = andrea("train", "--run-dir", b, "--max-steps", "300", "--device", "cpu", timeout=900)
@@ -299,9 +301,12 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(s3_bucket, s3_server, tmp
     versions = s3_versions(client, b, LOSS_LOG)
     for earlier, later in zip(versions, versions[1:], strict=False):
         assert later.startswith(earlier) and len(later) > len(earlier)
-    # Each checkpoint's durable flush published the log up to exactly that step.
-    ends = {parse_lines(v)[0][-1]["step"] for v in versions}
-    assert {100, stopped_at, 200, 300} <= ends
+    # Every checkpoint published the log: a version ends at or just past each checkpoint's step
+    # (past: an asynchronous writer publishes while the next steps are logged), before the next one.
+    ends = [parse_lines(v)[0][-1]["step"] for v in versions]
+    checkpoints = [100, stopped_at, 200, 300]
+    for step, following in zip(checkpoints, [*checkpoints[1:], 301], strict=True):
+        assert any(step <= end < following for end in ends), (step, ends)
     segments = canonical(parse_lines(versions[-1])[0])
     assert {e.segment for e in segments} == {1, 2, 3}
 

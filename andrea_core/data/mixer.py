@@ -4,6 +4,11 @@ A mixer's draw must be a pure function of (seed, step, mixer state): it is hande
 generator and keeps everything else it needs in `state_dict()`, which is saved with every checkpoint.
 Every distribution a mixer draws from has been projected onto {floor <= p <= cap, sum p = 1}, so the
 policy's bounds hold at every single draw, not only on average.
+
+The trainer reports a step's loss one step late (trainer.py): observe(s) comes after choose(s+1) and
+before choose(s+2), and after observe(s-1). A mixer that weighs an observation by the probability its
+arm was drawn with must therefore remember that probability from choose(s); it is part of the state
+saved with checkpoint s, whose observation a resumed run delivers after the restart.
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ class UniformMixer:
         return self.arms[draw(self._p, (self._offset + step * GOLDEN) % 1.0)]
 
     def observe(self, step: int, arm: str, loss: float) -> None:
-        self.pulls[arm] += 1
+        if arm in self.pulls:  # not a zombie drawn before a restart (state.py)
+            self.pulls[arm] += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +150,7 @@ class Exp3Mixer:
         self.baseline = np.full(k, np.nan)  # b: each arm's slow loss EMA; nan until first pulled
         self.reward_scale = math.nan  # s: running mean |r|; nan until the first non-trivial reward
         self._p: np.ndarray | None = None  # the next distribution, cached until the state changes
+        self.drawn: dict[int, tuple[str, float]] = {}  # step -> (arm, p) of draws not yet observed
 
     def exploration(self) -> float:
         k, t = len(self.arms), max(1, int(self.pulls.sum()))
@@ -162,12 +169,19 @@ class Exp3Mixer:
         return self._p
 
     def choose(self, step: int, rng: np.random.Generator) -> str:
-        return self.arms[draw(self.probabilities(), rng.random())]
+        p = self.probabilities()
+        i = draw(p, rng.random())
+        self.drawn[step] = (self.arms[i], float(p[i]))  # observe(step) comes after the next draw
+        return self.arms[i]
 
     def observe(self, step: int, arm: str, loss: float) -> None:
+        drawn = self.drawn.pop(step, None)
+        if arm not in self.arms:
+            return  # drawn before a restart that dropped the arm as a zombie (state.py): never learnt from
         i = self.arms.index(arm)
-        # The state has not changed since choose(step): this is the distribution the arm was drawn from.
-        p_i = float(self.probabilities()[i])
+        # The probability the arm was actually drawn with; the current one only for a step this bandit
+        # did not draw (a caller that observes without choosing, a fresh bandit after a pivot).
+        p_i = drawn[1] if drawn is not None and drawn[0] == arm else float(self.probabilities()[i])
         if math.isnan(self.baseline[i]):
             r = 0.0  # the first pull only sets the arm's baseline
             self.baseline[i] = loss
@@ -198,6 +212,7 @@ class Exp3Mixer:
                 }
                 for i, a in enumerate(self.arms)
             },
+            "drawn": [{"step": s, "arm": a, "p": p_i} for s, (a, p_i) in sorted(self.drawn.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -216,4 +231,5 @@ class Exp3Mixer:
             self.reward[i] = float(s["reward"])
             b = s.get("loss_baseline")
             self.baseline[i] = math.nan if b is None else float(b)
+        self.drawn = {int(d["step"]): (d["arm"], float(d["p"])) for d in state.get("drawn", [])}
         self._p = None

@@ -1,8 +1,11 @@
 """.state.json: the bandit of every checkpoint, so that a resume continues exactly the same mixer.
 
 The file holds the newest state at its top level (the step it describes, the policy's name and hash,
-the phase counters and per-arm pulls, EMA rewards, baselines, weights and probabilities) and, under
-`previous`, the states of a few earlier checkpoints.
+the phase counters and per-arm pulls, EMA rewards, baselines, weights and probabilities; for EXP3
+also `drawn`, the arm and probability of step S's draw) and, under `previous`, the states of a few
+earlier checkpoints. The state of step S is the bandit that draws batch S+1: the trainer reads each
+step's loss one step late, so it has heard the losses of steps up to S-1, and on resume the trainer
+hands it the loss of S from .loss.json, as the uninterrupted run did.
 
 Write order. The trainer writes the state of step S before the checkpoint of step S, each atomically.
 A crash between the two leaves a state for S and no checkpoint S: the resume then takes checkpoint P,

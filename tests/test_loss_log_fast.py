@@ -1,0 +1,92 @@
+"""The loss log's fast writer and reader say exactly what json.dumps and json.loads say.
+
+The writer formats lines itself and the reader converts whole columns of lines in LossWriter's shape
+(bench/loss_log.py measures why); both must agree with the plain JSON path on every kind of line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from andrea_core.loss_log import (
+    LossWriter,
+    _entry,
+    _writer_lines,
+    canonical,
+    parse_entries,
+    parse_lines,
+    read_history,
+)
+from andrea_core.rundir import LOSS_LOG, RunDir
+
+
+def same(a, b) -> bool:
+    """Entry lists equal field by field, NaN equal to NaN."""
+    return len(a) == len(b) and all(
+        all(
+            x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
+            for x, y in zip(p, q, strict=True)
+        )
+        for p, q in zip(a, b, strict=True)
+    )
+
+
+def test_writer_lines_are_json_dumps_text(tmp_path):
+    cases = [
+        (1, 2.5, 0.001, "stdlib-code", 512, 1700000000.1234),
+        (2, 1e-20, 3.0000000000000004e-4, None, 1, 0.0),
+        (3, float("nan"), 1.0, 'qu"ote \u00e9 \\ back', 7, 5.5),
+        (4, float("inf"), -0.0, "a,b:{c}\n", 3, 1e10),
+        (5, 0.1 + 0.2, float("-inf"), "", 0, 12.0005),
+    ]
+    writer = LossWriter(RunDir(str(tmp_path)))
+    for case in cases:
+        writer.log(*case)
+    writer.close()
+    lines = (tmp_path / LOSS_LOG).read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    for line, (step, loss, lr, arm, tokens, t) in zip(lines, cases, strict=False):
+        entry = {"step": step, "loss": loss, "lr": lr, "arm": arm, "tokens": tokens, "segment": 1}
+        assert line == json.dumps({**entry, "time": round(t, 3)}, separators=(",", ":")).encode()
+
+
+def test_fast_reader_agrees_with_json_on_every_kind_of_line(tmp_path):
+    writer = LossWriter(RunDir(str(tmp_path)))
+    for step in range(1, 9001):  # three blocks of the fast path, and then some
+        writer.log(step, 10.0 / step, 6e-4 * (1 - step / 9001), ["x", "y", None][step % 3], 4096, 1e9 + step)
+    writer.log(9000, 1.0, 0.1, "a,b:{c}", 1, 1.0)  # the writer's own line, with delimiters in its arm
+    writer.close()
+    good = (tmp_path / LOSS_LOG).read_bytes().split(b"\n")
+    block = good[:4096]
+    assert same(_writer_lines(block), [_entry(json.loads(line)) for line in block])  # the fast path
+    odd = [
+        good[9000],
+        b'{"step": 9001, "loss": 1.5, "segment": 2}',  # another writer's spacing, fields missing
+        b'{"segment":2,"time":1.0,"step":9002,"loss":2.5,"lr":0.1,"arm":"x","tokens":1}',  # key order
+        b'{"step":9003,"loss":NaN,"lr":0.1,"arm":"x","tokens":1,"segment":2,"time":1.0}',
+        b'{"step":9004,"loss":inf,"lr":0.1,"arm":"x","tokens":1,"segment":2,"time":1.0}',  # not JSON
+        b'{"step":9005,"loss":1_0,"lr":0.1,"arm":"x","tokens":1,"segment":2,"time":1.0}',  # not JSON
+        b'{"step":"9006","loss":1.0,"lr":0.1,"arm":"x","tokens":1,"segment":2,"time":1.0}',  # a string
+        b'{"step":9007,"loss":1.0,"lr":0.1,"arm":7,"tokens":1,"segment":2,"time":1.0}',  # a number as arm
+        b'{"step":9008,"loss":[1],"lr":0.1,"arm":"x","tokens":1,"segment":2,"time":1.0}',
+        b"[1, 2, 3]",
+        b"   ",
+        b"",
+        b'{"step":9009,"loss":1.0,"lr":0.1,"arm":"x","tok',  # torn, then terminated by a later start
+    ]
+    # Odd lines inside the second block and at the very end (a torn last line without its newline).
+    lines = (
+        good[:5000] + odd + good[5000:9000] + [b'{"step":9010,"loss":3.5,"lr":0.1,"arm":"x","tokens":1,"segm']
+    )
+    data = b"\n".join(lines)
+    expected, expected_skipped = parse_lines(data)
+    entries, skipped = parse_entries(data)
+    assert same(entries, [_entry(obj) for obj in expected])
+    assert skipped == expected_skipped == 6
+    assert len(entries) == 9000 + 6  # the writer's lines, its odd one, and five odd ones from elsewhere
+
+    (tmp_path / LOSS_LOG).write_bytes(data)
+    history = read_history(RunDir(str(tmp_path)))
+    assert same(history, canonical(expected))
+    assert [e.step for e in history] == list(range(1, 9001))  # segment 1 came back after segment 2
