@@ -183,6 +183,9 @@ def stack(tmp_path_factory, token_cache_dir):
             yield s
     finally:
         _stop_trainers(tmp_path_factory.getbasetemp())
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)  # this process's flow runs' logs, while the server is up
         s.stop_worker()
         if s.server.poll() is None:
             s.server.terminate()
