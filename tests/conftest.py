@@ -33,7 +33,7 @@ def token_cache_dir(tmp_path_factory) -> Path:
     return d
 
 
-def andrea(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def andrea(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
     """Run the `andrea` CLI as a real process, as an operator would."""
     proc = subprocess.run(
         [sys.executable, "-m", "andrea_core", *args],
