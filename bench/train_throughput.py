@@ -195,11 +195,12 @@ def time_trainer(run_url: str, device: str, arm: Arm, start: int, end: int, skip
     every = trainer.cfg.train.checkpoint_every
     # Grid checkpoints whose following step is timed (not the one a round ends with).
     grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step + 1 in dts]
+    # The median step that follows no checkpoint: what a step costs without one.
+    plain = [dt for s, dt in dts.items() if (s - 1) % every]
     for record in grid:
         arm.stalls.append(record.stall_s)
         arm.writes.append(record.write_s)
-        plain = statistics.median(dt for s, dt in dts.items() if s != record.step + 1)
-        arm.loop_stalls.append(dts[record.step + 1] - plain)
+        arm.loop_stalls.append(dts[record.step + 1] - statistics.median(plain) if plain else math.nan)
     arm.step_times.extend(dts.values())
     return trainer
 
