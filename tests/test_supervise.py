@@ -79,16 +79,25 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=_env())
     trainer_pid = int(proc.stdout.readline())
     wait_for(lambda: run.exists(checkpoint_name(100)), timeout=180, what="first checkpoint")
+    # Kill once training is past the grid checkpoint and its audit, so that the checkpoint the
+    # SIGTERM writes is an off-grid one (a kill during step 100's audit would have nothing new to save).
+    wait_for(lambda: _last_logged_step(run) > 100, timeout=180, what="training past step 100")
     identity = live_trainer(run)
     assert identity is not None and identity.pid == trainer_pid
     proc.kill()
     proc.wait()
     wait_for_exit(identity, timeout=60)
     stopped_at = read_history(run)[-1].step
-    assert run.checkpoint_steps()[-1] == stopped_at >= 100
+    assert run.checkpoint_steps()[-1] == stopped_at
+    assert 100 < stopped_at < 200, f"the SIGTERM checkpoint should be off the grid, got step {stopped_at}"
     run.read_checkpoint(stopped_at)
     resumed = andrea("train", "--run-dir", run.url, "--max-steps", str(stopped_at + 5))
     assert f"resuming {run.url} from {checkpoint_name(stopped_at)}" in resumed.stdout
+
+
+def _last_logged_step(run: RunDir) -> int:
+    history = read_history(run)
+    return history[-1].step if history else 0
 
 
 def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):
