@@ -188,19 +188,25 @@ def time_trainer(run_url: str, device: str, arm: Arm, start: int, end: int, skip
     result = trainer.train()
     if result.reason != "completed":
         raise RuntimeError(f"{arm.label}: the trainer stopped with {result.reason} at step {result.step}")
+    # A step's loss is read (and its entry stamped) one step late, at the end of the next step, except
+    # at a save (a checkpoint, the round's last step), where it is read first. So the window from the
+    # entry of step start+skip (never a save) to the entry of step `end` (always one) holds the steps
+    # start+skip+2 .. end, and the stamps of steps E and E+1 around a checkpoint at E are the ends of
+    # steps E (as the step before's) and E+2: those two intervals hold two steps and the save.
     times = {e.step: e.time for e in read_history(RunDir(run_url)) if start + skip <= e.step <= end}
     arm.seconds += times[end] - times[start + skip]
-    arm.steps += end - start - skip
+    arm.steps += end - start - skip - 1
     dts = {s: times[s] - times[s - 1] for s in range(start + skip + 1, end + 1)}
     every = trainer.cfg.train.checkpoint_every
     # Grid checkpoints whose following step is timed (not the one a round ends with).
     grid = [r for r in trainer.checkpointer.records if r.step % every == 0 and r.step + 1 in dts]
-    # The median step that follows no checkpoint: what a step costs without one.
-    plain = [dt for s, dt in dts.items() if (s - 1) % every]
+    # The median interval away from any checkpoint: what a step costs without one.
+    plain = [dt for s, dt in dts.items() if s % every not in (0, 1) and s != end]
     for record in grid:
         arm.stalls.append(record.stall_s)
         arm.writes.append(record.write_s)
-        arm.loop_stalls.append(dts[record.step + 1] - statistics.median(plain) if plain else math.nan)
+        around = dts[record.step] + dts[record.step + 1]
+        arm.loop_stalls.append(around - 2 * statistics.median(plain) if plain else math.nan)
     arm.step_times.extend(dts.values())
     return trainer
 
