@@ -115,9 +115,9 @@ def _writer_lines(lines: list[bytes]) -> list[LossEntry] | None:
         return None
     step, loss, lr, arm, tokens, segment, t = (fields[2 + 2 * k :: 16] for k in range(7))
     # Only what json.dumps writes for finite numbers: int() and float() would also take "inf", "1_0"...
-    if b"".join(step + tokens + segment).translate(None, b"-0123456789"):
+    if any(b"".join(column).translate(None, b"-0123456789") for column in (step, tokens, segment)):
         return None
-    if b"".join(loss + lr + t).translate(None, b"-+.0123456789eE"):
+    if any(b"".join(column).translate(None, b"-+.0123456789eE") for column in (loss, lr, t)):
         return None  # NaN or Infinity somewhere in the block: json.loads reads those
     try:
         name = {a: json.loads(a) for a in set(arm)}
