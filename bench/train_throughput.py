@@ -10,18 +10,20 @@ In one process, on the same model class, batch shape and device, it measures tok
   (d) with --with-sync, (c) with the synchronous writer, for comparison.
 and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time.
 
-The arms run in rounds (a, b, c, a, b, c, ...) so that a machine whose load drifts (a shared CPU) favours
-none of them. Round r of every arm covers the steps (offset + L(r-1), offset + L r] (round 1 starts at
-step 1), L = --round-steps, a multiple of the checkpoint interval E: each trainer round of (c) holds
-L/E checkpoints on the E-step grid, inside its timed window. Between rounds the trainers stop (their exit
-checkpoint falls outside the timed window) and resume from their own run directories, as a real run
-would. The first --skip steps of every round are not timed (compilation, allocator warm-up). Trainer
-steps are timed from .loss.json's "time" field; the reference loop with a device sync at the edges of
-its window only. The checkpoint stall is measured two ways: the time the loop spent inside save()
-(waiting for the previous write, taking the snapshot), and how much longer the step after a checkpoint
-took than the median step (which also catches device-side costs such as the snapshot's copies).
+The arms run in rounds, in the order a b c, then c b a, and so on, so that a machine whose speed drifts
+(a shared CPU, turbo) favours none of them; an even number of rounds cancels a linear drift. Round r of
+every arm covers the steps (offset + L(r-1), offset + L r] (round 1 starts at step 1), L = --round-steps,
+a multiple of the checkpoint interval E: each trainer round of (c) holds L/E checkpoints on the E-step
+grid, inside its timed window. Between rounds the trainers stop (their exit checkpoint falls outside the
+timed window) and resume from their own run directories, as a real run would.
+The first --skip steps of every round are not timed (compilation, allocator warm-up). Trainer steps are
+timed from .loss.json's "time" field (stamped when a loss is read: one step late, except at a
+save), the reference loop with a device sync at the edges of its window only. The checkpoint stall is
+measured two ways: the time the loop spent inside save() (waiting for the previous write, taking the
+snapshot), and how much longer the two steps around a checkpoint took than two median steps (which also
+catches costs outside save(), such as the snapshot's device copies or the writer thread's share of a CPU).
 
-    .venv/bin/python bench/train_throughput.py --device cpu --config andrea-12m --rounds 1
+    .venv/bin/python bench/train_throughput.py --device cpu --config andrea-12m --rounds 2
     .venv/bin/python bench/train_throughput.py --device cuda --config gpt2-124m-bench --rounds 3
 """
 
@@ -275,8 +277,12 @@ def main() -> None:
         create_runs(configs, tmp)
         for r in range(1, args.rounds + 1):
             start, end = round_bounds(r, args.offset, length)
-            time_reference(ref, arms["a"], start, end, args.skip)
-            for key in configs:
+            # a b c, then c b a: a drift in the machine's speed (turbo, a neighbour) cancels out in pairs.
+            order = ["a", *configs] if r % 2 else [*reversed(configs), "a"]
+            for key in order:
+                if key == "a":
+                    time_reference(ref, arms["a"], start, end, args.skip)
+                    continue
                 trainer = time_trainer(f"{tmp}/{key}", device, arms[key], start, end, args.skip, log_file)
                 fed = fed or describe_data(trainer)
                 del trainer
@@ -325,7 +331,7 @@ def main() -> None:
         print(
             f"  {arm.label}: {len(arm.stalls)} checkpoints; per checkpoint: loop blocked in save() "
             f"{statistics.mean(arm.stalls) * 1e3:,.1f} ms (max {max(arm.stalls) * 1e3:,.1f}), "
-            f"the step after it took {statistics.mean(arm.loop_stalls) * 1e3:,.1f} ms over the median, "
+            f"the steps around it took {statistics.mean(arm.loop_stalls) * 1e3:,.1f} ms over the median, "
             f"write {statistics.mean(arm.writes):.2f} s; median step {step_s * 1e3:,.1f} ms"
         )
 
