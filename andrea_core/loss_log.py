@@ -187,25 +187,27 @@ class LossWriter:
         entries, _ = parse_entries(raw)
         self.segment = max((e.segment for e in entries), default=0) + 1
         self._buffer: list[bytes] = []
-        self._arms: dict[str | None, str] = {}
+        # The part of a line between "lr" and "time" changes only with the arm (and the batch shape).
+        self._middles: dict[tuple[str | None, int], str] = {}
         if raw and not raw.endswith(b"\n"):
             # Terminate a torn last line so our first entry does not glue onto it.
             self._file.write(b"\n", durable=True)
 
     def log(self, step: int, loss: float, lr: float, arm: str | None, tokens: int, t: float) -> None:
         loss, lr, t = float(loss), float(lr), round(t, 3)
-        if arm not in self._arms:
-            self._arms[arm] = json.dumps(arm)
-        if math.isfinite(loss) and math.isfinite(lr) and math.isfinite(t):
+        # One check for all three: a sum of finite floats is finite unless it overflows, and an overflow
+        # only sends the line down the json.dumps path below, which writes the same text.
+        if math.isfinite(loss + lr + t):
+            middle = self._middles.get((arm, tokens))
+            if middle is None:
+                middle = f',"arm":{json.dumps(arm)},"tokens":{tokens:d},"segment":{self.segment},"time":'
+                self._middles[(arm, tokens)] = middle
             # Exactly json.dumps' text (repr of finite floats), without building a dict and an encoder.
-            line = (
-                f'{{"step":{step:d},"loss":{loss!r},"lr":{lr!r},"arm":{self._arms[arm]},'
-                f'"tokens":{tokens:d},"segment":{self.segment},"time":{t!r}}}'
-            )
+            line = f'{{"step":{step:d},"loss":{loss!r},"lr":{lr!r}{middle}{t!r}}}\n'
         else:
             entry = {"step": step, "loss": loss, "lr": lr, "arm": arm, "tokens": tokens}
-            line = json.dumps({**entry, "segment": self.segment, "time": t}, separators=(",", ":"))
-        self._buffer.append(line.encode() + b"\n")
+            line = json.dumps({**entry, "segment": self.segment, "time": t}, separators=(",", ":")) + "\n"
+        self._buffer.append(line.encode())
 
     def flush(self, durable: bool = False) -> None:
         """Append what was logged since the last flush. `durable` (at every checkpoint and at exit)
