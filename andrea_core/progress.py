@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -17,13 +18,23 @@ class Progress:
         self._tokens = 0
         self._drawn = 0.0
         self.tokens_per_s = 0.0
+        self._reader_gone = False
+
+    def _write(self, text: str) -> None:
+        if self._reader_gone:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except BrokenPipeError:
+            # Whoever read our output is gone (a killed launcher: the trainer's SIGTERM comes with this).
+            # The run directory is the record; the trainer must still checkpoint and exit cleanly.
+            self._reader_gone = True
+            _discard_output_of(self.stream)
 
     def message(self, text: str) -> None:
         """A line that must be seen (start, checkpoints, signals, warnings)."""
-        if self.tty:
-            self.stream.write("\r\033[K")
-        self.stream.write(f"andrea: {text}\n")
-        self.stream.flush()
+        self._write(("\r\033[K" if self.tty else "") + f"andrea: {text}\n")
 
     def step(self, step: int, loss: float, tokens: int, next_checkpoint: int) -> None:
         self._tokens += tokens
@@ -40,8 +51,18 @@ class Progress:
             f"step {step}/{self.total}  loss {loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
             f"next checkpoint {next_checkpoint}"
         )
-        if self.tty:
-            self.stream.write(f"\r\033[K{line}")
-        else:
-            self.stream.write(f"andrea: {line}\n")
-        self.stream.flush()
+        self._write(f"\r\033[K{line}" if self.tty else f"andrea: {line}\n")
+
+
+def _discard_output_of(stream: TextIO) -> None:
+    """Point the stream's file descriptor, and stdout/stderr where they share its pipe, at /dev/null:
+    what is still buffered, or printed later (an exit message), then goes nowhere instead of raising."""
+    try:
+        fd = stream.fileno()
+        shared = [f for f in (1, 2) if f != fd and os.path.sameopenfile(f, fd)]
+    except (OSError, ValueError, AttributeError):
+        return  # not a file (a test's StringIO): nothing to redirect
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for target in (fd, *shared):
+        os.dup2(devnull, target)
+    os.close(devnull)

@@ -26,6 +26,7 @@ from andrea_core.supervise import (
     wait_for_exit,
 )
 from tests.conftest import REPO, _env, andrea, wait_for
+from tests.data_runs import last_logged_step
 from tests.tiny import tiny_config
 
 
@@ -81,7 +82,7 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
     wait_for(lambda: run.exists(checkpoint_name(100)), timeout=180, what="first checkpoint")
     # Kill once training is past the grid checkpoint and its audit, so that the checkpoint the
     # SIGTERM writes is an off-grid one (a kill during step 100's audit would have nothing new to save).
-    wait_for(lambda: _last_logged_step(run) > 100, timeout=180, what="training past step 100")
+    wait_for(lambda: last_logged_step(run) > 100, timeout=180, what="training past step 100")
     identity = live_trainer(run)
     assert identity is not None and identity.pid == trainer_pid
     proc.kill()
@@ -93,11 +94,6 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
     run.read_checkpoint(stopped_at)
     resumed = andrea("train", "--run-dir", run.url, "--max-steps", str(stopped_at + 5))
     assert f"resuming {run.url} from {checkpoint_name(stopped_at)}" in resumed.stdout
-
-
-def _last_logged_step(run: RunDir) -> int:
-    history = read_history(run)
-    return history[-1].step if history else 0
 
 
 def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):

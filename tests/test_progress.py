@@ -1,0 +1,22 @@
+"""Progress output must never stop a trainer: its reader may die first (a SIGKILLed launcher)."""
+
+from __future__ import annotations
+
+import os
+
+from andrea_core.progress import Progress
+
+
+def test_a_vanished_reader_silences_progress_instead_of_raising():
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    progress = Progress(total_steps=10, log_every=1, stream=stream)
+    progress.message("before the reader goes")
+    assert os.read(read_end, 100) == b"andrea: before the reader goes\n"
+    os.close(read_end)  # the launcher is gone: a write now raises BrokenPipeError (SIGPIPE is ignored)
+
+    progress.message("SIGTERM: checkpointing step 103, then exiting")
+    progress.step(104, 2.5, 4096, 200)
+    stream.write("an exit message\n")
+    stream.flush()  # the descriptor now points at /dev/null: no error, and nothing is lost but output
+    stream.close()
