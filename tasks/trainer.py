@@ -46,9 +46,8 @@ def run_trainer(
     inside the worker's 30 s before SIGKILL), then lets the cancellation go on."""
     logger = get_run_logger()
     trainer = TrainerProcess(run_dir, config=config, max_steps=max_steps, device=device, pace=pace)
-    progress = TrainingProgress(
-        trainer.run.url, max_steps
-    )  # before the start: nothing to clean up if it fails
+    # The progress artifact before the start: if creating it fails, there is no trainer to clean up.
+    progress = TrainingProgress(trainer.run.url, max_steps)
     trainer.start()
     logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
     try:
