@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from andrea_core.loss_log import read_history
+from andrea_core.rundir import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("ANDREA_SHARED", REPO.parent / "shared"))
 TINY = str(REPO / "configs" / "andrea-tiny.yaml")
@@ -31,6 +34,12 @@ def token_cache_dir(tmp_path_factory) -> Path:
     d = Path(os.environ.get("ANDREA_TEST_CACHE_DIR") or tmp_path_factory.mktemp("token-cache"))
     os.environ["ANDREA_CACHE_DIR"] = str(d)
     return d
+
+
+def last_logged_step(run: RunDir | Path | str) -> int:
+    """The newest step of a run's canonical loss history (0 before the first): a trainer's progress."""
+    history = read_history(run if isinstance(run, RunDir) else RunDir(str(run)))
+    return history[-1].step if history else 0
 
 
 def andrea(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:

@@ -12,11 +12,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import REPO, andrea, start_trainer, wait_for
+from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.loss_log import parse_lines
-from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.rundir import RunDir
 
 MIX = str(REPO / "configs" / "andrea-tiny-mix.yaml")
 STEPS = 200
@@ -30,12 +29,6 @@ class MixRuns:
     usr1_step: int  # the off-grid checkpoint SIGUSR1 asked for
     stop_step: int  # the checkpoint SIGTERM wrote
     resume_log: str  # what the resumed trainer printed
-
-
-def last_logged_step(run: RunDir) -> int:
-    if not run.exists(LOSS_LOG):
-        return 0
-    return max((e["step"] for e in parse_lines(run.read_bytes(LOSS_LOG))[0]), default=0)
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import TINY, andrea, start_trainer, wait_for
+from conftest import TINY, andrea, last_logged_step, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name, encode, snapshot
 from andrea_core.checkpointer import Checkpointer
@@ -74,15 +74,6 @@ def sigio():
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def last_logged_step(run: Path) -> int:
-    try:
-        data = (run / ".loss.json").read_bytes()
-    except FileNotFoundError:
-        return 0
-    lines = data[: data.rfind(b"\n")].split(b"\n")
-    return json.loads(lines[-1])["step"] if lines[-1] else 0
 
 
 def wait_logged(log: Path, pattern: str, proc) -> int:

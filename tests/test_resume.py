@@ -9,7 +9,7 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import TINY, andrea, start_trainer, wait_for
+from conftest import TINY, andrea, last_logged_step, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name, encode
 from andrea_core.config import load_run_config
@@ -18,11 +18,6 @@ from andrea_core.rundir import LOSS_LOG, RunDir
 from andrea_core.trainer import Trainer
 
 PACE = "0.03"  # seconds per step: slow enough to land signals mid-run, 300 steps in ~10 s
-
-
-def last_logged_step(run) -> int:
-    history = read_history(RunDir(str(run)))
-    return history[-1].step if history else 0
 
 
 def canonical(run) -> list[tuple]:

@@ -25,8 +25,7 @@ from andrea_core.supervise import (
     wait_for_checkpoint,
     wait_for_exit,
 )
-from tests.conftest import REPO, _env, andrea, wait_for
-from tests.data_runs import last_logged_step
+from tests.conftest import REPO, _env, andrea, last_logged_step, wait_for
 from tests.tiny import tiny_config
 
 
