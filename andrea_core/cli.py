@@ -157,6 +157,73 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- commands over a run's checkpoints: no training, torch only where the model runs ----------------
+
+
+def _refuse(e: Exception) -> int:
+    """Bad input to a command (unknown run, missing step, a checkpoint that fails validation): one line
+    that names it, exit status 2, nothing touched."""
+    print(f"andrea: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _warn(msg: str) -> None:
+    print(f"andrea: warning: {msg}", file=sys.stderr)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from andrea_core.checkpoint import CheckpointError
+    from andrea_core.status import format_status, run_status
+
+    try:
+        statuses = [run_status(url) for url in args.run_dirs]
+    except CheckpointError as e:
+        return _refuse(e)
+    if args.json:
+        print(json.dumps([st.to_dict() for st in statuses], indent=1))
+    else:
+        print("\n\n".join(format_status(st) for st in statuses))
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from andrea_core.checkpoint import CheckpointError
+    from andrea_core.sample import sample
+
+    try:
+        result = sample(
+            args.run_dir,
+            args.prompt,
+            step=args.step,
+            tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            device=args.device,
+            warn=_warn,
+        )
+    except CheckpointError as e:
+        return _refuse(e)
+    if args.json:
+        print(json.dumps(result.__dict__, indent=1))
+    else:
+        print(f"# {result.run} step {result.step} on {result.device}, {result.settings}", file=sys.stderr)
+        print(result.prompt + result.completion)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from andrea_core.checkpoint import CheckpointError
+    from andrea_core.export import ExportError, export_checkpoint, format_export
+
+    try:
+        result = export_checkpoint(args.run_dir, args.out_dir, args.step, args.dtype, warn=_warn)
+    except (CheckpointError, ExportError) as e:
+        return _refuse(e)
+    print(format_export(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea", description="Train and audit ANDREA GPT runs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -197,6 +264,32 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--step", type=int, help="the audit of this step instead of the newest")
     au.add_argument("--json", action="store_true")
     au.set_defaults(fn=cmd_audit)
+
+    st = sub.add_parser(
+        "status", help="where runs stand: trainer, step, speed, ETA, checkpoints, phase, audit"
+    )
+    st.add_argument("run_dirs", nargs="+", metavar="run_dir")
+    st.add_argument("--json", action="store_true", help="a JSON list, one object per run")
+    st.set_defaults(fn=cmd_status)
+
+    sa = sub.add_parser("sample", help="generate text from a run's checkpoint")
+    sa.add_argument("run_dir")
+    sa.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest valid)")
+    sa.add_argument("--prompt", required=True, help="the text to continue")
+    sa.add_argument("--tokens", type=int, default=200, help="new tokens to generate (default 200)")
+    sa.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
+    sa.add_argument("--top-k", type=int, help="sample only from the k likeliest tokens")
+    sa.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    sa.add_argument("--device", default="cpu", help="auto, cpu or cuda[:N] (default cpu)")
+    sa.add_argument("--json", action="store_true")
+    sa.set_defaults(fn=cmd_sample)
+
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel folder")
+    ex.add_argument("run_dir")
+    ex.add_argument("out_dir", help="a new (or empty) folder: model.safetensors, config.json, tokenizer.json")
+    ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest valid)")
+    ex.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ex.set_defaults(fn=cmd_export)
     return p
 
 

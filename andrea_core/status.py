@@ -1,0 +1,261 @@
+"""`andrea status`: where a run stands, read from its run directory alone (and /proc for a live trainer).
+
+The state is one of
+  training    a live trainer holds the lock (its pid, host and start time checked, not just the pid);
+  crashed     a lock remains but its trainer is dead: it was killed (SIGKILL, out of memory, power
+              loss) before it could checkpoint and release the lock; the steps since its newest
+              checkpoint are lost, and the next `andrea train` takes the stale lock over;
+  remote      the lock names a trainer on another host, which cannot be checked from here;
+  completed   no trainer, and the run has reached max_steps;
+  stopped     no trainer, a clean stop (SIGTERM, Ctrl-C) or a run not started yet.
+Speeds are measured on `.loss.json`'s times: tokens per second over the last minute of logging.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.config import ConfigError
+from andrea_core.lock import LockError, TrainerIdentity, read_lock
+from andrea_core.loss_log import LossEntry, read_history
+from andrea_core.rundir import RunDir
+
+WINDOW_S = 60.0
+
+
+@dataclass
+class RunStatus:
+    run: str
+    state: str
+    summary: str  # one plain sentence: what is going on and, if anything is wrong, what to do
+    trainer: dict | None = None  # the live trainer: pid, host, started_at
+    stale_lock: dict | None = None  # a dead trainer's lock (state crashed) or another host's (remote)
+    step: int = 0  # the newest step of the canonical loss history
+    max_steps: int = 0
+    max_steps_from: str = "run.yaml"  # or "trainer command line" (andrea train --max-steps)
+    last_logged_at: float | None = None
+    tokens_per_s: float | None = None
+    steps_per_s: float | None = None
+    eta_s: float | None = None
+    next_checkpoint: int | None = None
+    next_checkpoint_eta_s: float | None = None
+    newest_checkpoint: int | None = None  # the newest checkpoint that passes validation
+    refused_checkpoints: list[str] = field(default_factory=list)  # newer files that fail validation
+    phase: int = 1
+    phase_start: int = 0
+    policy: str | None = None
+    mixer: str | None = None
+    audit: dict | None = None  # the newest sample audit's headline numbers
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _trainer_max_steps(pid: int) -> int | None:
+    """--max-steps of a live `andrea train` on this host, from its command line."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--max-steps" and i + 1 < len(argv) else None
+        if arg.startswith("--max-steps="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def throughput(history: list[LossEntry], window_s: float = WINDOW_S) -> tuple[float, float] | None:
+    """(tokens/s, steps/s) over the last `window_s` seconds of the newest segment's logging."""
+    if not history:
+        return None
+    last = history[-1]
+    recent = [e for e in history if e.segment == last.segment and e.time >= last.time - window_s]
+    if len(recent) < 2 or recent[-1].time <= recent[0].time:
+        return None
+    span = recent[-1].time - recent[0].time
+    # The first entry's step ended at the window's start: only the steps after it ran inside it.
+    return sum(e.tokens for e in recent[1:]) / span, (len(recent) - 1) / span
+
+
+def _identity(ident: TrainerIdentity) -> dict:
+    return {"pid": ident.pid, "host": ident.host, "started_at": ident.started_at}
+
+
+def run_status(url: str, now: float | None = None) -> RunStatus:
+    from andrea_core.audit import read_audits
+    from andrea_core.fork import run_n_params
+    from andrea_core.pivot import phases
+    from andrea_core.runs import read_policy
+    from andrea_core.weights import open_run
+
+    now = time.time() if now is None else now
+    run, record = open_run(url)
+    cfg = record.config
+    st = RunStatus(run.url, "stopped", "", max_steps=cfg.train.max_steps)
+
+    try:
+        lock = read_lock(run)
+    except LockError as e:
+        lock = None
+        st.problems.append(str(e))
+    live = lock is not None and lock.is_alive()
+    if live:
+        st.trainer = _identity(lock)
+        cmdline_max = _trainer_max_steps(lock.pid)
+        if cmdline_max is not None:
+            st.max_steps, st.max_steps_from = cmdline_max, "trainer command line"
+    elif lock is not None:
+        st.stale_lock = _identity(lock)
+
+    history = read_history(run)
+    if history:
+        st.step, st.last_logged_at = history[-1].step, history[-1].time
+    rates = throughput(history)
+    if rates is not None:
+        st.tokens_per_s, st.steps_per_s = rates
+
+    refused: list[str] = []
+    ckpt = run.newest_valid_checkpoint(run_n_params(record), warn=refused.append)
+    st.newest_checkpoint = ckpt.step if ckpt is not None else None
+    st.refused_checkpoints = refused
+
+    every = cfg.train.checkpoint_every
+    if st.step < st.max_steps:
+        st.next_checkpoint = min(st.max_steps, (st.step // every + 1) * every)
+        if live and st.steps_per_s:
+            st.eta_s = (st.max_steps - st.step) / st.steps_per_s
+            st.next_checkpoint_eta_s = (st.next_checkpoint - st.step) / st.steps_per_s
+
+    closed = phases(run)
+    st.phase = len(closed) + 1
+    st.phase_start = closed[-1][1] if closed else (record.lineage.get("parent_step") or 0)
+    try:
+        policy = read_policy(run)
+        st.policy, st.mixer = policy.name, policy.mixer
+    except (ConfigError, FileNotFoundError) as e:
+        st.problems.append(f"policy: {e}")
+    try:
+        audits = read_audits(run)
+    except ConfigError as e:
+        audits = []
+        st.problems.append(str(e))
+    if audits:
+        a = audits[-1]
+        m = a["metrics"]
+        val = m.get("val_loss") or {}
+        st.audit = {
+            "step": a["step"],
+            "val_loss_mean": sum(val.values()) / len(val) if val else None,
+            "val_loss": val,
+            **{k: m.get(k) for k in ("distinct_2", "repetition", "gzip_ratio")},
+        }
+
+    st.state, st.summary = _verdict(st, lock, live, run, now)
+    return st
+
+
+def _verdict(
+    st: RunStatus, lock: TrainerIdentity | None, live: bool, run: RunDir, now: float
+) -> tuple[str, str]:
+    newest = checkpoint_name(st.newest_checkpoint) if st.newest_checkpoint is not None else None
+    resume = f"`andrea train --run-dir {run.url}`"
+    if live:
+        since = f"{_ago(now - st.last_logged_at)} ago" if st.last_logged_at else "not yet"
+        return "training", f"trainer pid {lock.pid} on {lock.host} is training; last step logged {since}"
+    if lock is not None and lock.host != socket.gethostname():
+        return "remote", (
+            f"locked by trainer pid {lock.pid} on host {lock.host}, which cannot be checked from here "
+            f"(started {_when(lock.started_at)})"
+        )
+    if lock is not None:
+        base = st.newest_checkpoint or 0
+        lost = (
+            f"steps {base + 1}..{st.step} logged after {newest or 'the start'} are lost; "
+            if st.step > base
+            else ""
+        )
+        return "crashed", (
+            f"trainer pid {lock.pid} (started {_when(lock.started_at)}) is dead but its lock remains: it was "
+            f"killed or crashed (SIGKILL, out of memory, power loss) before a clean exit; {lost}"
+            f"{resume} resumes from {newest or 'scratch'} and takes over the stale lock"
+        )
+    if st.step >= st.max_steps and st.newest_checkpoint == st.step:
+        return "completed", f"no trainer running; completed step {st.step} of {st.max_steps} ({newest})"
+    if st.newest_checkpoint is None and not st.step:
+        return "stopped", f"no trainer running; not trained yet: {resume} starts it"
+    return "stopped", f"no trainer running; {resume} resumes from {newest or 'scratch'}"
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def format_status(st: RunStatus, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    lines = [f"{st.run}: {st.state.upper()}: {st.summary}"]
+
+    def row(label: str, text: str) -> None:
+        lines.append(f"  {label:<12}{text}")
+
+    if st.trainer:
+        t = st.trainer
+        since = f"since {_when(t['started_at'])} ({_ago(now - t['started_at'])} ago)"
+        row("trainer", f"pid {t['pid']} on {t['host']}, {since}")
+    if st.stale_lock:
+        t = st.stale_lock
+        row("stale lock", f"pid {t['pid']} on {t['host']}, started {_when(t['started_at'])}")
+    pct = f" ({100 * st.step / st.max_steps:.0f}%)" if st.max_steps else ""
+    row("step", f"{st.step} of {st.max_steps}{pct}  (max_steps from {st.max_steps_from})")
+    if st.tokens_per_s is not None:
+        what = "the last minute" if st.trainer else "its last minute of training"
+        row("speed", f"{st.tokens_per_s:,.0f} tokens/s, {st.steps_per_s:.2f} steps/s over {what}")
+    if st.eta_s is not None:
+        row("ETA", f"{_ago(st.eta_s)} (step {st.max_steps} at {_when(now + st.eta_s)})")
+    if st.next_checkpoint is not None:
+        eta = f" in ~{_ago(st.next_checkpoint_eta_s)}" if st.next_checkpoint_eta_s is not None else ""
+        row("next ckpt", f"{checkpoint_name(st.next_checkpoint)}{eta}")
+    row(
+        "checkpoint",
+        f"{checkpoint_name(st.newest_checkpoint)} (newest valid)"
+        if st.newest_checkpoint is not None
+        else "none valid",
+    )
+    for refused in st.refused_checkpoints:
+        row("REFUSED", refused)
+    row(
+        "phase",
+        f"{st.phase} since step {st.phase_start}, policy {st.policy or '?'} ({st.mixer or '?'} mixer)",
+    )
+    if st.audit:
+        a = st.audit
+        arms = ", ".join(f"{k} {v:.4f}" for k, v in a["val_loss"].items())
+        mean = f"{a['val_loss_mean']:.4f}" if a["val_loss_mean"] is not None else "n/a"
+        row(
+            "audit",
+            f"step {a['step']}: val loss {mean} ({arms}), distinct-2 {a['distinct_2']:.3f}, "
+            f"repetition {a['repetition']:.3f}",
+        )
+    for problem in st.problems:
+        row("PROBLEM", problem)
+    return "\n".join(lines)
