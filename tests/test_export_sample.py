@@ -1,0 +1,270 @@
+"""`andrea export` (a Hugging Face GPT2LMHeadModel folder) and `andrea sample`, end to end on andrea-tiny.
+
+The reference model in these tests is restored the trainer's way (GPT + AdamW + checkpoint.restore),
+not through the export's or the sampler's own loading code, so that a mistake shared by those two
+cannot pass unseen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import andrea
+from tiny import tiny_config
+
+from andrea_core.checkpoint import checkpoint_name, restore
+from andrea_core.data.tokens import run_tokenizer
+from andrea_core.model import GPT
+from andrea_core.optim import build_optimizer
+from andrea_core.rundir import TOKENIZER_JSON, RunDir
+from andrea_core.runs import read_run
+
+STEPS, EVERY = 100, 50
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """andrea-tiny (raw bytes), checkpoints at steps 50 and 100."""
+    base = tmp_path_factory.mktemp("export")
+    run = base / "run"
+    cfg = tiny_config(base, train__checkpoint_every=EVERY)
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", str(STEPS))
+    assert RunDir(str(run)).checkpoint_steps() == [EVERY, STEPS]
+    return run
+
+
+def reference_model(run_dir: Path, step: int) -> GPT:
+    run = RunDir(str(run_dir))
+    cfg = read_run(run).config
+    model = GPT(cfg.model)
+    ckpt = run.read_checkpoint(step, model.n_params)
+    restore(ckpt, model, build_optimizer(model, cfg.train, "cpu"))
+    return model.eval()
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def corrupt_copy(run_dir: Path, dest: Path, step: int) -> Path:
+    """A copy of the run whose checkpoint `step` has a NaN in its weights (size and header intact)."""
+    shutil.copytree(run_dir, dest)
+    path = dest / checkpoint_name(step)
+    data = bytearray(path.read_bytes())
+    data[8 + 4 * 10 : 8 + 4 * 11] = np.float32(np.nan).tobytes()
+    path.write_bytes(bytes(data))
+    return path
+
+
+def assert_refused(proc, *names: str) -> None:
+    """Exit status 2 and one line on stderr that names each of `names`; nothing on stdout."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for name in names:
+        assert name in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+
+def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+
+    out = tmp_path / "hf"
+    proc = andrea("export", str(trained), str(out))
+    assert f"{checkpoint_name(STEPS)}" in proc.stdout
+    # A bytes run has no tokenizer.json to carry.
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
+    assert config["tie_word_embeddings"] is False
+    assert config["activation_function"] == "gelu"
+    assert (config["n_positions"], config["vocab_size"], config["dtype"]) == (64, 256, "float32")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata()["andrea_step"] == str(STEPS)
+        zero_biases = [k for k in f.keys() if k.endswith(("c_attn.bias", "c_proj.bias", "c_fc.bias"))]
+        assert len(zero_biases) == 2 * 4  # two layers: c_attn, attn.c_proj, c_fc, mlp.c_proj
+        assert all(not f.get_tensor(k).any() for k in zero_biases)
+
+    hf, info = GPT2LMHeadModel.from_pretrained(str(out), output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, info  # no missing, unexpected or mismatched keys
+    hf.eval()
+    assert hf.lm_head.weight.data_ptr() != hf.transformer.wte.weight.data_ptr()  # untied
+
+    ours = reference_model(trained, STEPS)
+    tokens = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, _ = ours(tokens)
+        got = hf(tokens).logits
+    diff = (want - got).abs().max().item()
+    assert diff <= 1e-4, f"max abs logit difference {diff}"
+    # The test can fail: GPT-2's default tanh GELU alone moves these logits by more than the bound.
+    assert want.abs().max().item() > 1.0
+
+
+def test_export_of_an_older_step_and_in_bfloat16(trained, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    andrea("export", str(trained), str(tmp_path / "f32"), "--step", str(EVERY))
+    andrea("export", str(trained), str(tmp_path / "bf16"), "--step", str(EVERY), "--dtype", "bfloat16")
+    f32, bf16 = (
+        load_file(str(tmp_path / "f32" / "model.safetensors")),
+        load_file(str(tmp_path / "bf16" / "model.safetensors")),
+    )
+    assert f32.keys() == bf16.keys()
+    for k in f32:
+        assert bf16[k].dtype == torch.bfloat16
+        assert torch.equal(bf16[k], f32[k].to(torch.bfloat16)), k
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "f32")).eval()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = reference_model(trained, EVERY)(tokens)
+        assert (want - hf(tokens).logits).abs().max().item() <= 1e-4
+        newest, _ = reference_model(trained, STEPS)(tokens)
+        assert (newest - hf(tokens).logits).abs().max().item() > 1e-2  # it really is step 50's model
+
+
+def test_export_refuses_a_corrupt_checkpoint_and_touches_nothing(trained, tmp_path):
+    run = tmp_path / "run"
+    corrupt_copy(trained, run, STEPS)
+    before = tree_digest(run)
+    out = tmp_path / "hf"
+    proc = andrea("export", str(run), str(out), "--step", str(STEPS), check=False)
+    assert_refused(proc, str(run / checkpoint_name(STEPS)), "non-finite value in weights at index 10")
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".hf")] == []
+    assert tree_digest(run) == before
+
+    # Without --step the newest valid checkpoint is exported, and the refused one is named.
+    proc = andrea("export", str(run), str(out))
+    assert checkpoint_name(EVERY) in proc.stdout
+    assert f"{checkpoint_name(STEPS)}: non-finite value in weights" in proc.stderr
+    assert tree_digest(run) == before
+
+
+def test_export_bad_inputs_exit_2_naming_them(trained, tmp_path):
+    assert_refused(
+        andrea("export", str(tmp_path / "nope"), str(tmp_path / "o"), check=False), "nope", "run.yaml"
+    )
+    proc = andrea("export", str(trained), str(tmp_path / "o"), "--step", "70", check=False)
+    assert_refused(proc, str(trained / checkpoint_name(70)), "no such file")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    assert_refused(andrea("export", str(trained), str(busy), check=False), str(busy), "not an empty folder")
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_never_unpickles(trained, tmp_path, monkeypatch):
+    from andrea_core.export import export_checkpoint
+
+    def refuse(*a, **k):
+        raise AssertionError("export unpickled something")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    result = export_checkpoint(str(trained), tmp_path / "hf")
+    assert result.step == STEPS
+
+
+def test_export_of_a_bpe_run_carries_its_tokenizer(tmp_path):
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    run = tmp_path / "bpe-run"
+    cfg = tiny_config(tmp_path, "tiny-bpe", data__tokenizer="bpe", model__vocab_size=384)
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", "2")
+    out = tmp_path / "hf"
+    andrea("export", str(run), str(out))
+    assert (out / TOKENIZER_JSON).read_bytes() == (run / TOKENIZER_JSON).read_bytes()
+
+    text = "def read_config(path):\n    return open(path).read()\n"
+    ours = run_tokenizer(RunDir(str(run)), read_run(RunDir(str(run))).config)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(out / TOKENIZER_JSON))
+    ids = hf_tok(text)["input_ids"]
+    assert ids == ours.encode(text) and max(ids) >= 256  # real merges, not bytes
+    hf = GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        want, _ = reference_model(run, 2)(torch.tensor([ids]))
+        assert (want - hf(torch.tensor([ids])).logits).abs().max().item() <= 1e-4
+
+
+# --- sample ----------------------------------------------------------------------------------------
+
+
+def reference_sample(
+    run_dir: Path, step: int, prompt: str, tokens: int, temperature: float, seed: int
+) -> str:
+    model = reference_model(run_dir, step)
+    idx = torch.tensor([list(prompt.encode())])
+    out = model.generate(idx, tokens, temperature=temperature, generator=torch.Generator().manual_seed(seed))
+    return prompt + bytes(out[0].tolist()[idx.shape[1] :]).decode("utf-8", errors="replace")
+
+
+def sampled(*args: str) -> dict:
+    """`andrea sample ... --json`: JSON keeps every generated character (a pipe in text mode would
+    turn a sampled carriage return into a newline)."""
+    return json.loads(andrea("sample", *args, "--json").stdout)
+
+
+def test_sample_is_the_checkpoints_text_for_a_seed(trained):
+    args = (str(trained), "--prompt", "def ", "--tokens", "48", "--temperature", "0.9")
+    first = sampled(*args, "--seed", "3")
+    assert (first["step"], first["device"], first["prompt"]) == (STEPS, "cpu", "def ")
+    assert sampled(*args, "--seed", "3") == first
+    assert "def " + first["completion"] == reference_sample(trained, STEPS, "def ", 48, 0.9, 3)
+    assert sampled(*args, "--seed", "4")["completion"] != first["completion"]
+    older = sampled(*args, "--seed", "3", "--step", str(EVERY))
+    assert (older["step"], "def " + older["completion"]) == (
+        EVERY,
+        reference_sample(trained, EVERY, "def ", 48, 0.9, 3),
+    )
+
+    plain = andrea("sample", *args, "--seed", "3")  # the operator's form: the text on stdout
+    assert plain.stdout.startswith("def ") and len(plain.stdout) > 40
+
+
+def test_sample_top_k_1_is_greedy(trained):
+    model = reference_model(trained, STEPS)
+    idx = torch.tensor([list(b"import ")])
+    with torch.no_grad():
+        for _ in range(32):  # greedy decoding, written out: the likeliest token every time
+            logits, _ = model(idx[:, -64:])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    greedy = bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    for seed in ("1", "2"):
+        out = sampled(str(trained), "--prompt", "import ", "--tokens", "32", "--top-k", "1", "--seed", seed)
+        assert "import " + out["completion"] == greedy
+
+
+def test_sample_bad_inputs_exit_2_naming_them(trained, tmp_path):
+    assert_refused(andrea("sample", str(tmp_path / "nope"), "--prompt", "x", check=False), "nope", "run.yaml")
+    proc = andrea("sample", str(trained), "--step", "70", "--prompt", "x", check=False)
+    assert_refused(proc, str(trained / checkpoint_name(70)), "no such file")
+    run = tmp_path / "run"
+    corrupt_copy(trained, run, EVERY)
+    before = tree_digest(run)
+    proc = andrea("sample", str(run), "--step", str(EVERY), "--prompt", "x", check=False)
+    assert_refused(proc, str(run / checkpoint_name(EVERY)), "non-finite value in weights")
+    assert tree_digest(run) == before
+    assert_refused(andrea("sample", str(trained), "--prompt", "", check=False), "--prompt")
+    assert_refused(andrea("sample", str(trained), "--prompt", "x", "--top-k", "0", check=False), "--top-k")
