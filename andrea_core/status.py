@@ -190,7 +190,10 @@ def _verdict(
             f"{resume} resumes from {newest or 'scratch'} and takes over the stale lock"
         )
     if st.step >= st.max_steps and st.newest_checkpoint == st.step:
-        return "completed", f"no trainer running; completed step {st.step} of {st.max_steps} ({newest})"
+        return "completed", (
+            f"no trainer running; trained to step {st.step} ({newest}), max_steps {st.max_steps}; "
+            f"`andrea train --run-dir {run.url} --max-steps N` trains further"
+        )
     if st.newest_checkpoint is None and not st.step:
         return "stopped", f"no trainer running; not trained yet: {resume} starts it"
     return "stopped", f"no trainer running; {resume} resumes from {newest or 'scratch'}"

@@ -1,0 +1,120 @@
+"""`andrea status` of a live, a stopped and a crashed (SIGKILLed) run, from real trainer processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+
+import pytest
+from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
+from tiny import tiny_config
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.config import load_run_config
+from andrea_core.rundir import LOCK, POLICY_YAML, RunDir
+from andrea_core.runs import create_run
+
+EVERY = 20
+MAX = 5000  # run.yaml's max_steps, never reached: the trainer is stopped or killed first
+CMDLINE_MAX = 4000  # the live trainer's --max-steps
+PACE = 0.05  # seconds per step at least: at most 20 steps/s
+TOKENS_PER_STEP = 8 * 64  # andrea-tiny: batch_size x block_size
+
+
+def status(*runs: str) -> list[dict]:
+    return json.loads(andrea("status", *runs, "--json").stdout)
+
+
+@pytest.mark.slow
+def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run = RunDir(str(run_dir))
+    cfg = tiny_config(tmp_path, train__checkpoint_every=EVERY, train__max_steps=MAX)
+    args = ("--config", cfg, "--run-dir", str(run_dir), "--max-steps", str(CMDLINE_MAX), "--pace", str(PACE))
+
+    # --- live ---
+    trainer = start_trainer(*args, log=tmp_path / "live.log")
+    try:
+        wait_for(lambda: last_logged_step(run) >= 2 * EVERY + 5, timeout=300, what="step 45")
+        (st,) = status(str(run_dir))
+        assert st["state"] == "training", st
+        assert st["trainer"]["pid"] == trainer.pid and st["trainer"]["host"] == socket.gethostname()
+        assert st["stale_lock"] is None
+        assert (st["max_steps"], st["max_steps_from"]) == (CMDLINE_MAX, "trainer command line")
+        assert st["step"] >= 2 * EVERY + 5
+        assert 0 < st["steps_per_s"] <= 1.1 / PACE
+        assert st["tokens_per_s"] == pytest.approx(TOKENS_PER_STEP * st["steps_per_s"])
+        assert st["eta_s"] == pytest.approx((CMDLINE_MAX - st["step"]) / st["steps_per_s"])
+        assert st["next_checkpoint"] == (st["step"] // EVERY + 1) * EVERY
+        assert st["newest_checkpoint"] % EVERY == 0 and st["newest_checkpoint"] >= 2 * EVERY
+        assert (st["phase"], st["phase_start"], st["policy"]) == (1, 0, "stdlib-only")
+        assert st["audit"]["step"] % EVERY == 0 and st["audit"]["val_loss_mean"] > 0
+
+        text = andrea("status", str(run_dir)).stdout
+        assert f"{run_dir}: TRAINING: trainer pid {trainer.pid} on {socket.gethostname()}" in text
+        assert "tokens/s" in text and "ETA" in text and "(newest valid)" in text
+    finally:
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=300) == 0
+
+    # --- stopped (SIGTERM: a checkpoint of the step in flight, the lock released) ---
+    (st,) = status(str(run_dir))
+    assert st["state"] == "stopped", st
+    assert st["trainer"] is None and st["stale_lock"] is None and st["eta_s"] is None
+    assert st["newest_checkpoint"] == st["step"] == last_logged_step(run)
+    # A stopped trainer's --max-steps is gone with it: run.yaml's is what a plain resume would use.
+    assert (st["max_steps"], st["max_steps_from"]) == (MAX, "run.yaml")
+    text = andrea("status", str(run_dir)).stdout
+    assert f"STOPPED: no trainer running; `andrea train --run-dir {run_dir}` resumes from " in text
+    assert checkpoint_name(st["step"]) in text
+
+    # --- crashed (SIGKILL: no checkpoint, the lock left behind) ---
+    stopped_at = st["step"]
+    trainer = start_trainer(*args, log=tmp_path / "crash.log")
+    try:
+        wait_for(
+            lambda: last_logged_step(run) >= stopped_at + EVERY + 5,
+            timeout=300,
+            what="a checkpoint past the stop",
+        )
+        trainer.send_signal(signal.SIGKILL)
+        assert trainer.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert run.exists(LOCK)
+    (st,) = status(str(run_dir))
+    assert st["state"] == "crashed", st
+    assert st["trainer"] is None and st["stale_lock"]["pid"] == trainer.pid
+    assert st["step"] == last_logged_step(run)
+    assert st["newest_checkpoint"] > stopped_at and st["newest_checkpoint"] % EVERY == 0
+    text = andrea("status", str(run_dir)).stdout
+    assert f"CRASHED: trainer pid {trainer.pid} (started " in text
+    assert "is dead but its lock remains" in text and "takes over the stale lock" in text
+    if st["step"] > st["newest_checkpoint"]:
+        lost = f"steps {st['newest_checkpoint'] + 1}..{st['step']} logged after"
+        assert lost in text
+
+    # A closed phase (as a pivot leaves it) and the policy now in force.
+    boundary = st["newest_checkpoint"]
+    run.makedirs(f"archive/phase_001_step_{boundary:06d}")
+    run.write_text(POLICY_YAML, (REPO / "configs" / "policies" / "polish.yaml").read_text())
+    (st,) = status(str(run_dir))
+    assert (st["phase"], st["phase_start"], st["policy"]) == (2, boundary, "polish")
+
+
+def test_status_of_several_runs_and_bad_input(tmp_path):
+    fresh = tmp_path / "fresh"
+    cfg = tiny_config(tmp_path)
+    create_run(RunDir(str(fresh)), load_run_config(cfg))  # a run that has not trained yet
+    docs = status(str(fresh), str(fresh))
+    assert [d["state"] for d in docs] == ["stopped", "stopped"]
+    assert docs[0]["newest_checkpoint"] is None and docs[0]["step"] == 0
+    assert "not trained yet" in docs[0]["summary"]
+
+    proc = andrea("status", str(fresh), str(tmp_path / "missing"), check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"andrea: error: {tmp_path / 'missing'}: not a run directory (no run.yaml)"
+    ]
