@@ -129,6 +129,8 @@ def export_checkpoint(
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if "://" in os.fspath(out_dir):
+        raise ExportError(f"{out_dir}: OUT_DIR must be a local folder (export there, then upload it)")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out}: already exists and is not an empty folder; export to a new one")

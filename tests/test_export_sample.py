@@ -171,6 +171,9 @@ def test_export_bad_inputs_exit_2_naming_them(trained, tmp_path):
     (busy / "keep.txt").write_text("mine")
     assert_refused(andrea("export", str(trained), str(busy), check=False), str(busy), "not an empty folder")
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    assert_refused(
+        andrea("export", str(trained), "s3://bucket/hf", check=False), "s3://bucket/hf", "local folder"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -226,11 +229,11 @@ def sampled(*args: str) -> dict:
     return json.loads(andrea("sample", *args, "--json").stdout)
 
 
+@pytest.mark.slow
 def test_sample_is_the_checkpoints_text_for_a_seed(trained):
     args = (str(trained), "--prompt", "def ", "--tokens", "48", "--temperature", "0.9")
     first = sampled(*args, "--seed", "3")
     assert (first["step"], first["device"], first["prompt"]) == (STEPS, "cpu", "def ")
-    assert sampled(*args, "--seed", "3") == first
     assert "def " + first["completion"] == reference_sample(trained, STEPS, "def ", 48, 0.9, 3)
     assert sampled(*args, "--seed", "4")["completion"] != first["completion"]
     older = sampled(*args, "--seed", "3", "--step", str(EVERY))
@@ -251,9 +254,8 @@ def test_sample_top_k_1_is_greedy(trained):
             logits, _ = model(idx[:, -64:])
             idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     greedy = bytes(idx[0].tolist()).decode("utf-8", errors="replace")
-    for seed in ("1", "2"):
-        out = sampled(str(trained), "--prompt", "import ", "--tokens", "32", "--top-k", "1", "--seed", seed)
-        assert "import " + out["completion"] == greedy
+    out = sampled(str(trained), "--prompt", "import ", "--tokens", "32", "--top-k", "1", "--seed", "5")
+    assert "import " + out["completion"] == greedy
 
 
 def test_sample_bad_inputs_exit_2_naming_them(trained, tmp_path):
