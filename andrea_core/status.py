@@ -121,6 +121,8 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
     if history:
         st.step, st.last_logged_at = history[-1].step, history[-1].time
     rates = throughput(history)
+    if live and st.last_logged_at is not None and now - st.last_logged_at > WINDOW_S:
+        rates = (0.0, 0.0)  # a live trainer that logged nothing for a minute (starting up, or stuck)
     if rates is not None:
         st.tokens_per_s, st.steps_per_s = rates
 
