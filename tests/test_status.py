@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import time
 
 import pytest
 from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
 from tiny import tiny_config
 
+from andrea_core import lock
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import load_run_config
+from andrea_core.loss_log import LossEntry
 from andrea_core.rundir import LOCK, POLICY_YAML, RunDir
 from andrea_core.runs import create_run
+from andrea_core.status import run_status, throughput
 
 EVERY = 20
 MAX = 5000  # run.yaml's max_steps, never reached: the trainer is stopped or killed first
@@ -118,3 +122,35 @@ def test_status_of_several_runs_and_bad_input(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"andrea: error: {tmp_path / 'missing'}: not a run directory (no run.yaml)"
     ]
+
+
+def entry(step: int, t: float, segment: int = 1) -> LossEntry:
+    return LossEntry(step, 2.0, 1e-3, "stdlib-code", TOKENS_PER_STEP, segment, t)
+
+
+def test_throughput_is_the_last_minute_of_the_newest_segment():
+    # Segment 1: a step a second for 100 s; segment 2 resumes from step 50 after a 1000 s gap, at
+    # four steps a second for 30 s: only its own steps count, not the gap nor the old segment.
+    old = [entry(s, 1000.0 + s) for s in range(1, 101)]
+    new = [entry(50 + k, 2100.0 + k / 4, segment=2) for k in range(1, 121)]
+    assert throughput(old) == pytest.approx((TOKENS_PER_STEP, 1.0))  # 60 steps in the last 60 s
+    assert throughput(old + new) == pytest.approx((4 * TOKENS_PER_STEP, 4.0))
+    assert throughput(old[:1]) is None
+
+
+def test_a_live_trainer_silent_for_a_minute_shows_no_speed(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, load_run_config(tiny_config(tmp_path)))
+    t0 = time.time() - 600
+    lines = [json.dumps(entry(s, t0 + s)._asdict()) for s in range(1, 31)]
+    run.write_text(".loss.json", "\n".join(lines) + "\n")
+    me = lock.acquire(run, log=lambda msg: None)  # this process stands in for the live trainer
+    try:
+        busy = run_status(run.url, now=t0 + 31)
+        assert busy.state == "training" and busy.steps_per_s == pytest.approx(1.0)
+        assert busy.eta_s == pytest.approx(300 - 30)  # andrea-tiny's max_steps
+        silent = run_status(run.url, now=t0 + 30 + 61)
+        assert silent.state == "training" and (silent.tokens_per_s, silent.steps_per_s) == (0.0, 0.0)
+        assert silent.eta_s is None and "last step logged 61.0 s ago" in silent.summary
+    finally:
+        lock.release(run, me)
