@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import posixpath
 import sys
+import time
 
 import fsspec
 
@@ -18,8 +20,22 @@ from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.rundir import RunDir
 
 
+def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
+    """ANDREA_TEST_STARTUP_DELAY=<seconds>: with the handlers installed and nothing else done yet, say
+    so and wait up to that long, or until a stop signal arrives. A test can then land a signal inside
+    the start-up window for certain instead of racing the torch import. Unset: no effect."""
+    delay = float(os.environ.get("ANDREA_TEST_STARTUP_DELAY") or 0)
+    if delay <= 0:
+        return
+    print("andrea: start-up held (ANDREA_TEST_STARTUP_DELAY): signal handlers installed", flush=True)
+    deadline = time.monotonic() + delay
+    while flags.stop is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    signals.install()  # before the slow torch import: a SIGTERM during start-up still exits cleanly
+    flags = signals.install()  # before the slow torch import: a SIGTERM during start-up still exits cleanly
+    _hold_start_up_for_tests(flags)
     from andrea_core.trainer import Trainer
 
     cfg = load_run_config(args.config) if args.config else None

@@ -96,10 +96,13 @@ def acquire(run: RunDir, log=print) -> TrainerIdentity:
                 f"{run.url} is in use by trainer pid {held.pid} on {held.host} "
                 f"(started {time.ctime(held.started_at)}); stop it first (SIGTERM writes a checkpoint)"
             )
-        if held.host != socket.gethostname():
+        # Another host, or this host name under another boot id (another machine of the same name, or
+        # this one before a reboot): its pid means nothing here, so its trainer may be alive.
+        if held.host != socket.gethostname() or held.boot_id != _boot_id():
+            boot = "" if held.host != socket.gethostname() else f", boot id {held.boot_id}, not this boot's"
             raise LockError(
-                f"{run.url} is locked by a trainer on host {held.host} (pid {held.pid}) that cannot be "
-                f"checked from here; if it is gone, remove {run.path(LOCK)}"
+                f"{run.url} is locked by a trainer on host {held.host} (pid {held.pid}{boot}) that cannot "
+                f"be checked from here; if it is gone, remove {run.path(LOCK)}"
             )
         log(f"taking over the stale lock of dead trainer pid {held.pid} ({run.path(LOCK)})")
     me = TrainerIdentity.of_this_process(run.url)

@@ -70,9 +70,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=str(REPO_ROOT / "runs" / "demo"), help="where the demo's runs go")
     p.add_argument("--policy", default="polish", help="the policy to pivot to (configs/policies/)")
+    p.add_argument("--pivot-at", type=int, default=120, help="the step at which the pivot is decided")
+    p.add_argument("--max-steps", type=int, default=400, help="train the main run to this step")
+    p.add_argument("--fork-steps", type=int, default=100, help="steps each audit-fork branch trains")
     a = p.parse_args()
     t0 = time.perf_counter()
-    result = demo(workdir=a.workdir, policy=a.policy)
+    result = demo(
+        workdir=a.workdir,
+        policy=a.policy,
+        pivot_decided_at=a.pivot_at,
+        max_steps=a.max_steps,
+        fork_steps=a.fork_steps,
+    )
     fork = result["audit_fork"]
     print()
     print(f"andrea demo finished in {time.perf_counter() - t0:.0f}s")

@@ -79,8 +79,17 @@ def run_trainer(
     return result
 
 
+def _this_flow_run() -> str:
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return "none (called outside a flow run)"
+    return f"{context.flow_run.name} ({context.flow_run.id})"
+
+
 def _finish(trainer: TrainerProcess, progress: TrainingProgress, outcome: supervise.TrainerOutcome, how: str):
     progress.update(outcome.step, trainer.total, force=True)
+    # When and by whom: a flow-run process killed outright publishes nothing, so the run directory's
+    # status may be older than its newest checkpoint; these two rows say how old and from which run.
     publish_status(
         outcome.run_dir,
         f"trainer of {run_name(outcome.run_dir)}: {outcome.reason}",
@@ -92,6 +101,8 @@ def _finish(trainer: TrainerProcess, progress: TrainingProgress, outcome: superv
             "checkpoint": outcome.checkpoint or "none",
             "exit code": outcome.returncode,
             "summary": outcome.describe(),
+            "written": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "flow run": _this_flow_run(),
         },
     )
 

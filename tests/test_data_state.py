@@ -74,23 +74,29 @@ def test_a_crash_between_state_and_checkpoint_resumes_the_previous_checkpoints_b
 
 
 def test_kept_states_end_the_same_for_an_interrupted_and_an_uninterrupted_run(tmp_path):
+    """The bandit trains between saves, so the kept states differ in content, not only in step."""
     policy = make_policy()
-    mixer = make_mixer(policy, ARMS)
-    train(mixer, 1, 30)
     files = []
     for name, steps in (("straight", [50, 100, 150, 200]), ("interrupted", [50, 57, 100, 104, 150, 200])):
         run = RunDir(str(tmp_path / name))
+        mixer = make_mixer(policy, ARMS)
         s = store(run, policy)
         s.restore(mixer, 0)
+        done = 0
         for step in steps:
+            train(mixer, done + 1, step)
+            done = step
             s.save(mixer, step)
-            if step == 104:  # a SIGTERM checkpoint, then a new trainer resumes from it
+            if step == 104:  # a SIGTERM checkpoint, then a new trainer (a new bandit) resumes from it
+                mixer = make_mixer(policy, ARMS)
                 s = store(run, policy)
                 s.restore(mixer, 104)
         files.append(run.read_bytes(STATE))
     assert files[0] == files[1]
     doc = json.loads(files[0])
     assert doc["step"] == 200 and [e["step"] for e in doc["previous"]] == [150, 100, 50]
+    kept = [json.dumps({k: v for k, v in e.items() if k != "step"}, sort_keys=True) for e in doc["previous"]]
+    assert len(set(kept)) == 3, "each kept state is the bandit of its own step"
 
 
 def test_a_state_of_another_policy_is_not_loaded_and_is_kept_aside(tmp_path):

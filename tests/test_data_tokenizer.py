@@ -14,7 +14,7 @@ from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import ArmSpec
 from andrea_core.data.sources import open_source
-from andrea_core.data.tokens import ByteTokenizer, cache_dir, run_tokenizer, token_cache
+from andrea_core.data.tokens import BPE_TRAIN_BYTES, ByteTokenizer, cache_dir, run_tokenizer, token_cache
 from andrea_core.fork import BranchSpec, fork
 from andrea_core.rundir import TOKENIZER_JSON, RunDir
 from andrea_core.runs import create_run, read_policy
@@ -128,3 +128,12 @@ def test_creating_an_andrea_12m_run_trains_its_bpe_on_bounded_text(tmp_path):
     tok = run_tokenizer(run, cfg)
     assert tok.vocab_size == cfg.model.vocab_size == 8192
     print(f"andrea-12m run created with its {tok.vocab_size}-token BPE in {elapsed:.1f}s")
+    # The bound: each arm gives the BPE at most its share of BPE_TRAIN_BYTES, however large its source...
+    policy = read_policy(run)
+    share = BPE_TRAIN_BYTES // len(policy.arms)
+    # Counted in characters: the cut of an arm's last document is made in characters, so a multi-byte
+    # character there can overshoot the byte budget by a few bytes (measured: 6 of 1,333,333).
+    given = [sum(len(d) for d in open_source(s, share).documents()) for s in policy.arms]
+    assert 0 < max(given) <= share, (given, share)
+    # ...which keeps creation "well under a minute on a small CPU" (a loaded test machine: twice that).
+    assert elapsed < 120, f"creating an andrea-12m run took {elapsed:.0f}s"

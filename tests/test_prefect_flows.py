@@ -40,7 +40,7 @@ from andrea_core.runs import read_run
 from andrea_core.supervise import LossLogSnapshot, TrainerProcess, wait_for_first_entry_after
 from andrea_core.trainer import step_seed
 from tests.browser import Chromium, chromium_path
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, last_logged_step, wait_for
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -299,42 +299,74 @@ def test_prefect_deploy_all_creates_the_deployments(stack):
         assert automation.enabled and automation.actions[0].type == "change-flow-run-state"
 
 
+def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack):
+    outputs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "scripts/prefect_setup.py", "--gpus", "1"],
+            env=stack.env, cwd=REPO, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        outputs.append(proc.stdout)
+    assert "concurrency limit 'gpu-0': created (1 slot: one trainer per GPU)" in outputs[0]
+    assert "concurrency limit 'gpu-0': exists (1 slot(s))" in outputs[1]
+    for out in outputs:
+        assert "work pool 'andrea': exists" in out and "'gpu-1'" not in out
+        assert "automation 'andrea-crash-silent-train-runs': updated from automations/" in out
+    with client() as c:
+        limits = [x for x in c.read_global_concurrency_limits(limit=200) if x.name.startswith("gpu-")]
+        assert [(x.name, x.limit, x.active_slots) for x in limits] == [("gpu-0", 1, 0)]
+        assert len(c.read_automations_by_name("andrea-crash-silent-train-runs")) == 1
+
+
 def test_audit_fork_of_a_live_run(stack, live_run):
-    ensure_live_train(stack, live_run)
+    live = ensure_live_train(stack, live_run)
     trainer = live_trainer(live_run)
-    # Freeze the live parent trainer (it stays alive and holds its lock) so that any change to the
-    # parent's files during the fork would be the fork's doing.
-    trainer.signal(signal.SIGSTOP)
-    try:
-        before = files_of(live_run)
-        forks_before = live_run.read_bytes(FORKS) if live_run.exists(FORKS) else b""
-        t0 = time.monotonic()
-        flow_run_id = start_deployment(
-            "audit-fork/audit-fork",
-            run_dir=live_run.url,
-            branches=[
-                {"name": "base"},
-                {"name": "frozen", "overrides": {"train.lr": 1e-9, "train.min_lr": 0.0}},
-            ],
-            steps=60,
-            val_sequences=64,
-        )
-        run = wait_for_final(flow_run_id)
-        _timed("audit-fork flow run: created to completed (s)", time.monotonic() - t0)
-        after = files_of(live_run)
-    finally:
-        trainer.signal(signal.SIGCONT)
+    # The parent trains on throughout: the fork races its checkpoint and sidecar writes.
+    before = files_of(live_run)
+    loss_before = live_run.read_bytes(LOSS_LOG)
+    forks_before = live_run.read_bytes(FORKS) if live_run.exists(FORKS) else b""
+    t0 = time.monotonic()
+    flow_run_id = start_deployment(
+        "audit-fork/audit-fork",
+        run_dir=live_run.url,
+        branches=[
+            {"name": "base"},
+            {"name": "frozen", "overrides": {"train.lr": 1e-9, "train.min_lr": 0.0}},
+        ],
+        steps=60,
+        val_sequences=64,
+    )
+    run = wait_for_final(flow_run_id)
+    _timed("audit-fork flow run: created to completed (s)", time.monotonic() - t0)
+    after = files_of(live_run)
     assert run.state.type.value == "COMPLETED", run.state.message
     assert run.state.message.startswith("base converges best")
 
-    # The parent: byte-identical, but for the one line the fork appends to forks.jsonl.
-    assert {k: v for k, v in after.items() if k != FORKS} == {k: v for k, v in before.items() if k != FORKS}
+    # The parent: what it had is unchanged (its config, policy, checkpoints, the loss log a prefix of
+    # itself); what it wrote meanwhile is its own training's, on its grid; forks.jsonl gained one line.
+    every = read_run(live_run).config.train.checkpoint_every
+    assert after["run.yaml"] == before["run.yaml"] and after[POLICY_YAML] == before[POLICY_YAML]
+    for name in (k for k in before if re.fullmatch(r"step_\d+\.bin", k)):
+        assert after.get(name, before[name]) == before[name], name  # or released by retention
+    assert live_run.read_bytes(LOSS_LOG).startswith(loss_before)
+    new_checkpoints = sorted(
+        set(live_run.checkpoint_steps()) - {int(k[5:-4]) for k in before if k[5:-4].isdigit()}
+    )
+    assert all(s % every == 0 for s in new_checkpoints), (
+        f"an off-grid checkpoint: signalled? {new_checkpoints}"
+    )
     forks_after = live_run.read_bytes(FORKS)
     assert forks_after.startswith(forks_before)
     (record,) = [json.loads(line) for line in forks_after[len(forks_before) :].splitlines()]
     step = record["step"]
-    assert step == max(int(k[5:11]) for k in before if re.fullmatch(r"step_\d{6}\.bin", k))
+    assert step in live_run.checkpoint_steps(), "a fork point is never released by retention"
+    assert step >= max(int(k[5:11]) for k in before if re.fullmatch(r"step_\d{6}\.bin", k))
     assert record["names"] == ["base", "frozen"]
+    # The trainer saw no signal: the same process trains on, and its log has no signal line.
+    assert live_trainer(live_run) == trainer and trainer.is_alive()
+    logs = flow_run_logs(live["flow_run_id"])
+    assert "andrea: training steps" in logs and "SIGUSR1" not in logs and "SIGTERM" not in logs
 
     # The branches: lineage, their own training, the same checkpoint to start from.
     for name, url in zip(record["names"], record["branches"], strict=True):
@@ -358,6 +390,7 @@ def test_audit_fork_of_a_live_run(stack, live_run):
     assert (folder / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "**Winner: `base`**" in (folder / "report.md").read_text()
     assert trainer.is_alive(), "the parent trainer trains on"
+    assert last_logged_step(live_run) > max(step, 0), "and its steps go on"
 
 
 def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
@@ -400,24 +433,28 @@ def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
             "  - {name: docs-prose, kind: prose, floor: 0.6}\n"
         )
         identity = live_trainer(run)
-        identity.signal(signal.SIGSTOP)  # hold its files still while we compare them
-        try:
-            before = files_of(run)
-            with pytest.raises(
-                ConfigError, match=r"bad-policy\.yaml: infeasible policy: floors sum to 1\.3 > 1"
-            ):
-                pivot(run.url, str(bad), restart="none")
-            assert files_of(run) == before
-        finally:
-            identity.signal(signal.SIGCONT)
-        assert identity.is_alive()
+        policy_before, steps_before = run.read_bytes(POLICY_YAML), run.checkpoint_steps()
+        at = last_logged_step(run)
+        # at="now" would send SIGUSR1 first thing: the refusal must come before it.
+        with pytest.raises(ConfigError, match=r"bad-policy\.yaml: infeasible policy: floors sum to 1\.3 > 1"):
+            pivot(run.url, str(bad), at="now", restart="none")
+        assert run.read_bytes(POLICY_YAML) == policy_before and not run.exists(ARCHIVE)
+        wait_for(lambda: last_logged_step(run) >= at + 5, timeout=120, what="the trainer to train on")
+        assert live_trainer(run) == identity and identity.is_alive()
+        assert all(s % 100 == 0 for s in run.checkpoint_steps() if s not in steps_before), "no SIGUSR1"
 
-        wait_for(lambda: 20 <= read_history(run)[-1].step % 100 < 50, timeout=120, what="a step off the grid")
+        wait_for(lambda: 20 <= last_logged_step(run) % 100 < 50, timeout=120, what="a step off the grid")
         result = pivot(run.url, "polish", at="now", restart="none")
     finally:
-        outcome = trainer.stop()
+        lines: list[str] = []
+        outcome = trainer.stop(on_line=lines.append)  # all it printed: nobody read its output before
     boundary = result["boundary"]
     assert boundary % 100 != 0, "a checkpoint written on request, not one of the grid"
+    # One SIGUSR1 in the trainer's whole life (the good pivot's), one SIGTERM (the pivot's stop).
+    assert [x for x in lines if "SIGUSR1" in x] == [
+        f"andrea: SIGUSR1: checkpoint of step {boundary} requested"
+    ]
+    assert len([x for x in lines if re.match(r"andrea: SIGTERM: stopped at step", x)]) == 1
     assert outcome.reason == "SIGTERM" and outcome.step >= boundary
     assert run.checkpoint_steps()[-1] == boundary
     assert run.read_bytes(POLICY_YAML) == load_policy("polish")[1].encode()
@@ -476,8 +513,12 @@ def test_pivot_of_a_live_run(stack, live_run):
     assert live_run.read_bytes(POLICY_YAML) == new_policy_text.encode()
     new_trainer = live_trainer(live_run)
     assert new_trainer is not None and new_trainer.pid != old_trainer.pid
-    if live_run.exists(STATE):
-        assert live_run.read_bytes(STATE) != archive.read_bytes(STATE)
+    # The bandit of the new phase: fresh, of the new policy, nothing of the old phase kept. Its state
+    # is written with the first checkpoint after the boundary.
+    wait_for(lambda: live_run.exists(STATE), timeout=300, what="the new phase's first .state.json")
+    state = json.loads(live_run.read_bytes(STATE))
+    assert state["policy_hash"] == new_policy.hash != json.loads(archive.read_bytes(STATE)).get("policy_hash")
+    assert state["step"] > boundary and all(e["step"] > boundary for e in state.get("previous", []))
     wait_for(lambda: read_history(live_run)[-1].step >= boundary + 2, timeout=120, what="two new steps")
     loss_now = live_run.read_bytes(LOSS_LOG)
     assert loss_now[: len(loss_before)] == loss_before
@@ -547,9 +588,33 @@ def expected_losses(run, boundary, policy, steps, ckpt, zero_moments=False) -> l
     return losses
 
 
+def progress_artifact(flow_run_id: UUID):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    where = ArtifactFilter(
+        type=ArtifactFilterType(any_=["progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+    )
+    with client() as c:
+        found = c.read_artifacts(artifact_filter=where)
+    return found[0] if len(found) == 1 else None
+
+
 def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack, live_run):
     live = ensure_live_train(stack, live_run)
     trainer = live_trainer(live_run)
+    # The run's progress bar: one progress artifact, step of total, following the trainer.
+    at = last_logged_step(live_run)
+    bar = wait_for(
+        lambda: (
+            (a := progress_artifact(live["flow_run_id"]))
+            and int(re.search(r"step (\d+) of", a.description)[1]) > at
+            and a
+        ),
+        timeout=60,
+        what="the progress artifact to pass the trainer's current step",
+    )
+    step = int(re.search(r"step (\d+) of 100000$", bar.description)[1])
+    assert bar.description == f"{live_run.url}: step {step} of 100000" and bar.data == 100.0 * step / 100_000
     t0 = time.monotonic()
     cancel_wall = time.time()
     stack.cli("flow-run", "cancel", str(live["flow_run_id"]))
@@ -584,6 +649,8 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
         )
     status = artifact("trainer-live")
     assert f"| step | {stopped_at} |" in status.data and "| reason | SIGTERM |" in status.data
+    # When and by which flow run: a later SIGKILL of a flow-run process would leave this one stale.
+    assert f"({live['flow_run_id']}) |" in status.data and "| written | 20" in status.data
     stack.live = {}
 
 
@@ -628,6 +695,14 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     stopped_at = read_history(live_run)[-1].step
     assert live_run.checkpoint_steps()[-1] == stopped_at
     live_run.read_checkpoint(stopped_at)
+    # Nobody renews the dead process's lease on the GPU slot: it runs out (60 s) and frees the slot.
+    with client() as c:
+        wait_for(
+            lambda: c.read_global_concurrency_limit_by_name("test-gpu").active_slots == 0,
+            timeout=240,
+            what="the dead flow run's GPU slot lease to run out",
+        )
+    _timed("crash: flow-run process SIGKILL to GPU slot free (s)", time.monotonic() - t0)
 
     run = wait_for_final(live["flow_run_id"], timeout=300)
     _timed("crash: flow-run process SIGKILL to Crashed (s)", time.monotonic() - t0)

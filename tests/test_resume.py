@@ -18,6 +18,7 @@ from andrea_core.rundir import LOSS_LOG, RunDir
 from andrea_core.trainer import Trainer
 
 PACE = "0.03"  # seconds per step: slow enough to land signals mid-run, 300 steps in ~10 s
+SEED = 20261130  # a fixed seed for the random kill point: a failure reproduces (it is printed)
 
 
 def canonical(run) -> list[tuple]:
@@ -50,7 +51,8 @@ def test_sigterm_sigusr1_sigkill_restarts_resume_bit_exactly(tmp_path):
     assert proc.poll() is None
 
     # 3. SIGKILL at a random point: no checkpoint for the steps since the last one.
-    target = random.Random(os.getpid()).randint(usr1_step + 10, 280)
+    target = random.Random(SEED).randint(usr1_step + 10, 280)
+    print(f"SIGKILL target step {target} (random.Random({SEED}); SIGUSR1 at {usr1_step})")
     wait_for(lambda: last_logged_step(b) >= target, what=f"step {target}")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -110,12 +112,41 @@ def test_resume_at_or_past_max_steps_does_nothing(tmp_path):
     assert (run / LOSS_LOG).read_bytes() == before
 
 
-def test_sigterm_during_start_up_exits_cleanly(tmp_path):
-    run = tmp_path / "run"
-    proc = start_trainer("--config", TINY, "--run-dir", str(run), "--pace", PACE)
-    wait_for(lambda: (run / ".trainer.json").exists(), what="the trainer to take its lock")
-    proc.send_signal(signal.SIGTERM)  # typically while the model and data are still being built
-    assert proc.wait(timeout=60) == 0
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_during_start_up_exits_cleanly_before_the_first_step(tmp_path, signame):
+    """The signal lands in the start-up window for certain: the CLI holds start-up, handlers installed
+    and torch not yet imported, until the signal arrives (ANDREA_TEST_STARTUP_DELAY)."""
+    run, log = tmp_path / "run", tmp_path / "trainer.log"
+    os.environ["ANDREA_TEST_STARTUP_DELAY"] = "600"
+    try:
+        proc = start_trainer("--config", TINY, "--run-dir", str(run), "--pace", PACE, log=log)
+    finally:
+        del os.environ["ANDREA_TEST_STARTUP_DELAY"]
+    try:
+        wait_for(lambda: "start-up held" in log.read_text(), what="the trainer's handlers to be installed")
+        proc.send_signal(getattr(signal, signame))
+        assert proc.wait(timeout=300) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"andrea: {signame} before the first step: nothing to checkpoint, exiting" in log.read_text()
     assert not (run / ".trainer.json").exists()
-    steps = RunDir(str(run)).checkpoint_steps()
-    assert steps == ([last_logged_step(run)] if last_logged_step(run) else [])
+    assert RunDir(str(run)).checkpoint_steps() == [] and last_logged_step(run) == 0
+
+
+def test_sigint_mid_run_is_sigterm(tmp_path):
+    """Ctrl-C checkpoints the step in flight and exits 0, exactly as SIGTERM does."""
+    run, log = tmp_path / "run", tmp_path / "trainer.log"
+    proc = start_trainer("--config", TINY, "--run-dir", str(run), "--pace", PACE, log=log)
+    try:
+        wait_for(lambda: last_logged_step(run) >= 10, timeout=300, what="step 10")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = last_logged_step(run)
+    name = checkpoint_name(stopped)
+    assert stopped % 100 != 0 and RunDir(str(run)).checkpoint_steps() == [stopped]
+    assert f"andrea: SIGINT: stopped at step {stopped}, checkpoint {name}" in log.read_text()
+    assert RunDir(str(run)).read_checkpoint(stopped).step == stopped and not (run / ".trainer.json").exists()
