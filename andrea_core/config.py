@@ -8,6 +8,8 @@ typo such as `lerning_rate` would otherwise train a week with the default.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +26,39 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the field and the source."""
+
+
+# Upper bounds on what an input may ask for, each overridable by its environment variable: a policy, a
+# run.yaml or a run directory may come from someone else, and must not take a machine's memory, disk
+# or hours before anything checks it. Generous for the shipped configs (andrea-120m is 0.12 billion).
+LIMITS = {
+    "ANDREA_MAX_PARAMS": 1_000_000_000,  # 16 GB of weights, gradients and Adam state in float32
+    "ANDREA_MAX_ARMS": 64,  # each arm is tokenized into its own cache (up to data.max_source_bytes)
+    "ANDREA_MAX_POLICY_BYTES": 1 << 20,
+    "ANDREA_MAX_SIDECAR_BYTES": 64 << 20,  # run.yaml, policy.yaml, forks.jsonl, .samples.json ...
+    "ANDREA_MAX_LOSS_LOG_BYTES": 512 << 20,  # about 4.5 million steps of .loss.json
+}
+
+
+def limit(name: str) -> int:
+    """The bound `name` (one of LIMITS), from its environment variable when set."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return LIMITS[name]
+    try:
+        value = int(raw.replace("_", ""))
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a whole number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: must be positive")
+    return value
+
+
+def check_limit(value: int, name: str, what: str) -> None:
+    """Raise naming `what`, the bound and how to raise it, if `value` is above limit `name`."""
+    bound = limit(name)
+    if value > bound:
+        raise ConfigError(f"{what}, more than the limit of {bound} (set {name} to allow more)")
 
 
 @dataclass(frozen=True)
@@ -142,10 +177,17 @@ def build_dataclass(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def estimated_n_params(m: ModelConfig) -> int:
+    """The parameter count of GPT(m), by arithmetic: checked before torch allocates anything."""
+    per_layer = 12 * m.n_embd * m.n_embd + 4 * m.n_embd  # qkv, proj, fc, proj; two LayerNorms
+    return 2 * m.vocab_size * m.n_embd + m.block_size * m.n_embd + m.n_layer * per_layer + 2 * m.n_embd
+
+
 def _check_ranges(cfg: RunConfig, source: str) -> None:
     m, t, d, r = cfg.model, cfg.train, cfg.data, cfg.retention
     checks = [
         (m.vocab_size > 0, "model.vocab_size", "must be positive"),
+        (m.vocab_size <= 65536, "model.vocab_size", "must be at most 65536 (token caches are uint16)"),
         (m.block_size > 0, "model.block_size", "must be positive"),
         (m.n_layer > 0, "model.n_layer", "must be positive"),
         (m.n_head > 0 and m.n_embd % m.n_head == 0, "model.n_head", "must divide model.n_embd"),
@@ -171,6 +213,8 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
     for ok, name, why in checks:
         if not ok:
             raise ConfigError(f"{source}: {name} {why}")
+    n = estimated_n_params(m)
+    check_limit(n, "ANDREA_MAX_PARAMS", f"{source}: model: about {n / 1e9:.1f} billion parameters ({n})")
 
 
 def parse_run_config(raw: Any, source: str = "<config>") -> RunConfig:
@@ -194,11 +238,22 @@ def resolve_config_path(name_or_path: str, subdir: str = "") -> Path:
     raise ConfigError(f"config {name_or_path!r} not found (a path, or one of: {', '.join(available)})")
 
 
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
 def load_yaml(text: str, source: str) -> Any:
+    """safe_load only. A parse error names the file, the position and what kind of error it is, and
+    never quotes the text: a credentials file given by mistake must not reach logs and UI messages."""
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (a binary file)
+            raise ConfigError(f"{source}: not valid YAML at character {e.position}: {e.reason}") from None
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        # PyYAML quotes what it found ('<scalar>', a tag, a character): keep the sentence, not the text.
+        problem = _QUOTED.sub("...", getattr(e, "problem", None) or type(e).__name__)
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
 
 
 def load_run_config(name_or_path: str) -> RunConfig:

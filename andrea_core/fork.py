@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, encode
 from andrea_core.config import ConfigError
 from andrea_core.data.policy import load_policy
+from andrea_core.loss_log import json_lines
 from andrea_core.rundir import FORKS, LOSS_LOG, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
 from andrea_core.runs import create_run, read_run
 
@@ -88,10 +90,37 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
     return urls
 
 
-def fork_records(run: RunDir) -> list[dict]:
+def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list[dict]:
+    """The well-formed lines of the run's forks.jsonl, in order. A malformed line (torn by a crash,
+    junk, the wrong shape) is skipped, and reported through `warn`, like a torn .loss.json line: it
+    must not break lineage, retention or the next fork."""
     if not run.exists(FORKS):
         return []
-    return [json.loads(line) for line in run.read_text(FORKS).splitlines() if line.strip()]
+    parsed, bad = json_lines(run.read_bounded(FORKS))
+    records = []
+    for number, record in parsed:
+        if _is_fork_record(record):
+            records.append(record)
+        else:
+            bad.append(number)
+    if bad and warn is not None:
+        lines = ", ".join(map(str, sorted(bad)))
+        warn(f"{run.path(FORKS)}: skipped {len(bad)} malformed line(s): lines {lines}")
+    return records
+
+
+def _is_fork_record(record: Any) -> bool:
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    return (
+        isinstance(record, dict)
+        and type(record.get("step")) is int
+        and record["step"] >= 0
+        and strings(record.get("branches"))
+        and ("names" not in record or strings(record["names"]))
+        and isinstance(record.get("time", 0.0), (int, float))
+    )
 
 
 def _complete_lines(data: bytes) -> bytes:

@@ -12,7 +12,7 @@ from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError, load_yaml
 from andrea_core.fork import fork_records
 from andrea_core.pivot import phases
-from andrea_core.rundir import ARCHIVE, POLICY_YAML, RunDir
+from andrea_core.rundir import ARCHIVE, POLICY_YAML, ProtocolNotAllowed, RunDir
 from andrea_core.runs import read_run
 
 
@@ -58,7 +58,7 @@ class Lineage:
 
 def _policy_name(run: RunDir, name: str) -> str | None:
     try:
-        doc = load_yaml(run.read_text(name), run.path(name))
+        doc = load_yaml(run.read_bounded(name).decode(errors="replace"), run.path(name))
     except (FileNotFoundError, ConfigError):
         return None
     return doc.get("name") if isinstance(doc, dict) else None
@@ -88,6 +88,8 @@ def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
                 continue
             try:
                 branches.append(Branch(name, branch_url, read_lineage(branch_url, seen)))
+            except ProtocolNotAllowed as e:  # never contacted: a forks.jsonl line is someone's input
+                branches.append(Branch(name, branch_url, None, f"refused: {e}"))
             except FileNotFoundError:
                 branches.append(Branch(name, branch_url, None, "missing: no run.yaml there"))
             except ConfigError as e:

@@ -13,9 +13,11 @@ import gc
 import json
 import math
 from collections.abc import Iterable
-from itertools import repeat
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import orjson
+
+from andrea_core.config import check_limit
 from andrea_core.rundir import LOSS_LOG, RunDir
 
 
@@ -29,14 +31,9 @@ class LossEntry(NamedTuple):
     time: float
 
 
-# Reading fast: a line exactly as LossWriter writes it is 16 fields once its delimiters are one byte,
-#   {"step":S,"loss":L,"lr":R,"arm":A,"tokens":T,"segment":G,"time":M}  ->  '' "step" S "loss" L ... M ''
-# so a block of such lines becomes columns by slicing, and each column is converted in C (int, float),
-# with no json.loads per line. A block with any other line (a torn line, another writer's spacing or key
-# order, an arm name with a delimiter in it) is read line by line with json.loads instead.
-_DELIMITERS = bytes.maketrans(b"{}:,\n", b"\n\n\n\n\n")
-_KEYS = (b'"step"', b'"loss"', b'"lr"', b'"arm"', b'"tokens"', b'"segment"', b'"time"')
-_BLOCK = 4096  # lines: a block that falls back to json.loads costs little
+# A malformed line of any kind (torn by a crash, junk, nested past the parser's recursion limit) is
+# skipped and counted, never raised: one bad line must not break every reader of an append-only file.
+JSON_LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
 
 
 @contextlib.contextmanager
@@ -50,6 +47,20 @@ def _collector_paused():
     finally:
         if was:
             gc.enable()
+
+
+def json_lines(data: bytes) -> tuple[list[tuple[int, Any]], list[int]]:
+    """(line number, value) of each line that json.loads parses, and the numbers of those that do not
+    (from 1; blank lines are neither). The plain reader, for small files and short tails."""
+    parsed, bad = [], []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            parsed.append((number, json.loads(line)))
+        except (ValueError, RecursionError):
+            bad.append(number)
+    return parsed, bad
 
 
 def _entry(obj: dict) -> LossEntry:
@@ -67,14 +78,12 @@ def _entry(obj: dict) -> LossEntry:
 
 def parse_lines(data: bytes) -> tuple[list[dict], int]:
     """Parsed entries in file order, and how many lines were skipped as torn or malformed."""
-    entries, skipped = [], 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
+    parsed, bad = json_lines(data)
+    entries, skipped = [], len(bad)
+    for _, obj in parsed:
         try:
-            obj = json.loads(line)
             int(obj["step"]), float(obj["loss"]), int(obj["segment"])
-        except (ValueError, KeyError, TypeError):
+        except JSON_LINE_ERRORS:
             skipped += 1  # a crash mid-append leaves a torn line; it never breaks a reader
             continue
         entries.append(obj)
@@ -82,59 +91,31 @@ def parse_lines(data: bytes) -> tuple[list[dict], int]:
 
 
 def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
-    """`parse_lines` as LossEntry values, and fast (see _DELIMITERS)."""
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()  # the file ends with a newline
+    """`parse_lines` as LossEntry values, and fast: orjson, one loop, `_entry` inlined (measured in
+    bench/loss_log.py). orjson refuses NaN and Infinity (LossWriter writes them for a diverged step)
+    and a few texts json.loads takes: those lines go to json.loads, so the result is json.loads'."""
     entries: list[LossEntry] = []
+    append, loads, orjson_error, nan = entries.append, orjson.loads, orjson.JSONDecodeError, math.nan
     skipped = 0
     with _collector_paused():
-        for i in range(0, len(lines), _BLOCK):
-            block = lines[i : i + _BLOCK]
-            fast = _writer_lines(block)
-            if fast is not None:
-                entries += fast
+        for line in data.split(b"\n"):
+            if not line.strip():
                 continue
-            for line in block:
-                if not line.strip():
-                    continue
+            try:
                 try:
-                    entries.append(_entry(json.loads(line)))
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    skipped += 1  # a crash mid-append leaves a torn line; it never breaks a reader
+                    obj = loads(line)
+                except orjson_error:
+                    obj = json.loads(line)
+                step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
+                if type(step) is float or type(segment) is float or type(tokens) is float:
+                    # orjson reads an integer past 64 bits as a float; json.loads keeps it whole.
+                    obj = json.loads(line)
+                    step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
+                loss, lr, arm, t = obj["loss"], obj.get("lr", nan), obj.get("arm"), obj.get("time", 0.0)
+                append(LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t)))
+            except JSON_LINE_ERRORS:
+                skipped += 1  # a crash mid-append leaves a torn line; it never breaks a reader
     return entries, skipped
-
-
-def _writer_lines(lines: list[bytes]) -> list[LossEntry] | None:
-    """Entries of lines that are all exactly in LossWriter's shape, or None."""
-    n = len(lines)
-    fields = b"\n".join(lines).translate(_DELIMITERS).split(b"\n")
-    if len(fields) != 16 * n or fields[0::16] != [b""] * n or fields[15::16] != [b""] * n:
-        return None
-    if any(fields[1 + 2 * k :: 16] != [key] * n for k, key in enumerate(_KEYS)):
-        return None
-    step, loss, lr, arm, tokens, segment, t = (fields[2 + 2 * k :: 16] for k in range(7))
-    # Only what json.dumps writes for finite numbers: int() and float() would also take "inf", "1_0"...
-    if any(b"".join(column).translate(None, b"-0123456789") for column in (step, tokens, segment)):
-        return None
-    if any(b"".join(column).translate(None, b"-+.0123456789eE") for column in (loss, lr, t)):
-        return None  # NaN or Infinity somewhere in the block: json.loads reads those
-    try:
-        name = {a: json.loads(a) for a in set(arm)}
-        if not all(v is None or isinstance(v, str) for v in name.values()):
-            return None
-        columns = (
-            map(int, step),
-            map(float, loss),
-            map(float, lr),
-            map(name.__getitem__, arm),
-            map(int, tokens),
-            map(int, segment),
-            map(float, t),
-        )
-        return list(map(tuple.__new__, repeat(LossEntry), zip(*columns, strict=True)))
-    except ValueError:
-        return None
 
 
 def newest_segments(entries: Iterable[LossEntry]) -> list[LossEntry]:
@@ -159,7 +140,7 @@ def canonical(entries: list[dict]) -> list[LossEntry]:
 def read_history(run: RunDir) -> list[LossEntry]:
     if not run.exists(LOSS_LOG):
         return []
-    return newest_segments(parse_entries(run.read_bytes(LOSS_LOG))[0])
+    return newest_segments(parse_entries(run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES"))[0])
 
 
 def ema_curve(values: list[float], alpha: float = 0.05) -> list[float]:
@@ -181,6 +162,9 @@ class LossWriter:
 
     def __init__(self, run: RunDir):
         self.run = run
+        if run.exists(LOSS_LOG):  # checked before the whole file is read (or, on a store, downloaded)
+            size = run.size(LOSS_LOG)
+            check_limit(size, "ANDREA_MAX_LOSS_LOG_BYTES", f"{run.path(LOSS_LOG)}: {size} bytes")
         # On a store without append this is a mirror in the run cache, published at durable flushes.
         self._file = run.open_append(LOSS_LOG)
         raw = self._file.read()

@@ -34,12 +34,15 @@ from fsspec.implementations.local import LocalFileSystem
 
 from andrea_core import objstore
 from andrea_core.checkpoint import (
+    HEADER,
     Checkpoint,
     CheckpointError,
     checkpoint_name,
     decode,
+    expected_size,
     step_from_name,
 )
+from andrea_core.config import ConfigError, check_limit, limit
 from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
@@ -54,6 +57,10 @@ ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
 S3_PROTOCOLS = {"s3", "s3a"}
+# A run URL may come from someone else (a Prefect parameter, a forks.jsonl line): only the filesystems
+# a run directory lives on, never http(s), ftp or anything else that would make this process a client
+# of internal addresses. A plain path is "file". ANDREA_ALLOWED_PROTOCOLS (comma-separated) replaces it.
+DEFAULT_ALLOWED_PROTOCOLS = ("file", "local", "s3", "s3a", "gcs", "gs", "az", "abfs", "memory")
 TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
 
 Buffer = bytes | bytearray | memoryview
@@ -62,6 +69,32 @@ Buffer = bytes | bytearray | memoryview
 def cache_dir() -> Path:
     """This machine's cache (token caches, append mirrors): ANDREA_CACHE_DIR or ~/.cache/andrea."""
     return Path(os.environ.get("ANDREA_CACHE_DIR") or Path.home() / ".cache" / "andrea")
+
+
+class ProtocolNotAllowed(ConfigError):
+    """A run URL over a protocol outside the allow-list (see check_protocol)."""
+
+
+def allowed_protocols() -> list[str]:
+    raw = os.environ.get("ANDREA_ALLOWED_PROTOCOLS")
+    if raw is None or not raw.strip():
+        return sorted(DEFAULT_ALLOWED_PROTOCOLS)
+    return sorted({p.strip().lower() for p in raw.split(",") if p.strip()})
+
+
+def check_protocol(url: str) -> None:
+    """Refuse, before anything is contacted, a URL whose protocol (any link of a chained URL such as
+    `simplecache::s3://...`) is not allowed. The error names the protocol, never the URL (it may
+    carry credentials)."""
+    allowed = allowed_protocols()
+    for link in url.split("::"):
+        protocol, _ = fsspec.core.split_protocol(link)
+        protocol = (protocol or "file").lower()
+        if protocol not in allowed:
+            raise ProtocolNotAllowed(
+                f"run directory URL: protocol {protocol!r} is not allowed (allowed: {', '.join(allowed)}; "
+                "set ANDREA_ALLOWED_PROTOCOLS to change the list)"
+            )
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -79,6 +112,7 @@ def _byte_views(parts: Buffer | Iterable[Buffer]) -> Iterable[memoryview]:
 class RunDir:
     def __init__(self, url: str | os.PathLike):
         url = os.fspath(url)
+        check_protocol(url)
         # Other processes (the trainer, the flows, the CLI) change a run directory under our feet: a
         # cached listing would hide a new checkpoint or show a deleted one.
         self.fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
@@ -112,7 +146,20 @@ class RunDir:
         return self.read_bytes(name).decode()
 
     def read_json(self, name: str) -> Any:
-        return json.loads(self.read_bytes(name))
+        return json.loads(self.read_bounded(name))
+
+    def read_bounded(self, name: str, bound: str = "ANDREA_MAX_SIDECAR_BYTES") -> bytes:
+        """A run file's bytes, refused unread (ConfigError naming the file, its size and the bound)
+        when larger than the limit `bound` (config.LIMITS): a file from someone else must not take
+        this machine's memory, or on an object store its bandwidth."""
+        most = limit(bound)
+        path = self.path(name)
+        size = self.fs.size(path)
+        if size is not None:
+            check_limit(size, bound, f"{path}: {size} bytes")
+        data = self.fs.cat_file(path, start=0, end=most + 1)  # it may have grown since
+        check_limit(len(data), bound, f"{path}: more than {most} bytes")
+        return data
 
     def size(self, name: str) -> int:
         return self.fs.size(self.path(name))
@@ -227,10 +274,21 @@ class RunDir:
 
     def read_checkpoint(self, step: int, n_params: int | None = None) -> Checkpoint:
         name = checkpoint_name(step)
+        path = self.path(name)
         try:
-            data = self.read_bytes(name)
+            # The header first: a file whose size is not the 8 + 12 n its header promises is refused
+            # before its body is read (a 3 GiB file claiming n = 1 would otherwise be read whole).
+            size = self.fs.size(path)
+            header = self.fs.cat_file(path, start=0, end=HEADER.size) if size else b""
+            if len(header) == HEADER.size:
+                n = HEADER.unpack(header)[1]
+                if n > 0 and size != expected_size(n):
+                    raise CheckpointError(
+                        path, f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required"
+                    )
+            data = header if size <= HEADER.size else self.fs.cat_file(path, start=0, end=size)
         except FileNotFoundError:
-            raise CheckpointError(self.path(name), "no such file") from None
+            raise CheckpointError(path, "no such file") from None
         try:
             return decode(data, name, n_params)
         except CheckpointError as e:

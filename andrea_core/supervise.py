@@ -22,7 +22,7 @@ from pathlib import Path
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.lock import TrainerIdentity, live_trainer
-from andrea_core.loss_log import parse_lines, read_history
+from andrea_core.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.rundir import LOSS_LOG, RunDir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -345,8 +345,8 @@ class LossLogSnapshot:
 
     @classmethod
     def take(cls, run: RunDir) -> LossLogSnapshot:
-        data = run.read_bytes(LOSS_LOG) if run.exists(LOSS_LOG) else b""
-        segments = sorted({int(e["segment"]) for e in parse_lines(data)[0]})
+        data = run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES") if run.exists(LOSS_LOG) else b""
+        segments = sorted({e.segment for e in parse_entries(data)[0]})
         return cls(len(data), hashlib.sha256(data).hexdigest(), segments)
 
     def check_prefix_of(self, run: RunDir, what: str = ".loss.json") -> bytes:

@@ -1,7 +1,8 @@
 """The loss log's fast writer and reader say exactly what json.dumps and json.loads say.
 
-The writer formats lines itself and the reader converts whole columns of lines in LossWriter's shape
-(bench/loss_log.py measures why); both must agree with the plain JSON path on every kind of line.
+The writer formats lines itself and the reader parses with orjson, falling back to json.loads for the
+lines orjson refuses (bench/loss_log.py measures why); both must agree with the plain JSON path on
+every kind of line.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 from andrea_core.loss_log import (
     LossWriter,
     _entry,
-    _writer_lines,
     canonical,
     parse_entries,
     parse_lines,
@@ -30,6 +30,19 @@ def same(a, b) -> bool:
         )
         for p, q in zip(a, b, strict=True)
     )
+
+
+def json_reader(data: bytes) -> tuple[list, int]:
+    """The reader as it was before orjson: json.loads on every line, a bad line skipped and counted."""
+    entries, skipped = [], 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            entries.append(_entry(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            skipped += 1
+    return entries, skipped
 
 
 def test_writer_lines_are_json_dumps_text(tmp_path):
@@ -58,8 +71,8 @@ def test_fast_reader_agrees_with_json_on_every_kind_of_line(tmp_path):
     writer.log(9000, 1.0, 0.1, "a,b:{c}", 1, 1.0)  # the writer's own line, with delimiters in its arm
     writer.close()
     good = (tmp_path / LOSS_LOG).read_bytes().split(b"\n")
-    block = good[:4096]
-    assert same(_writer_lines(block), [_entry(json.loads(line)) for line in block])  # the fast path
+    block = b"\n".join(good[:4096])
+    assert same(parse_entries(block)[0], json_reader(block)[0])  # the writer's own lines
     odd = [
         good[9000],
         b'{"step": 9001, "loss": 1.5, "segment": 2}',  # another writer's spacing, fields missing
@@ -74,6 +87,15 @@ def test_fast_reader_agrees_with_json_on_every_kind_of_line(tmp_path):
         b"   ",
         b"",
         b'{"step":9009,"loss":1.0,"lr":0.1,"arm":"x","tok',  # torn, then terminated by a later start
+        b'{"step":9011,"loss":Infinity,"lr":-Infinity,"arm":"x","tokens":1,"segment":2,"time":1.0}',
+        b'{"step":123456789012345678901234567890,"loss":1.0,"segment":2,"tokens":18446744073709551617}',
+        b'{"step":9012,"loss":1e400,"lr":0.1,"arm":"\\ud800","tokens":1,"segment":2,"time":-0}',
+        b'{"step":9013,"loss":1.0,"loss":2.0,"segment":2,"arm":"\xc3\xa9\\u00e9"}',  # a repeated key
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the recursion limit
+        b'{"step":9014,"loss":{"a":' * 50_000,
+        b"\x00" * 64,  # a sparse file's hole
+        b"\xff\xfe{}",
+        b'{"step":9015.0,"loss":"1.5","segment":2.0}',  # numbers as json.loads gives them, then int()
     ]
     # Odd lines inside the second block and at the very end (a torn last line without its newline).
     lines = (
@@ -83,8 +105,12 @@ def test_fast_reader_agrees_with_json_on_every_kind_of_line(tmp_path):
     expected, expected_skipped = parse_lines(data)
     entries, skipped = parse_entries(data)
     assert same(entries, [_entry(obj) for obj in expected])
-    assert skipped == expected_skipped == 6
-    assert len(entries) == 9000 + 6  # the writer's lines, its odd one, and five odd ones from elsewhere
+    reference, reference_skipped = json_reader(data)
+    assert same(entries, reference)
+    (big,) = [e for e in entries if e.step > 2**64]  # orjson reads it as a float; json.loads does not
+    assert big.step == 123456789012345678901234567890 and big.tokens == 2**64 + 1
+    assert skipped == expected_skipped == reference_skipped == 10
+    assert len(entries) == 9000 + 11  # the writer's lines, its odd one, and ten good odd ones from elsewhere
 
     (tmp_path / LOSS_LOG).write_bytes(data)
     history = read_history(RunDir(str(tmp_path)))

@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import keyword
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from andrea_core.config import ConfigError, build_dataclass, load_yaml, resolve_config_path
+from andrea_core.config import ConfigError, build_dataclass, check_limit, load_yaml, resolve_config_path
 
 ARM_KINDS = ("python-stdlib", "docstrings", "prose")
 MIXERS = ("uniform", "exp3")
+# An arm's name becomes part of file names (its token cache) and of artifacts: no path separators, no
+# hidden or relative names, nothing a shell or a markdown renderer reads specially.
+ARM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
+ARM_NAME_RULE = "1 to 64 letters, digits, '-', '_' or '.', not starting with '.'"
+
+
+def is_plain_package_name(name: str) -> bool:
+    """A top-level package name as `import NAME` takes it: dotted names would need their parents
+    imported to be found, which runs their code."""
+    return name.isascii() and name.isidentifier() and not keyword.iskeyword(name)
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,16 @@ def parse_policy(raw: Any, source: str) -> Policy:
     arms = policy.arms
     if not arms:
         raise ConfigError(f"{source}: arms: must list at least one arm")
+    check_limit(len(arms), "ANDREA_MAX_ARMS", f"{source}: arms: {len(arms)} arms")
+    for i, a in enumerate(arms):
+        if not ARM_NAME_RE.fullmatch(a.name):
+            raise ConfigError(f"{source}: arms[{i}].name: {a.name!r} must be {ARM_NAME_RULE}")
+        for j, pkg in enumerate(a.packages):
+            if not is_plain_package_name(pkg):
+                raise ConfigError(
+                    f"{source}: arms[{i}].packages[{j}]: {pkg!r} is not a plain package name "
+                    "(a top-level import name such as numpy; dotted names and paths are refused)"
+                )
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: arms: duplicate arm names in {names}")
@@ -99,5 +121,10 @@ def check_feasible(
 def load_policy(name_or_path: str) -> tuple[Policy, str]:
     """The parsed policy and its YAML text (installed verbatim as the run's policy.yaml)."""
     path = resolve_config_path(name_or_path, "policies")
-    text = path.read_text()
+    size = path.stat().st_size
+    check_limit(size, "ANDREA_MAX_POLICY_BYTES", f"{path}: {size} bytes")
+    try:
+        text = path.read_bytes().decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     return parse_policy(load_yaml(text, str(path)), str(path)), text

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 import site
+import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from andrea_core.data.policy import ArmSpec
+from andrea_core.data.policy import ArmSpec, is_plain_package_name
 
 DEFAULT_DOCSTRING_PACKAGES = ["torch", "numpy", "prefect", "fsspec", "yaml", "pydantic", "sqlalchemy"]
 # Part of every fingerprint: bump it when extraction changes what a source yields, so caches rebuild.
@@ -97,10 +97,20 @@ def _site_packages() -> list[Path]:
 
 
 def _package_dir(name: str) -> Path | None:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
+    """The folder of the top-level package `name`, found by looking, never by importing.
+
+    importlib's find_spec imports a dotted name's parents (running their __init__), and sys.path
+    holds the repository root, under which run directories live: a policy naming a package planted in
+    a run directory would run its code. Here only a plain name is looked up, as the first sys.path
+    folder holding NAME/__init__.py (the order an import would search), and its files are only read.
+    """
+    if not is_plain_package_name(name):
         return None
-    return Path(next(iter(spec.submodule_search_locations)))
+    for entry in sys.path:
+        folder = Path(entry or Path.cwd()) / name
+        if (folder / "__init__.py").is_file():
+            return folder
+    return None
 
 
 def _files_for(arm: ArmSpec) -> list[Path]:

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from andrea_core.config import ConfigError, RunConfig
-from andrea_core.data.policy import Policy
+from andrea_core.data.policy import ARM_NAME_RE, ARM_NAME_RULE, Policy
 from andrea_core.data.sources import Source, SourceUnavailable, open_source
 from andrea_core.rundir import TOKENIZER_JSON, RunDir, cache_dir
 
@@ -151,6 +151,10 @@ def token_cache(source: Source, tokenizer: Tokenizer) -> np.ndarray:
     """The arm's tokens as a read-only uint16 memmap; built on first use, atomically."""
     if tokenizer.vocab_size > 65536:
         raise ValueError(f"tokenizer {tokenizer.id}: {tokenizer.vocab_size} tokens do not fit uint16")
+    if not ARM_NAME_RE.fullmatch(source.arm.name):  # checked when the policy loads; this is a file name
+        raise ValueError(
+            f"arm name {source.arm.name!r} cannot name a token cache: it must be {ARM_NAME_RULE}"
+        )
     key = hashlib.sha256(f"{source.fingerprint}|{tokenizer.id}".encode()).hexdigest()[:16]
     path = cache_dir() / f"{source.arm.name}-{key}.u16"
     if not path.exists():
