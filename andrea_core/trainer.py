@@ -70,8 +70,9 @@ class _BatchPrefetch:
     itself, once the mixer is in the state that batch must be drawn from (see Trainer._loop)."""
 
     def __init__(self, build: Callable[[int], tuple], device: str):
-        # The CUDA device is per thread: the builder's copies must go to the trainer's device.
-        init = (lambda: torch.cuda.set_device(torch.device(device))) if device.startswith("cuda") else None
+        # The current CUDA device is per thread: the builder's pinning and copies go to the trainer's.
+        index = torch.device(device).index if device.startswith("cuda") else None
+        init = (lambda: torch.cuda.set_device(index)) if index is not None else None
         self._build = build
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="andrea-batch", initializer=init)
         self._pending: tuple[int, Future] | None = None
