@@ -64,7 +64,10 @@ def check_limit(value: int, name: str, what: str) -> None:
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 1337
-    batch_size: int = 8
+    batch_size: int = 8  # the global batch of one optimizer step, whatever grad_accum_steps is
+    # Micro-batches per optimizer step (batch_size / grad_accum_steps sequences each): a batch too big
+    # for the device's memory in one pass. A step is still one optimizer step, with the same data.
+    grad_accum_steps: int = 1
     max_steps: int = 1000
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -193,6 +196,11 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (m.n_head > 0 and m.n_embd % m.n_head == 0, "model.n_head", "must divide model.n_embd"),
         (0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)"),
         (t.batch_size > 0, "train.batch_size", "must be positive"),
+        (
+            t.grad_accum_steps > 0 and t.batch_size % t.grad_accum_steps == 0,
+            "train.grad_accum_steps",
+            f"must be a positive divisor of train.batch_size ({t.batch_size}), got {t.grad_accum_steps}",
+        ),
         (t.max_steps > 0, "train.max_steps", "must be positive"),
         (t.lr > 0 and t.min_lr >= 0, "train.lr", "lr must be > 0 and min_lr >= 0"),
         (t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0"),

@@ -8,6 +8,7 @@ Changing the order of the attributes below changes the checkpoint format.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,26 @@ class ModelConfig:
     dropout: float = 0.0
 
 
+class KVCache:
+    """One attention layer's keys and values of the sequences being generated, preallocated to
+    block_size positions: each new token then costs one query against the cached keys instead of a
+    forward pass over the whole sequence."""
+
+    def __init__(self, batch: int, n_head: int, head_dim: int, capacity: int, like: torch.Tensor):
+        shape = (batch, n_head, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' keys and values; all of them so far."""
+        end = self.length + k.shape[2]
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -33,14 +54,21 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): SDPA picks flash attention on CUDA when it can.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if mask is None:  # training and plain inference: causal, no padding
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        else:  # generation (GPT.generate): the mask says which cached key each new query may see
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -63,8 +91,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -110,18 +140,83 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
+    def _last_logits(
+        self, idx: torch.Tensor, real: torch.Tensor, caches: list[KVCache] | None = None
+    ) -> torch.Tensor:
+        """Logits after the last column of left-padded rows. `idx` (B, T) are the columns not yet in
+        `caches` (all of them without a cache); `real` (B, L) marks the real tokens among all L columns,
+        cached ones included. Each row sees only its own real tokens, at positions counted from its
+        first one, so a row computes what it would alone (up to float rounding)."""
+        B, T = idx.shape
+        L = real.shape[1]
+        cols = torch.arange(L - T, L, device=idx.device)
+        keys = torch.arange(L, device=idx.device)
+        pos = (cols[None, :] - (~real).sum(dim=1, keepdim=True)).clamp(min=0)
+        # A query sees the real keys up to itself, and itself: a padding query then has one key to
+        # attend to (finite garbage no real query reads) instead of none (a NaN that would spread).
+        causal = keys[None, :] <= cols[:, None]
+        mask = causal[None] & (real[:, None, :] | (keys[None, :] == cols[:, None])[None])
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for i, block in enumerate(self.blocks):
+            x = block(x, mask[:, None], caches[i] if caches is not None else None)
+        return self.head(self.ln_f(x[:, -1]))
+
+    @staticmethod
+    def _uniforms(
+        batch: int, n: int, generator: torch.Generator | Sequence[torch.Generator] | None, device
+    ) -> torch.Tensor:
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.rand(batch, n, generator=generator, device=device)
+        if len(generator) != batch:
+            raise ValueError(f"{len(generator)} generators for a batch of {batch} rows")
+        return torch.stack([torch.rand(n, generator=g, device=device) for g in generator])
+
     @torch.no_grad()
     def generate(
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
         temperature: float = 1.0,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
+        *,
+        lengths: Sequence[int] | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
-        """Sample continuations; `generator` keeps sampling off the global RNG (and the training stream)."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size :])
-            probs = F.softmax(logits[:, -1, :].float() / max(temperature, 1e-5), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
+        """Sample `max_new_tokens` after each row of `idx` (B, W); returns (B, W + max_new_tokens).
+
+        Rows may be prompts of different lengths, left-padded: row i holds `lengths[i]` real tokens at
+        its right end (default: all W). Each row is generated as it would be alone: padding is masked
+        out of attention, positions count from the row's first real token, and a row that outgrows
+        block_size keeps its newest block_size tokens (from then on the cache gives way to a forward
+        pass over that window, since every position shifts).
+
+        `generator` keeps sampling off the global RNG (and the training stream): one for the batch, or
+        one per row, so that a row's tokens depend on its own generator alone and a batch gives what
+        one-by-one generation gives. Sampling is by inverse CDF, with the uniform numbers of all steps
+        drawn up front: row i's t-th token takes u[i, t].
+        """
+        B, W = idx.shape
+        block = self.cfg.block_size
+        device = idx.device
+        n_real = torch.as_tensor(list(lengths) if lengths is not None else [W] * B, device=device)
+        real = torch.arange(W, device=device)[None, :] >= (W - n_real)[:, None]
+        u = self._uniforms(B, max_new_tokens, generator, device)
+        caches = None
+        if use_cache:
+            head_dim = self.cfg.n_embd // self.cfg.n_head
+            like = self.head.weight
+            caches = [KVCache(B, self.cfg.n_head, head_dim, block, like) for _ in self.blocks]
+        cached = 0  # columns of idx already in the caches
+        for t in range(max_new_tokens):
+            if caches is not None and idx.shape[1] <= block:
+                logits = self._last_logits(idx[:, cached:], real, caches)
+                cached = idx.shape[1]
+            else:
+                caches = None
+                logits = self._last_logits(idx[:, -block:], real[:, -block:])
+            cdf = F.softmax(logits.float() / max(temperature, 1e-5), dim=-1).cumsum(dim=-1)
+            # Scaled by the total, u never lands past the last token with any probability.
+            nxt = torch.searchsorted(cdf, u[:, t : t + 1] * cdf[:, -1:], right=True)
+            idx = torch.cat([idx, nxt.clamp_(max=logits.shape[-1] - 1)], dim=1)
+            real = torch.cat([real, torch.ones(B, 1, dtype=torch.bool, device=device)], dim=1)
         return idx

@@ -7,10 +7,15 @@ Every random draw is a pure function of (seed, step), so a resume from step S re
 the uninterrupted run would have done after S.
 
 The loss of step s is read one step late, while step s+1 runs, so that the loop never waits for the
-device except there (and at a checkpoint). The mixer hears of step s's loss after batch s+1 is drawn
-and before batch s+2 is, at every step, whatever happened in between (a checkpoint, a signal, a
-restart: a resumed run re-reads its start step's loss from .loss.json). So batch selection stays a pure
-function of (seed, step, mixer state), and the mixer state at checkpoint S has heard of steps up to S-1.
+device except there (and at a checkpoint). On CUDA the read waits for step s alone: the loss is copied
+to pinned host memory right behind step s, marked by an event (a plain .item() would queue its copy
+behind step s+1 and wait for the device to go idle). The batch of step s+1 is built (and on CUDA pinned
+and copied to the device) on a background thread while step s runs.
+
+The mixer hears of step s's loss after batch s+1 is drawn and before batch s+2 is, at every step,
+whatever happened in between (a checkpoint, a signal, a restart: a resumed run re-reads its start step's
+loss from .loss.json). So batch selection stays a pure function of (seed, step, mixer state), and the
+mixer state at checkpoint S has heard of steps up to S-1.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +54,45 @@ class TrainResult:
 
 @dataclass
 class _StepLoss:
-    """A trained step whose loss stays on the device until `Trainer._read` brings it to the host."""
+    """A trained step whose loss stays where it is until `Trainer._read` brings it to the host."""
 
     step: int
     arm: str | None
     lr: float
-    on_device: torch.Tensor | None
+    pending: torch.Tensor | None  # the loss on the CPU; on CUDA its pinned host copy, filled later
+    ready: torch.cuda.Event | None = None  # CUDA: recorded right after the copy into `pending`
     loss: float | None = None
+
+
+class _BatchPrefetch:
+    """Builds a step's batch (and on CUDA pins it and queues its copy to the device) on a background
+    thread, while the loop goes on. The caller starts it only where it would otherwise draw that batch
+    itself, once the mixer is in the state that batch must be drawn from (see Trainer._loop)."""
+
+    def __init__(self, build: Callable[[int], tuple], device: str):
+        # The current CUDA device is per thread: the builder's pinning and copies go to the trainer's.
+        index = torch.device(device).index if device.startswith("cuda") else None
+        init = (lambda: torch.cuda.set_device(index)) if index is not None else None
+        self._build = build
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="andrea-batch", initializer=init)
+        self._pending: tuple[int, Future] | None = None
+
+    def start(self, step: int) -> None:
+        self._pending = (step, self._pool.submit(self._build, step))
+
+    def take(self, step: int) -> tuple:
+        """The batch of `step`: the one built in the background, or built now if none was started."""
+        if self._pending is None:
+            return self._build(step)
+        started, future = self._pending
+        self._pending = None
+        built = future.result()
+        if started != step:  # a batch drawn for another step has already moved the mixer on
+            raise RuntimeError(f"prefetched the batch of step {started}, but step {step} asked for one")
+        return built
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def pick_device(requested: str) -> str:
@@ -176,6 +214,7 @@ class Trainer:
         )
         # Compile the model, not the step: backward and the fused AdamW stay eager, as in a plain loop.
         self.forward = torch.compile(self.model) if self.cfg.train.compile else self.model
+        self.batches = _BatchPrefetch(self._build_batch, self.device)
 
     def _set_aside_refused(self, newer_than: int) -> None:
         """Move refused checkpoints past the resume point to refused/: kept as evidence, never
@@ -195,15 +234,37 @@ class Trainer:
         x, y = (t.contiguous().pin_memory() for t in (batch.x, batch.y))
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def _build_batch(self, step: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        batch = self.data.batch(step)
+        return (batch.arm, *self._to_device(batch))
+
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.autocast, attention_kernels(self.device):
-            _, loss = self.forward(x, y)
-        loss.backward()
+        """One optimizer step over the global batch, in train.grad_accum_steps micro-batches; returns
+        the mean of their losses, still on the device."""
+        n = self.cfg.train.grad_accum_steps
+        total = None
+        for xm, ym in zip(x.chunk(n), y.chunk(n), strict=True) if n > 1 else [(x, y)]:
+            with self.autocast, attention_kernels(self.device):
+                _, loss = self.forward(xm, ym)
+            # Each micro-batch's mean scaled by 1/n: the gradients add up to the global batch's mean.
+            (loss / n if n > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
         if self.cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total / n if n > 1 else total
+
+    def _send_home(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start bringing a step's loss to the host. On CUDA the copy to pinned memory is queued right
+        behind the step, and an event after it, so that reading it waits for this step alone."""
+        if self.device == "cpu":
+            return loss, None
+        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+        host.copy_(loss, non_blocking=True)
+        ready = torch.cuda.Event(blocking=True)  # a waiting host sleeps instead of spinning a core
+        ready.record()
+        return host, ready
 
     def save(self, step: int, audit: bool = False) -> str:
         """Checkpoint `step` (written in the background unless train.async_checkpoint is false).
@@ -227,8 +288,10 @@ class Trainer:
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
         if result.loss is None:
-            result.loss = result.on_device.item()
-            result.on_device = None
+            if result.ready is not None:
+                result.ready.synchronize()
+            result.loss = result.pending.item()
+            result.pending = result.ready = None
             if not math.isfinite(result.loss):
                 self.loss_log.flush(durable=True)
                 newest = self.checkpointer.records[-1].name if self.checkpointer.records else None
@@ -254,7 +317,7 @@ class Trainer:
             return None
         for entry in reversed(read_history(self.run)):
             if entry.step == self.start_step:
-                return _StepLoss(entry.step, entry.arm, entry.lr, None, entry.loss)
+                return _StepLoss(entry.step, entry.arm, entry.lr, None, loss=entry.loss)
         self.log(f"warning: .loss.json has no step {self.start_step}: the mixer will not hear of its loss")
         return None
 
@@ -286,6 +349,8 @@ class Trainer:
             self._build()
             return self._loop(flags)
         finally:
+            if hasattr(self, "batches"):
+                self.batches.close()  # a batch being built draws from the mixer: let it finish
             if hasattr(self, "checkpointer"):
                 self.checkpointer.wait()  # an error must not leave a write running past the lock
             if hasattr(self, "loss_log"):
@@ -311,9 +376,9 @@ class Trainer:
             lr = lr_at(step, t)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            batch = self.data.batch(step)
+            arm, x, y = self.batches.take(step)
             torch.manual_seed(step_seed(t.seed, step))
-            current = _StepLoss(step, batch.arm, lr, self._step(*self._to_device(batch)))
+            current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y)))
             if previous is not None:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
             previous = current
@@ -331,6 +396,10 @@ class Trainer:
                 self.auditor.record(step)
             if flags.stop:
                 return self._finish(step, flags.stop, last_saved)
+            if step < self.max_steps:
+                # Only now: batch step+1 is drawn from the mixer that has heard of step-1 and that any
+                # checkpoint of this step has saved, exactly as if the loop drew it at its next turn.
+                self.batches.start(step + 1)
             if self.pace > 0:
                 time.sleep(max(0.0, self.pace - (time.perf_counter() - t0)))
         return self._finish(step, "completed", last_saved)

@@ -8,7 +8,8 @@ In one process, on the same model class, batch shape and device, it measures tok
   (c) the Trainer with a checkpoint every --checkpoint-every steps (100), written as configured
       (asynchronously unless the config says otherwise);
   (d) with --with-sync, (c) with the synchronous writer, for comparison.
-and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time.
+and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time, and
+what one sample audit costs (timed on its own, after the rounds: it runs at every checkpoint by default).
 
 The arms run in rounds, in the order a b c, then c b a, and so on, so that a machine whose speed drifts
 (a shared CPU, turbo) favours none of them; an even number of rounds cancels a linear drift. Round r of
@@ -46,8 +47,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from andrea_core.audit import run_audit  # noqa: E402
 from andrea_core.checkpoint import expected_size  # noqa: E402
 from andrea_core.config import RunConfig, load_run_config  # noqa: E402
+from andrea_core.data.pipeline import DataPipeline  # noqa: E402
 from andrea_core.data.policy import load_policy  # noqa: E402
 from andrea_core.data.tokens import train_run_bpe  # noqa: E402
 from andrea_core.loss_log import read_history  # noqa: E402
@@ -213,6 +216,21 @@ def time_trainer(run_url: str, device: str, arm: Arm, start: int, end: int, skip
     return trainer
 
 
+def time_audit(run_url: str, model: GPT, cfg: RunConfig, device: str, repeats: int = 3) -> float:
+    """Seconds one sample audit takes (the trainer's run_audit on the trainers' data and tokenizer, on
+    the plain loop's model: same shape, trained as far), median of `repeats` after a warm-up."""
+    data = DataPipeline.for_run(RunDir(run_url), cfg, warn=lambda line: None)
+    times = []
+    for i in range(repeats + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run_audit(model, data, cfg, 0, device)  # ends in a host read: nothing left queued
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def describe_data(trainer: Trainer) -> str:
     data, vocab = trainer.data, trainer.cfg.model.vocab_size
     return (
@@ -289,6 +307,7 @@ def main() -> None:
                 gc.collect()
             print(f"round {r}/{args.rounds} done (steps {start + 1}..{end})", file=sys.stderr)
         log_file.close()
+        audit_s = time_audit(f"{tmp}/b", ref.model, cfg, device)
 
     load_after = os.getloadavg()[0]
     n = ref.model.n_params
@@ -306,7 +325,7 @@ def main() -> None:
         f"  {args.rounds} round(s) of {length} steps per arm, interleaved; the first "
         f"{args.skip} steps of every round untimed; (c) checkpoints every {args.checkpoint_every} steps"
     )
-    print("  the sample audit (every checkpoint by default) is off in (b), (c), (d): not a checkpoint cost")
+    print("  the sample audit (every checkpoint by default) is off in (b), (c), (d): timed on its own below")
     print(f"  MFU against {peak_note}")
     print(
         f"  load average (1 min) before / after: {load_before:.2f} / {load_after:.2f}, {os.cpu_count()} cores"
@@ -323,6 +342,13 @@ def main() -> None:
     print(f"  c/b = {c / b:.4f}   (target >= 0.99 on CUDA with 124M; >= 0.97 on a CPU with andrea-12m)")
     if "d" in arms:
         print(f"  d/b = {arms['d'].tokens_per_s(tokens_per_step) / b:.4f}   (synchronous checkpoints)")
+    step_b = arms["b"].seconds / arms["b"].steps
+    every = args.checkpoint_every
+    share = audit_s / (audit_s + every * step_b)
+    print(
+        f"  sample audit: {audit_s * 1e3:,.1f} ms = {audit_s / step_b:.3f} steps of (b); at the default "
+        f"cadence (one per checkpoint, every {every} steps) {share:.2%} of a run's time"
+    )
     for key in [k for k in arms if k in "cd"]:
         arm = arms[key]
         if not arm.stalls:

@@ -1,0 +1,201 @@
+"""The GPU path's behaviours, checked on the CPU: the KV cache and batched prompts of the sample audit,
+the trainer's one-step-late loss read and batch prefetch, gradient accumulation."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, last_logged_step, start_trainer, wait_for
+from tiny import tiny_config
+
+from andrea_core.audit import generate_samples, prompt_generator, validation_losses
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.config import ConfigError, load_run_config
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import load_policy
+from andrea_core.loss_log import read_history
+from andrea_core.model import GPT
+from andrea_core.rundir import RunDir
+from andrea_core.trainer import Trainer
+
+PROMPTS = [[10, 20, 30, 40], [50, 60, 70, 80, 90, 100, 110], [120], [130, 140, 150, 160, 170, 180]]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    """andrea-tiny (block_size 64), trained a little so that its distributions are not near-uniform."""
+    cfg = load_run_config(TINY)
+    torch.manual_seed(seed)
+    model = GPT(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    text = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 40))
+    for i in range(30):
+        x = torch.stack([text[j : j + 64] for j in range(i, i + 64, 8)])
+        y = torch.stack([text[j + 1 : j + 65] for j in range(i, i + 64, 8)])
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    width = max(map(len, prompts))
+    return torch.tensor([[0] * (width - len(p)) + p for p in prompts]), [len(p) for p in prompts]
+
+
+def generators(seed: int, n: int) -> list[torch.Generator]:
+    return [prompt_generator(seed, i, "cpu") for i in range(n)]
+
+
+# 100 new tokens run past block_size 64: the cache gives way to the sliding window there.
+@pytest.mark.parametrize("new_tokens", [24, 100])
+def test_cached_and_uncached_generation_give_the_same_tokens(one_thread, new_tokens):
+    model = tiny_model()
+    idx, lengths = left_padded(PROMPTS)
+    for seed in range(6):
+        for temperature in (0.8, 1.0):
+            cached = model.generate(idx, new_tokens, temperature, generators(seed, 4), lengths=lengths)
+            plain = model.generate(
+                idx, new_tokens, temperature, generators(seed, 4), lengths=lengths, use_cache=False
+            )
+            assert cached.shape == (4, idx.shape[1] + new_tokens)
+            assert torch.equal(cached, plain), (seed, temperature)
+            for i, prompt in enumerate(PROMPTS):  # and one prompt alone, no padding
+                one = [prompt_generator(seed, i, "cpu")]
+                alone = model.generate(torch.tensor([prompt]), new_tokens, temperature, one)
+                one = [prompt_generator(seed, i, "cpu")]
+                alone_plain = model.generate(
+                    torch.tensor([prompt]), new_tokens, temperature, one, use_cache=False
+                )
+                assert torch.equal(alone, alone_plain), (seed, i)
+
+
+def test_a_batch_of_prompts_gives_each_prompt_what_it_gets_alone(one_thread):
+    model = tiny_model()
+    idx, lengths = left_padded(PROMPTS)
+    width = idx.shape[1]
+    for seed in range(6):
+        batch = model.generate(idx, 40, 0.8, generators(seed, 4), lengths=lengths)
+        for i, prompt in enumerate(PROMPTS):
+            alone = model.generate(torch.tensor([prompt]), 40, 0.8, [prompt_generator(seed, i, "cpu")])
+            assert torch.equal(batch[i, width - len(prompt) :], alone[0]), (seed, i)
+            assert batch[i, : width - len(prompt)].eq(0).all()  # the padding is left as it was
+
+
+def test_the_audits_samples_are_each_prompts_own_and_its_validation_losses_the_per_arm_ones(one_thread):
+    cfg = load_run_config(TINY)
+    data = DataPipeline(cfg, load_policy(cfg.data.policy)[0], warn=lambda line: None)
+    model = tiny_model()
+    samples = generate_samples(model, data, cfg.train.seed, "cpu")
+    for i, s in enumerate(samples):
+        prompt = data.tokenizer.encode(s["prompt"])
+        gen = [prompt_generator(cfg.train.seed, i, "cpu")]
+        alone = model.generate(torch.tensor([prompt]), 64, 0.8, gen)[0, len(prompt) :].tolist()
+        assert s["completion"] == data.tokenizer.decode(alone)
+    batched = validation_losses(model, data, "cpu")
+    for arm in data.arms:  # one forward for all arms gives each arm's own loss, to float32 rounding
+        x, y = data.val_batch(arm, 8)
+        with torch.no_grad():
+            alone = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).item()
+        assert batched[arm] == pytest.approx(alone, rel=1e-6, abs=0)
+
+
+class RecordingTrainer(Trainer):
+    """The real trainer; it only notes the loss tensors its steps return and the order in which the
+    data pipeline is asked for batches and told of losses (the prefetch thread asks from its own)."""
+
+    def _build(self) -> None:
+        super()._build()
+        self.losses: list[torch.Tensor] = []
+        self.events: list[tuple[str, int]] = []
+        lock = threading.Lock()
+        batch, observe = self.data.batch, self.data.observe
+
+        def recorded_batch(step):
+            with lock:
+                self.events.append(("batch", step))
+            return batch(step)
+
+        def recorded_observe(step, arm, loss):
+            with lock:
+                self.events.append(("observe", step))
+            return observe(step, arm, loss)
+
+        self.data.batch, self.data.observe = recorded_batch, recorded_observe
+
+    def _step(self, x, y):
+        loss = super()._step(x, y)
+        self.losses.append(loss.clone())
+        return loss
+
+
+def test_logged_losses_are_the_steps_tensors_and_the_mixer_hears_of_s_before_batch_s_plus_2(tmp_path):
+    cfg = load_run_config(tiny_config(tmp_path, train__checkpoint_every=7, data__policy="tiny-mix"))
+    trainer = RecordingTrainer(str(tmp_path / "run"), cfg, max_steps=25, log=lambda line: None)
+    trainer.train()
+    logged = {e.step: e.loss for e in read_history(RunDir(str(tmp_path / "run")))}
+    assert logged == {s: loss.item() for s, loss in enumerate(trainer.losses, start=1)}
+    at = {event: i for i, event in enumerate(trainer.events)}
+    assert sorted(at) == sorted([("batch", s) for s in range(1, 26)] + [("observe", s) for s in range(1, 25)])
+    for s in range(1, 25):
+        assert at[("batch", s + 1)] < at[("observe", s)], s  # one step late ...
+        if s + 2 <= 25:
+            assert at[("observe", s)] < at[("batch", s + 2)], s  # ... and never later
+
+
+def test_grad_accum_steps_must_divide_the_batch(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.grad_accum_steps must be a positive divisor of "
+        r"train.batch_size \(8\), got 3",
+    ):
+        load_run_config(tiny_config(tmp_path, train__grad_accum_steps=3))
+    with pytest.raises(ConfigError, match=r"train.grad_accum_steps must be a positive divisor"):
+        load_run_config(tiny_config(tmp_path, train__grad_accum_steps=0))
+
+
+def test_two_micro_batches_of_4_train_as_one_batch_of_8(tmp_path):
+    runs = {}
+    for accum in (1, 2):
+        path = tiny_config(tmp_path, name=f"accum{accum}", train__grad_accum_steps=accum)
+        run = tmp_path / f"accum{accum}"
+        Trainer(str(run), load_run_config(path), max_steps=40, log=lambda line: None).train()
+        runs[accum] = run
+    one, two = (read_history(RunDir(str(runs[a]))) for a in (1, 2))
+    assert [e.step for e in one] == [e.step for e in two] == list(range(1, 41))
+    assert [(e.lr, e.arm, e.tokens) for e in one] == [(e.lr, e.arm, e.tokens) for e in two]
+    diffs = [abs(a.loss - b.loss) for a, b in zip(one, two, strict=True)]
+    weights = [RunDir(str(r)).read_checkpoint(40).weights for r in runs.values()]
+    print(f"|loss(2x4) - loss(1x8)|: step 1 {diffs[0]:.2e}, max over 40 steps {max(diffs):.2e}")
+    assert diffs[0] <= 2e-6  # the same weights, the same tokens: the mean of means, rounded
+    assert max(diffs) <= 1e-4  # float32 rounding, compounded over 40 optimizer steps
+    assert abs(weights[0] - weights[1]).max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_sigterm_and_resume_are_bit_exact_with_gradient_accumulation(tmp_path):
+    config = tiny_config(tmp_path, train__grad_accum_steps=4, train__checkpoint_every=50)
+    a, b = tmp_path / "a", tmp_path / "b"
+    Trainer(str(a), load_run_config(config), max_steps=120, log=lambda line: None).train()
+    proc = start_trainer("--config", config, "--run-dir", str(b), "--max-steps", "120", "--pace", "0.03")
+    wait_for(lambda: last_logged_step(b) >= 30, what="step 30")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    stopped = RunDir(str(b)).checkpoint_steps()[-1]
+    assert stopped % 50 != 0
+    Trainer(str(b), max_steps=120, log=lambda line: None).train()
+    assert (a / checkpoint_name(120)).read_bytes() == (b / checkpoint_name(120)).read_bytes()
+    assert [(e.step, e.loss) for e in read_history(RunDir(str(a)))] == [
+        (e.step, e.loss) for e in read_history(RunDir(str(b)))
+    ]
