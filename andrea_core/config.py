@@ -59,7 +59,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     policy: str = "stdlib-only"  # a name under configs/policies/ or a path
-    tokenizer: str = "bytes"  # "bytes" (vocab 256) or "bpe" (trained per run, frozen in the run dir)
+    # "bytes" (vocab 256), "bpe" (trained per run) or a tokenizer.json path or URL; frozen in the run dir
+    tokenizer: str = "bytes"
     val_fraction: float = 0.05
     max_source_bytes: int = 8_000_000  # per arm: bounds the token cache on small machines
 
@@ -160,7 +161,11 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (t.sample_every is None or t.sample_every > 0, "train.sample_every", "must be positive"),
         (t.log_every > 0, "train.log_every", "must be positive"),
         (t.num_threads > 0, "train.num_threads", "must be positive"),
-        (d.tokenizer in ("bytes", "bpe"), "data.tokenizer", "must be 'bytes' or 'bpe'"),
+        (
+            d.tokenizer in ("bytes", "bpe") or d.tokenizer.endswith(".json"),
+            "data.tokenizer",
+            "must be 'bytes', 'bpe' or the path or URL of a Hugging Face tokenizer.json",
+        ),
         (d.tokenizer != "bytes" or m.vocab_size == 256, "model.vocab_size", "must be 256 with bytes"),
         (0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)"),
         # Two, not one: the checkpoint a SIGTERM writes right after a pivot boundary must not push the
