@@ -38,7 +38,9 @@ def zstd(data: bytes) -> bytes:
     return zstandard.ZstdCompressor().compress(data)
 
 
-def llmc_shard(tokens: np.ndarray, magic: int = 20240520, version: int = 1, count: int | None = None) -> bytes:
+def llmc_shard(
+    tokens: np.ndarray, magic: int = 20240520, version: int = 1, count: int | None = None
+) -> bytes:
     header = np.zeros(256, dtype="<i4")
     header[:3] = (magic, version, len(tokens) if count is None else count)
     dtype = "<u2" if magic == 20240520 else "<u4"

@@ -260,7 +260,8 @@ def build_corpus_cache(
     start = tuple(done[-1]["next"]) if done else (0, 0)
     if done:
         warn(
-            f"arm {name!r}: resuming its token cache build after shard {len(done) - 1} (file {start[0] + 1})"
+            f"arm {name!r}: resuming its token cache build after shard {len(done) - 1} "
+            f"(file {start[0] + 1} of {len(files)}, record {start[1]})"
         )
     encode = batch_encoder(tokenizer, dtype)
     limit = shard_tokens()
