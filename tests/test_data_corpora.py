@@ -363,3 +363,39 @@ def test_memory_urls_and_globs_reach_the_corpus(tmp_path):
     text = (stream(arm.train) + stream(arm.val)).decode()
     assert all(d in text for d in docs) and "not matched" not in text
     assert json.loads(jsonl_bytes(docs[:1]))["text"] == docs[0]
+
+
+def test_data_stats_of_a_run_reports_documents_tokens_and_passes(tmp_path, capsys):
+    from andrea_core.cli import main
+
+    root = str(tmp_path / "corpus")
+    write_text_folder(root, n=40)
+    text = (
+        f'name: p\nmixer: exp3\narms:\n  - {{name: notes, kind: text, paths: ["{root}/text"], cap: 0.7}}\n'
+        "  - {name: stdlib-code, kind: python-stdlib, floor: 0.3}\n"
+    )
+    (tmp_path / "p.yaml").write_text(text)
+    assert main(["data", "stats", str(tmp_path / "p.yaml")]) == 2
+    assert "policy 'p': give --config" in capsys.readouterr().err
+    cfg = CFG.with_overrides({"data.max_source_bytes": 100_000})
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, cfg, policy_text=text)
+    capsys.readouterr()
+    assert main(["data", "stats", run.url, "--json"]) == 0
+    rows = {r["arm"]: r for r in json.loads(capsys.readouterr().out)}
+    notes = rows["notes"]
+    run_tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.model.block_size
+    assert notes["documents"] == 40 and notes["kind"] == "text" and notes["bad_records"] == 0
+    assert notes["train_tokens"] + notes["val_tokens"] == sum(len(d) + 2 for d in written_text(root))
+    assert notes["cache_bytes"] == 2 * (notes["train_tokens"] + notes["val_tokens"])
+    assert notes["passes_at_cap"] == pytest.approx(0.7 * run_tokens / notes["train_tokens"])
+    assert notes["passes_at_floor"] == 0.0
+    assert rows["stdlib-code"]["passes_at_floor"] == pytest.approx(
+        0.3 * run_tokens / rows["stdlib-code"]["train_tokens"]
+    )
+    assert main(["data", "stats", run.url]) == 0
+    table = capsys.readouterr().out
+    assert (
+        f"run {run.url}: tokenizer bytes; a run of 300 steps x 8 x 64 tokens = {run_tokens:,} tokens" in table
+    )
+    assert "\nnotes                text                   40 " in table
