@@ -148,6 +148,14 @@ def test_an_interrupted_build_resumes_after_its_last_published_shard(tmp_path, m
     assert stream(resumed.train) == stream(whole.train) and stream(resumed.val) == stream(whole.val)
     assert resumed.info["documents"] == whole.info["documents"] == 400
 
+    # A finished cache that lost a shard (someone cleaned the cache folder) is finished again.
+    (folder / "000003.val.u16").unlink()
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    lines.clear()
+    again = DataPipeline(CFG, arm, lines.append).arms["posts"]
+    assert "lost shards; finishing it again" in "\n".join(lines)
+    assert stream(again.train) == stream(whole.train) and stream(again.val) == stream(whole.val)
+
 
 def test_bad_records_are_counted_and_named_and_more_than_one_percent_refuses_the_arm(tmp_path):
     docs = [document(i, 30) for i in range(1000)]

@@ -337,17 +337,38 @@ def build_corpus_cache(
     return manifest
 
 
+def _intact(folder: Path, manifest: dict[str, Any]) -> bool:
+    """Every shard the manifest counts is there at the size its .json says (a cache folder is a cache:
+    someone may have deleted files from it)."""
+    dtype = np.dtype(manifest["dtype"])
+    for i in range(manifest["shards"]):
+        meta = _read_json(folder / f"{i:06d}.json")
+        if meta is None:
+            return False
+        for split in ("train", "val"):
+            path = _shard_file(folder, i, split, dtype)
+            if not path.exists() or path.stat().st_size != meta[f"{split}_tokens"] * dtype.itemsize:
+                return False
+    return True
+
+
 def corpus_cache(
     source: CorpusSource, tokenizer: Tokenizer, val_fraction: float, warn: Callable[[str], None] = print
 ) -> ArmData:
     """The arm's train and validation tokens, from its cache (built first if missing or unfinished)."""
     folder = corpus_cache_dir(source, tokenizer, val_fraction)
     manifest = _read_json(folder / "manifest.json")
+    if manifest is not None and not _intact(folder, manifest):
+        warn(f"arm {source.arm.name!r}: its token cache {folder} lost shards; finishing it again")
+        manifest = None
     if manifest is None:
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / ".lock", "wb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; a second waits, then reads its work
             manifest = _read_json(folder / "manifest.json")
+            if manifest is not None and not _intact(folder, manifest):
+                (folder / "manifest.json").unlink()
+                manifest = None
             if manifest is None:
                 manifest = build_corpus_cache(source, tokenizer, val_fraction, folder, warn)
     elif manifest["bad"]:
