@@ -130,7 +130,7 @@ class DataPipeline:
 
     def resume(self, step: int) -> None:
         """Restore the bandit of checkpoint `step` (0: a new run) before the first batch is drawn, and
-        record in the run what changed in its data since the last start (data/prepare.py)."""
+        record in the run what changed in its data since the last start (data/changes.py)."""
         self.store.restore(self.mixer, step)
         record_data_changes(self.store.run, self.arms, self.unavailable, step, self.store.warn)
 
