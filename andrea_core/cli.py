@@ -14,6 +14,7 @@ import fsspec
 from andrea_core import signals
 from andrea_core.checkpoint import region_stats
 from andrea_core.config import ConfigError, load_run_config
+from andrea_core.data.corpora import CorpusError
 from andrea_core.data.sources import SourceUnavailable
 from andrea_core.lock import LockError
 from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
@@ -240,6 +241,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from andrea_core.data.prepare import format_stats, prepare, resolve_target
+
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    target = resolve_target(args.target, args.config)
+    rows = prepare(target, log)  # stats builds what is missing too: its numbers are the caches'
+    print(json.dumps(rows, indent=1) if args.json else format_stats(target, rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="andrea", description="Train and audit ANDREA GPT runs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -306,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest valid)")
     ex.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ex.set_defaults(fn=cmd_export)
+
+    da = sub.add_parser("data", help="build token caches ahead of a run; per-arm statistics")
+    da_sub = da.add_subparsers(dest="data_command", required=True)
+    for name, what in (("prepare", "build every arm's token cache now"), ("stats", "per-arm statistics")):
+        d = da_sub.add_parser(name, help=what)
+        d.add_argument("target", metavar="POLICY_OR_RUN", help="a run directory, or a policy (with --config)")
+        d.add_argument("--config", help="the run config for a policy (tokenizer, model, length)")
+        d.add_argument("--json", action="store_true")
+        d.set_defaults(fn=cmd_data)
     return p
 
 
@@ -313,6 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, LockError, FileNotFoundError, SourceUnavailable) as e:
+    except (ConfigError, LockError, FileNotFoundError, SourceUnavailable, CorpusError) as e:
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2

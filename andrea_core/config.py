@@ -97,7 +97,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     policy: str = "stdlib-only"  # a name under configs/policies/ or a path
-    tokenizer: str = "bytes"  # "bytes" (vocab 256) or "bpe" (trained per run, frozen in the run dir)
+    # "bytes" (vocab 256), "bpe" (trained per run) or a tokenizer.json path or URL; frozen in the run dir
+    tokenizer: str = "bytes"
     val_fraction: float = 0.05
     max_source_bytes: int = 8_000_000  # per arm: bounds the token cache on small machines
 
@@ -180,6 +181,9 @@ def build_dataclass(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+MAX_VOCAB = 2**24  # beyond any real tokenizer; caches are uint16 up to 65536 ids, uint32 above
+
+
 def estimated_n_params(m: ModelConfig) -> int:
     """The parameter count of GPT(m), by arithmetic: checked before torch allocates anything."""
     per_layer = 12 * m.n_embd * m.n_embd + 4 * m.n_embd  # qkv, proj, fc, proj; two LayerNorms
@@ -190,7 +194,11 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
     m, t, d, r = cfg.model, cfg.train, cfg.data, cfg.retention
     checks = [
         (m.vocab_size > 0, "model.vocab_size", "must be positive"),
-        (m.vocab_size <= 65536, "model.vocab_size", "must be at most 65536 (token caches are uint16)"),
+        (
+            m.vocab_size <= MAX_VOCAB,
+            "model.vocab_size",
+            f"must be at most {MAX_VOCAB} (token ids are uint32 at most)",
+        ),
         (m.block_size > 0, "model.block_size", "must be positive"),
         (m.n_layer > 0, "model.n_layer", "must be positive"),
         (m.n_head > 0 and m.n_embd % m.n_head == 0, "model.n_head", "must divide model.n_embd"),
@@ -210,7 +218,11 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (t.sample_every is None or t.sample_every > 0, "train.sample_every", "must be positive"),
         (t.log_every > 0, "train.log_every", "must be positive"),
         (t.num_threads > 0, "train.num_threads", "must be positive"),
-        (d.tokenizer in ("bytes", "bpe"), "data.tokenizer", "must be 'bytes' or 'bpe'"),
+        (
+            d.tokenizer in ("bytes", "bpe") or d.tokenizer.endswith(".json"),
+            "data.tokenizer",
+            "must be 'bytes', 'bpe' or the path or URL of a Hugging Face tokenizer.json",
+        ),
         (d.tokenizer != "bytes" or m.vocab_size == 256, "model.vocab_size", "must be 256 with bytes"),
         (0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)"),
         # Two, not one: the checkpoint a SIGTERM writes right after a pivot boundary must not push the

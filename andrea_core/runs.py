@@ -13,7 +13,7 @@ import yaml
 
 from andrea_core.config import ConfigError, RunConfig, load_yaml, parse_run_config
 from andrea_core.data.policy import Policy, load_policy, parse_policy
-from andrea_core.data.tokens import BPETokenizer, train_run_bpe
+from andrea_core.data.tokens import BPETokenizer, new_run_tokenizer
 from andrea_core.rundir import POLICY_YAML, RUN_YAML, TOKENIZER_JSON, RunDir
 
 
@@ -76,9 +76,9 @@ def create_run(
         policy, policy_text = load_policy(cfg.data.policy)
     else:
         policy = parse_policy(load_yaml(policy_text, "policy"), "policy")
-    if cfg.data.tokenizer == "bpe":
+    if cfg.data.tokenizer != "bytes":
         if tokenizer is None:
-            tokenizer = train_run_bpe(policy, cfg)  # before any write: a failure leaves no half-made run
+            tokenizer = new_run_tokenizer(policy, cfg)  # before any write: a failure leaves no half-made run
         vocab = BPETokenizer(tokenizer).vocab_size
         if vocab > cfg.model.vocab_size:
             raise ConfigError(f"{run.url}: a tokenizer of {vocab} tokens exceeds model.vocab_size")
@@ -88,7 +88,7 @@ def create_run(
         environment(),
     )
     run.makedirs()
-    if cfg.data.tokenizer == "bpe":
+    if cfg.data.tokenizer != "bytes":
         run.write_atomic(TOKENIZER_JSON, tokenizer)
     run.write_text(POLICY_YAML, policy_text)
     run.write_text(RUN_YAML, record.to_yaml())

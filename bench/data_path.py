@@ -10,6 +10,13 @@ trainer waits on it for exactly that long), and what a checkpoint adds: writing 
 sample audit (by default at every checkpoint).
 
     python bench/data_path.py [--config andrea-12m] [--batches 2000] [--steps 10] [--max-source-bytes N]
+
+With --shape-120m: the data path alone at ANDREA-120M's batch (32 x 1024 tokens) from sharded caches
+of the user's-corpus kinds: a generated JSON Lines corpus (--corpus-mb, built by the cache builder in
+shards of --shard-mb) and an llm.c tokens arm made from it, mixed by EXP3. Its batches/s are set against
+what the 120M trainer consumes on an H200 (measured: 59 ms a step); the target is >= 20x.
+
+    python bench/data_path.py --shape-120m [--corpus-mb 128] [--shard-mb 16] [--batches 2000]
 """
 
 from __future__ import annotations
@@ -30,15 +37,89 @@ from andrea_core.rundir import RunDir  # noqa: E402
 from andrea_core.runs import cpu_model, create_run  # noqa: E402
 from andrea_core.trainer import Trainer  # noqa: E402
 
+H200_120M_STEP_S = 0.059  # ANDREA-120M's trainer step on an H200, measured (issue 9)
+
+
+def main_120m(args: argparse.Namespace) -> None:
+    """The data path at the 120M shape from sharded caches (no model: the trainer's rate is the H200's)."""
+    import os
+
+    import numpy as np
+
+    from andrea_core.config import load_yaml
+    from andrea_core.data.pipeline import DataPipeline
+    from andrea_core.data.policy import parse_policy
+    from andrea_core.data.tokens import ByteTokenizer
+    from bench.data_prepare import generate
+
+    work = Path(tempfile.mkdtemp(prefix="andrea-bench-120m-"))
+    os.environ["ANDREA_CACHE_DIR"] = str(work / "cache")
+    os.environ["ANDREA_SHARD_TOKENS"] = str(args.shard_mb << 20)
+    generate(work / "corpus", args.corpus_mb)
+    cfg = load_run_config("andrea-120m").with_overrides({"data.tokenizer": "bytes", "model.vocab_size": 256})
+    quiet = lambda line: None  # noqa: E731
+    one = f"name: one\narms:\n  - {{name: posts, kind: jsonl, paths: [{work / 'corpus'}]}}\n"
+    t0 = time.perf_counter()
+    posts = DataPipeline(cfg, parse_policy(load_yaml(one, "p"), "p"), quiet, ByteTokenizer()).arms["posts"]
+    built = time.perf_counter() - t0
+    # An llm.c arm of the same tokens, in 4 shards plus a val shard, as another tool would have written.
+    (work / "llmc").mkdir()
+    train = np.concatenate(posts.train.parts)
+    for i, part in enumerate(np.array_split(train, 4)):
+        header = np.zeros(256, "<i4")
+        header[:3] = (20240520, 1, len(part))
+        (work / "llmc" / f"c_train_{i:06d}.bin").write_bytes(header.tobytes() + part.astype("<u2").tobytes())
+    val = np.concatenate(posts.val.parts)
+    header = np.zeros(256, "<i4")
+    header[:3] = (20240520, 1, len(val))
+    (work / "llmc" / "c_val_000000.bin").write_bytes(header.tobytes() + val.astype("<u2").tobytes())
+    del train, val
+    text = (
+        f"name: two\nmixer: exp3\narms:\n  - {{name: posts, kind: jsonl, paths: [{work / 'corpus'}]}}\n"
+        f"  - {{name: llmc, kind: tokens, tokenizer: bytes, paths: [{work / 'llmc'}]}}\n"
+    )
+    data = DataPipeline(cfg, parse_policy(load_yaml(text, "p"), "p"), quiet, ByteTokenizer())
+    for step in range(1, 51):  # warm the page cache the way a running trainer has it warm
+        data.observe(step, data.batch(step).arm, 3.0)
+    t0 = time.perf_counter()
+    for step in range(51, 51 + args.batches):
+        batch = data.batch(step)
+        data.observe(step, batch.arm, 3.0 + (step % 7) * 0.01)
+    data_s = (time.perf_counter() - t0) / args.batches
+    B, T = cfg.train.batch_size, cfg.model.block_size
+    shards = {a: len(arm.train.parts) for a, arm in data.arms.items()}
+    print(f"120M shape: batch {B}x{T}; corpus {args.corpus_mb} MB of JSON Lines, cache built in {built:.1f}s")
+    print(
+        "arms (train tokens, shards): "
+        + ", ".join(f"{a} {len(x.train):,} in {shards[a]}" for a, x in data.arms.items())
+    )
+    print(
+        f"data path: {1 / data_s:,.0f} batches/s ({data_s * 1e6:,.0f} us/batch, "
+        f"{B * T / data_s:,.0f} tokens/s)"
+    )
+    print(
+        f"against the 120M trainer on an H200 ({H200_120M_STEP_S * 1e3:.0f} ms/step): the data path delivers "
+        f"{H200_120M_STEP_S / data_s:,.1f}x the batches it consumes (target >= 20x)"
+    )
+    print(f"{cpu_model()}, load average {os.getloadavg()[0]:.2f}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--shape-120m", action="store_true", help="the data path alone at 32x1024, sharded caches"
+    )
+    ap.add_argument("--corpus-mb", type=int, default=128, help="--shape-120m: generated corpus size")
+    ap.add_argument("--shard-mb", type=int, default=16, help="--shape-120m: cache shard size (M tokens)")
     ap.add_argument("--config", default="andrea-12m")
     ap.add_argument("--batches", type=int, default=2000, help="data-path batches to time")
     ap.add_argument("--steps", type=int, default=10, help="trainer steps to time (after 2 warm-up steps)")
     ap.add_argument("--max-source-bytes", type=int, help="override data.max_source_bytes (cache size)")
     ap.add_argument("--run-dir", help="reuse this run directory (default: a fresh temporary one)")
     args = ap.parse_args()
+    if args.shape_120m:
+        main_120m(args)
+        return
 
     cfg = load_run_config(args.config)
     if args.max_source_bytes:

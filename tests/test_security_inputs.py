@@ -330,10 +330,10 @@ def test_a_model_too_large_is_refused_before_torch_allocates(monkeypatch):
         ConfigError, match=r"run\.yaml: model: about 103\.1 billion parameters.*ANDREA_MAX_PARAMS"
     ):
         parse_run_config(raw, "run.yaml")
-    raw["model"]["n_embd"] = 64
-    raw["model"]["vocab_size"] = 70000
+    raw["model"]["n_embd"], raw["model"]["n_head"] = 8, 1
+    raw["model"]["vocab_size"] = 2**24 + 1
     raw["data"]["tokenizer"] = "bpe"
-    with pytest.raises(ConfigError, match=r"model\.vocab_size must be at most 65536"):
+    with pytest.raises(ConfigError, match=r"model\.vocab_size must be at most 16777216"):
         parse_run_config(raw, "run.yaml")
     monkeypatch.setenv("ANDREA_MAX_PARAMS", "1000")
     with pytest.raises(ConfigError, match="limit of 1000"):

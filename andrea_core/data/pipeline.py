@@ -8,14 +8,16 @@ saved with the checkpoint resumed from (.state.json, see state.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from andrea_core.config import RunConfig
+from andrea_core.data.changes import record_data_changes
 from andrea_core.data.mixer import Exp3Mixer, Mixer, UniformMixer
-from andrea_core.data.policy import Policy, check_feasible
+from andrea_core.data.policy import CORPUS_KINDS, Policy, check_feasible
+from andrea_core.data.shards import ShardedTokens, check_corpus_split, corpus_arm
 from andrea_core.data.sources import SourceUnavailable, open_source
 from andrea_core.data.state import BanditStore
 from andrea_core.data.tokens import ByteTokenizer, Tokenizer, run_tokenizer, token_cache
@@ -33,8 +35,10 @@ class Batch:
 @dataclass
 class TokenArm:
     name: str
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens
+    val: np.ndarray | ShardedTokens
+    fingerprint: str = ""  # the source's, as this start loaded it (recorded in data.jsonl)
+    info: dict = field(default_factory=dict)  # a corpus arm's counts (documents, bad records, cache size)
 
 
 def step_rng(seed: int, step: int, stream: int = 0) -> np.random.Generator:
@@ -50,15 +54,22 @@ def load_arms(
     T = cfg.model.block_size
     for spec in policy.arms:
         try:
-            tokens = token_cache(open_source(spec, cfg.data.max_source_bytes), tokenizer)
-            n_val = max(T + 2, int(len(tokens) * cfg.data.val_fraction))
-            if len(tokens) - n_val < T + 2:
-                raise ValueError(f"{len(tokens)} tokens leave no training split of block_size {T}")
+            source = open_source(spec, cfg.data.max_source_bytes)
+            if spec.kind in CORPUS_KINDS:  # sharded caches, split by document (data/shards.py)
+                data = corpus_arm(source, tokenizer, cfg, warn)
+                arm = TokenArm(spec.name, data.train, data.val, source.fingerprint, data.info)
+                check_corpus_split(data, T)
+            else:
+                tokens = token_cache(source, tokenizer)
+                n_val = max(T + 2, int(len(tokens) * cfg.data.val_fraction))
+                if len(tokens) - n_val < T + 2:
+                    raise ValueError(f"{len(tokens)} tokens leave no training split of block_size {T}")
+                arm = TokenArm(spec.name, tokens[:-n_val], tokens[-n_val:], source.fingerprint)
         except (SourceUnavailable, ValueError) as e:
             warn(f"arm {spec.name!r} is unavailable and will not be drawn: {e}")
             unavailable[spec.name] = str(e)
             continue
-        arms[spec.name] = TokenArm(spec.name, tokens[:-n_val], tokens[-n_val:])
+        arms[spec.name] = arm
     if not arms:
         reasons = "; ".join(f"{a}: {why}" for a, why in unavailable.items())
         raise SourceUnavailable(
@@ -82,9 +93,14 @@ def make_mixer(policy: Policy, available: list[str], seed: int = 0) -> Mixer:
     return UniformMixer(available, floors, caps, seed)
 
 
-def windows(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = offsets[:, None] + np.arange(block_size + 1)[None, :]
-    chunk = torch.from_numpy(tokens[idx].astype(np.int64))
+def windows(
+    tokens: np.ndarray | ShardedTokens, offsets: np.ndarray, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(tokens, ShardedTokens):
+        chunk = torch.from_numpy(tokens.rows(offsets, block_size + 1))
+    else:
+        idx = offsets[:, None] + np.arange(block_size + 1)[None, :]
+        chunk = torch.from_numpy(tokens[idx].astype(np.int64))
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -113,8 +129,10 @@ class DataPipeline:
         return pipeline
 
     def resume(self, step: int) -> None:
-        """Restore the bandit of checkpoint `step` (0: a new run) before the first batch is drawn."""
+        """Restore the bandit of checkpoint `step` (0: a new run) before the first batch is drawn, and
+        record in the run what changed in its data since the last start (data/changes.py)."""
         self.store.restore(self.mixer, step)
+        record_data_changes(self.store.run, self.arms, self.unavailable, step, self.store.warn)
 
     def save_state(self, step: int) -> None:
         """Write .state.json for `step`; the trainer calls it just before writing checkpoint `step`."""

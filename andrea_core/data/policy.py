@@ -15,7 +15,9 @@ from typing import Any
 
 from andrea_core.config import ConfigError, build_dataclass, check_limit, load_yaml, resolve_config_path
 
-ARM_KINDS = ("python-stdlib", "docstrings", "prose")
+# The user's own data, over fsspec URLs (andrea_core/data/corpora.py), beside the embedded defaults.
+CORPUS_KINDS = ("text", "jsonl", "parquet", "tokens")
+ARM_KINDS = ("python-stdlib", "docstrings", "prose", *CORPUS_KINDS)
 MIXERS = ("uniform", "exp3")
 # An arm's name becomes part of file names (its token cache) and of artifacts: no path separators, no
 # hidden or relative names, nothing a shell or a markdown renderer reads specially.
@@ -37,6 +39,14 @@ class ArmSpec:
     cap: float = 1.0
     paths: list[str] = field(default_factory=list)  # prose: folders or files; empty: the kind's default
     packages: list[str] = field(default_factory=list)  # docstrings: installed packages to read
+    field: str = "text"  # jsonl: the field holding each document
+    column: str = "text"  # parquet: the column holding each document
+    tokenizer: str = ""  # tokens: the tokenizer its shards were made with (bytes, or a tokenizer.json)
+
+
+# Arm fields added after policies were first hashed: left out of the hash at their defaults, so that a
+# policy written before them keeps its hash (and a running run its bandit state).
+_LATER_ARM_DEFAULTS = {"field": "text", "column": "text", "tokenizer": ""}
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,12 @@ class Policy:
     @property
     def hash(self) -> str:
         """Identifies the policy a bandit state belongs to: a state from another policy is not loaded."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        doc = self.to_dict()
+        for arm in doc["arms"]:
+            for k, default in _LATER_ARM_DEFAULTS.items():
+                if arm.get(k) == default:
+                    del arm[k]
+        canon = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def arm(self, name: str) -> ArmSpec:
@@ -92,6 +107,15 @@ def parse_policy(raw: Any, source: str) -> Policy:
             raise ConfigError(
                 f"{source}: arms[{i}] ({a.name}): need 0 <= floor <= cap <= 1, "
                 f"got floor {a.floor} cap {a.cap}"
+            )
+        if a.kind in CORPUS_KINDS and not a.paths:
+            raise ConfigError(
+                f"{source}: arms[{i}].paths: a {a.kind} arm needs paths (files, folders, globs, URLs)"
+            )
+        if a.kind == "tokens" and not a.tokenizer:
+            raise ConfigError(
+                f"{source}: arms[{i}].tokenizer: a tokens arm declares the tokenizer its shards were made "
+                "with (bytes, or the path or URL of that tokenizer.json)"
             )
     if policy.mixer not in MIXERS:
         raise ConfigError(f"{source}: mixer: {policy.mixer!r} is not one of {MIXERS}")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from andrea_core.data.policy import ArmSpec, is_plain_package_name
+from andrea_core.data.policy import CORPUS_KINDS, ArmSpec, is_plain_package_name
 
 DEFAULT_DOCSTRING_PACKAGES = ["torch", "numpy", "prefect", "fsspec", "yaml", "pydantic", "sqlalchemy"]
 # Part of every fingerprint: bump it when extraction changes what a source yields, so caches rebuild.
@@ -138,6 +138,10 @@ def _files_for(arm: ArmSpec) -> list[Path]:
 
 
 def open_source(arm: ArmSpec, max_bytes: int) -> Source:
+    if arm.kind in CORPUS_KINDS:  # the user's own data, over fsspec URLs
+        from andrea_core.data.corpora import open_corpus
+
+        return open_corpus(arm, max_bytes)
     files = _files_for(arm)
     if not files:
         raise SourceUnavailable(f"arm {arm.name!r} ({arm.kind}): no source files found on this machine")

@@ -58,14 +58,15 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A byte-level BPE (the `tokenizers` library), loaded from its frozen JSON."""
+    """A `tokenizers` tokenizer loaded from its frozen JSON: the per-run byte-level BPE (id `bpe-…`) or
+    a user's tokenizer.json (`kind` "hf", id `hf-…`)."""
 
-    def __init__(self, frozen: bytes):
+    def __init__(self, frozen: bytes, kind: str = "bpe"):
         from tokenizers import Tokenizer as HFTokenizer
 
         self.frozen = frozen
         self._tok = HFTokenizer.from_str(frozen.decode())
-        self.id = "bpe-" + hashlib.sha256(frozen).hexdigest()[:16]
+        self.id = f"{kind}-" + hashlib.sha256(frozen).hexdigest()[:16]
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -115,17 +116,48 @@ def train_run_bpe(policy: Policy, cfg: RunConfig) -> bytes:
     return train_bpe(texts, cfg.model.vocab_size)
 
 
+def user_tokenizer(url: str, cfg: RunConfig) -> bytes:
+    """A user's Hugging Face tokenizer.json (path or URL), checked before any work: readable, and no
+    larger than model.vocab_size. Its bytes are what the run freezes."""
+    import fsspec
+
+    try:
+        with fsspec.open(url, "rb") as f:
+            frozen = f.read()
+        tok = BPETokenizer(frozen, "hf")
+    except Exception as e:  # fsspec and tokenizers raise many types; all mean "not usable"
+        raise ConfigError(f"data.tokenizer: {url}: not a readable tokenizer.json ({e})") from None
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: {url}: its {tok.vocab_size} tokens exceed model.vocab_size "
+            f"{cfg.model.vocab_size}; raise model.vocab_size to at least {tok.vocab_size}"
+        )
+    return frozen
+
+
+def new_run_tokenizer(policy: Policy, cfg: RunConfig) -> bytes | None:
+    """What a new run freezes as its tokenizer.json: nothing for bytes, the BPE trained on its sources,
+    or the user's tokenizer.json."""
+    if cfg.data.tokenizer == "bytes":
+        return None
+    if cfg.data.tokenizer == "bpe":
+        return train_run_bpe(policy, cfg)
+    return user_tokenizer(cfg.data.tokenizer, cfg)
+
+
 def run_tokenizer(run: RunDir, cfg: RunConfig) -> Tokenizer:
-    """The run's frozen tokenizer: raw bytes, or the BPE in its tokenizer.json."""
+    """The run's frozen tokenizer: raw bytes, or the BPE (or user's tokenizer) in its tokenizer.json."""
     if cfg.data.tokenizer == "bytes":
         return ByteTokenizer()
+    kind = "bpe" if cfg.data.tokenizer == "bpe" else "hf"
     if not run.exists(TOKENIZER_JSON):
+        what = "the run's BPE" if kind == "bpe" else f"a copy of {cfg.data.tokenizer}"
         raise ConfigError(
-            f"{run.path(TOKENIZER_JSON)}: missing; data.tokenizer is bpe and the run's BPE is frozen "
-            "there when the run is created (copy it from the run this one came from)"
+            f"{run.path(TOKENIZER_JSON)}: missing; data.tokenizer is {cfg.data.tokenizer} and {what} is "
+            "frozen there when the run is created (copy it from the run this one came from)"
         )
     try:
-        tok = BPETokenizer(run.read_bytes(TOKENIZER_JSON))
+        tok = BPETokenizer(run.read_bytes(TOKENIZER_JSON), kind)
     except Exception as e:  # the tokenizers library raises plain Exceptions for a malformed file
         raise ConfigError(f"{run.path(TOKENIZER_JSON)}: not a readable tokenizer: {e}") from None
     if tok.vocab_size > cfg.model.vocab_size:

@@ -1,0 +1,75 @@
+"""data.jsonl: the run's history of its data, so that the run says when its data changed.
+
+At every trainer start, each arm's source fingerprint is compared with the one the run last recorded:
+
+  {"step", "arm", "event", "fingerprint", "time"[, "previous", "why"]}    one JSON object per line
+
+  loaded       the first start that saw the arm
+  changed      files were added, removed or replaced since (the fingerprint differs): the arm's token
+               cache is the new source's, rebuilt if this machine had none, and a warning names the arm
+  unavailable  the arm's source is gone (the zombie case: dropped, never pulled; state.py says so too)
+  returned     an arm that was unavailable has its source back
+
+The file is appended to only, like forks.jsonl, and stays where it is across pivots; a torn last line is
+skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from andrea_core.rundir import RunDir
+
+DATA_LOG = "data.jsonl"
+
+
+def read_data_log(run: RunDir) -> list[dict[str, Any]]:
+    if not run.exists(DATA_LOG):
+        return []
+    entries = []
+    for line in run.read_text(DATA_LOG).splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line
+    return entries
+
+
+def record_data_changes(
+    run: RunDir,
+    arms: Mapping[str, Any],
+    unavailable: Mapping[str, str],
+    step: int,
+    warn: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Append what changed since the run's last start; `arms` map names to objects with a fingerprint."""
+    last = {e["arm"]: e for e in read_data_log(run) if "arm" in e}
+    now = time.time()
+    new: list[dict[str, Any]] = []
+    for name, arm in arms.items():
+        prev = last.get(name)
+        entry = {"step": step, "arm": name, "fingerprint": arm.fingerprint, "time": now}
+        if prev is None:
+            new.append({**entry, "event": "loaded"})
+        elif prev.get("event") == "unavailable":
+            new.append({**entry, "event": "returned"})
+        elif prev.get("fingerprint") != arm.fingerprint:
+            new.append({**entry, "event": "changed", "previous": prev.get("fingerprint")})
+            warn(
+                f"warning: arm {name!r}: its source changed since step {prev['step']} (fingerprint "
+                f"{prev.get('fingerprint')} -> {arm.fingerprint}): its token cache was rebuilt for the new "
+                f"source; recorded in {DATA_LOG} at step {step}"
+            )
+    for name, why in unavailable.items():
+        prev = last.get(name)
+        if prev is not None and prev.get("event") != "unavailable":
+            new.append({"step": step, "arm": name, "event": "unavailable", "fingerprint": None, "why": why,
+                        "time": now})  # fmt: skip
+    if new:
+        run.append(
+            DATA_LOG, "".join(json.dumps(e, sort_keys=True) + "\n" for e in new).encode(), durable=True
+        )
+    return new

@@ -1,0 +1,355 @@
+"""The user's own data as arms: text, JSON Lines, Parquet and pre-tokenized shards, over fsspec URLs.
+
+An arm's `paths` are local paths, `file://`, `s3://`, `memory://` or any URL fsspec reaches, each a
+file, a folder (searched recursively) or a glob; credentials and endpoints come from the usual
+`AWS_*` / `FSSPEC_*` variables, as for run directories. The files are listed once, sorted, and
+fingerprinted by (URL, size, ETag or mtime), so that a cache is rebuilt exactly when a file is added,
+removed or replaced.
+
+Document kinds (`text`, `jsonl`, `parquet`) yield records. Each record has an identity, the file's
+path relative to the arm's path plus the record's index in it, and the validation split is chosen by a
+hash of that identity (see `is_validation`): adding files to a corpus never moves a document between
+train and validation. A record that cannot be used (an unreadable file, a bad JSON line, a missing
+field, a value that is not text) is yielded as bad, naming the file and line or row, so that the cache
+builder counts it and refuses an arm where more than 1% of the records are bad.
+
+`tokens` arms are shards made by other tools, read as they are: nanoGPT's `train.bin` / `val.bin`
+(raw uint16) and llm.c's shards (a header of 256 int32: magic, version, token count; magic 20240520
+with version 1 for uint16 tokens, 20240801 with version 7 for uint32). A file named exactly
+`train.bin` or `val.bin` is nanoGPT's; any other `.bin` must carry llm.c's header. Shards whose name
+has a `val` part (`val.bin`, `fineweb_val_000000.bin`) are the validation split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import posixpath
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import fsspec
+import numpy as np
+
+from andrea_core.data.policy import ArmSpec
+from andrea_core.data.sources import SourceUnavailable
+
+# Part of every corpus fingerprint: bump it when reading changes what a corpus yields.
+CORPUS_FORMAT = 1
+COMPRESSIONS = (".gz", ".zst")
+SUFFIXES = {
+    "text": (".txt", ".md", ".rst"),
+    "jsonl": (".jsonl", ".ndjson", ".json"),
+    "parquet": (".parquet",),
+    "tokens": (".bin",),
+}
+LLMC_HEADER_INTS = 256
+LLMC_HEADER_BYTES = 4 * LLMC_HEADER_INTS
+LLMC_FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}  # magic: (version, dtype)
+NANOGPT_NAMES = ("train.bin", "val.bin")
+READ_CHUNK = 1 << 20
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+class CorpusError(RuntimeError):
+    """An arm's data that cannot be used as it is (a bad shard, too many bad records, a tokenizer that
+    is not the run's): an error that stops the run, never a silent garbage run."""
+
+
+@dataclass(frozen=True)
+class CorpusFile:
+    url: str  # what messages name, and what the file is opened by
+    rel: str  # its path relative to the arm's path: the document identity, stable if the corpus moves
+    size: int
+    version: str  # ETag, mtime or creation time: whatever the store says changes when the file does
+    fs: Any = field(compare=False, repr=False)
+    path: str = field(compare=False, repr=False, default="")
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+
+class Record(NamedTuple):
+    """One document of a file (`text`), or a bad record (`problem`, naming the file and line or row).
+    `index` is the record's position in its file; `count` how many records a bad entry stands for (a
+    Parquet file without the column: all its rows)."""
+
+    file: int
+    index: int
+    text: str | None
+    problem: str | None = None
+    count: int = 1
+
+    def identity(self, files: list[CorpusFile]) -> str:
+        return f"{files[self.file].rel}:{self.index}"
+
+
+def is_validation(identity: str, val_fraction: float) -> bool:
+    """Whether a document is held out: a hash of its identity, so the split never depends on what
+    else is in the corpus (a tail-of-stream split moves documents whenever files are added)."""
+    h = int.from_bytes(hashlib.sha256(identity.encode()).digest()[:8], "big")
+    return h < val_fraction * 2.0**64
+
+
+def _suffix_ok(kind: str, name: str) -> bool:
+    for comp in ("", *COMPRESSIONS) if kind in ("text", "jsonl") else ("",):
+        if any(name.endswith(s + comp) for s in SUFFIXES[kind]):
+            return True
+    return False
+
+
+def _version(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "mtime", "LastModified", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
+
+
+def list_files(arm: ArmSpec) -> list[CorpusFile]:
+    """The arm's files of its kind, sorted by URL; a path that does not exist contributes nothing."""
+    found: dict[str, CorpusFile] = {}
+    for url in arm.paths:
+        try:
+            fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
+            path = path.rstrip("/") or "/"
+            glob = GLOB_CHARS.search(path)
+            if glob:
+                base = path[: glob.start()].rsplit("/", 1)[0]
+                matches = fs.glob(path, detail=True)
+            elif fs.isdir(path):
+                base, matches = path, fs.find(path, detail=True)
+            elif fs.exists(path):
+                base, matches = posixpath.dirname(path), {path: fs.info(path)}
+            else:
+                continue
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise SourceUnavailable(f"arm {arm.name!r} ({arm.kind}): cannot list {url}: {e}") from None
+        for p, info in matches.items():
+            if info.get("type") != "file" or not _suffix_ok(arm.kind, posixpath.basename(p)):
+                continue
+            full = fs.unstrip_protocol(p) if "://" in url else p
+            rel = posixpath.relpath(p, base) if base else p
+            found[full] = CorpusFile(full, rel, int(info.get("size") or 0), _version(info), fs, p)
+    return [found[u] for u in sorted(found)]
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """An arm over the user's files; the `Source` of sources.py for the corpus kinds."""
+
+    arm: ArmSpec
+    files: list[CorpusFile]
+    max_bytes: int  # bounds documents() only (the text a per-run BPE is trained on), never a cache
+
+    @property
+    def fingerprint(self) -> str:
+        a = self.arm
+        h = hashlib.sha256(f"{a.kind}|{a.field}|{a.column}|corpus-v{CORPUS_FORMAT}".encode())
+        for f in self.files:
+            h.update(f"{f.url}|{f.size}|{f.version}\n".encode())
+        return h.hexdigest()[:16]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def records(self, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:
+        """Every record from position `start` (file, index in file) on, good and bad, in order."""
+        first_file, first_index = start
+        for i in range(first_file, len(self.files)):
+            skip = first_index if i == first_file else 0
+            yield from READERS[self.arm.kind](self.arm, i, self.files[i], skip)
+
+    def documents(self) -> Iterator[str]:
+        """The good documents in order, stopping once max_bytes of text were produced."""
+        if self.arm.kind == "tokens":
+            return
+        produced = 0
+        for rec in self.records():
+            if rec.text is None:
+                continue
+            if produced >= self.max_bytes:
+                return
+            doc = rec.text[: self.max_bytes - produced]
+            produced += len(doc.encode())
+            yield doc
+
+
+def open_corpus(arm: ArmSpec, max_bytes: int) -> CorpusSource:
+    files = list_files(arm)
+    if not files:
+        suffixes = "/".join(SUFFIXES[arm.kind])
+        raise SourceUnavailable(
+            f"arm {arm.name!r} ({arm.kind}): no {suffixes} files at {', '.join(arm.paths)}"
+        )
+    return CorpusSource(arm, files, max_bytes)
+
+
+# --- readers -------------------------------------------------------------------------------------
+
+
+def _open_decompressed(f: CorpusFile):
+    raw = f.fs.open(f.path, "rb")
+    if f.path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if f.path.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return raw
+
+
+def _read_text(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
+    if skip > 0:
+        return  # a text file is one record, already consumed
+    try:
+        with _open_decompressed(f) as stream:
+            data = stream.read()
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield Record(i, 0, None, f"{f.url}: not UTF-8 text ({e.reason} at byte {e.start})")
+        return
+    except Exception as e:  # gzip, zstd and the stores raise many types; all mean "unreadable"
+        yield Record(i, 0, None, f"{f.url}: unreadable ({type(e).__name__}: {e})")
+        return
+    yield Record(i, 0, text)
+
+
+def _lines(stream) -> Iterator[bytes]:
+    """Lines of a binary stream, read a chunk at a time (no whole file in memory)."""
+    tail = b""
+    while chunk := stream.read(READ_CHUNK):
+        parts = (tail + chunk).split(b"\n")
+        tail = parts.pop()
+        yield from parts
+    if tail:
+        yield tail
+
+
+def _read_jsonl(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
+    n = 0
+    try:
+        with _open_decompressed(f) as stream:
+            for n, line in enumerate(_lines(stream)):
+                if n < skip or not line.strip():
+                    continue
+                where = f"{f.url}:{n + 1}"  # line numbers as an editor shows them
+                try:
+                    doc = json.loads(line)
+                except ValueError as e:
+                    yield Record(i, n, None, f"{where}: not valid JSON ({e})")
+                    continue
+                if not isinstance(doc, dict) or arm.field not in doc:
+                    yield Record(i, n, None, f"{where}: no field {arm.field!r}")
+                elif not isinstance(doc[arm.field], str):
+                    kind = type(doc[arm.field]).__name__
+                    yield Record(i, n, None, f"{where}: field {arm.field!r} is {kind}, not text")
+                else:
+                    yield Record(i, n, doc[arm.field])
+    except Exception as e:
+        yield Record(i, n + 1, None, f"{f.url}: unreadable after line {n} ({type(e).__name__}: {e})")
+
+
+def _read_parquet(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        raw = f.fs.open(f.path, "rb")
+        pf = pq.ParquetFile(raw)
+    except Exception as e:
+        yield Record(i, 0, None, f"{f.url}: not a readable Parquet file ({type(e).__name__}: {e})")
+        return
+    with raw:
+        names = pf.schema_arrow.names
+        rows = pf.metadata.num_rows
+        if arm.column not in names:
+            problem = f"{f.url}: no column {arm.column!r} (it has {', '.join(names)})"
+            yield Record(i, 0, None, problem, count=max(1, rows))
+            return
+        ctype = pf.schema_arrow.field(arm.column).type
+        if not (pa.types.is_string(ctype) or pa.types.is_large_string(ctype)):
+            yield Record(
+                i, 0, None, f"{f.url}: column {arm.column!r} is {ctype}, not text", count=max(1, rows)
+            )
+            return
+        row = 0
+        # One row group at a time: a file larger than memory streams.
+        for g in range(pf.num_row_groups):
+            n_rows = pf.metadata.row_group(g).num_rows
+            if row + n_rows <= skip:
+                row += n_rows
+                continue
+            try:
+                values = pf.read_row_group(g, columns=[arm.column]).column(0).to_pylist()
+            except Exception as e:
+                yield Record(i, row, None, f"{f.url}: row group {g} unreadable ({e})", count=n_rows)
+                row += n_rows
+                continue
+            for value in values:
+                if row >= skip:
+                    if value is None:
+                        yield Record(i, row, None, f"{f.url}: row {row}: {arm.column!r} is null")
+                    else:
+                        yield Record(i, row, value)
+                row += 1
+
+
+READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet, "tokens": lambda *a: iter(())}
+
+
+# --- token shards --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    file: CorpusFile
+    dtype: np.dtype
+    offset: int  # bytes before the first token (llm.c's header)
+    count: int
+    split: str  # "train" or "val"
+
+
+def is_val_shard(name: str) -> bool:
+    stem = name[: -len(".bin")] if name.endswith(".bin") else name
+    return "val" in re.split(r"[_.\-]", stem)
+
+
+def inspect_shard(f: CorpusFile) -> TokenShard:
+    """The layout of one shard, from its name, header and size; a bad one is refused by name."""
+    split = "val" if is_val_shard(f.name) else "train"
+    if f.name in NANOGPT_NAMES:
+        if f.size % 2:
+            raise CorpusError(
+                f"{f.url}: {f.size} bytes is not a whole number of uint16 tokens (nanoGPT .bin)"
+            )
+        return TokenShard(f, np.dtype("<u2"), 0, f.size // 2, split)
+    if f.size < LLMC_HEADER_BYTES:
+        raise CorpusError(
+            f"{f.url}: {f.size} bytes, shorter than the {LLMC_HEADER_BYTES}-byte llm.c shard header"
+        )
+    head = f.fs.cat_file(f.path, start=0, end=LLMC_HEADER_BYTES)
+    magic, version, count = (int(v) for v in np.frombuffer(head, "<i4", count=3))
+    if magic not in LLMC_FORMATS:
+        raise CorpusError(
+            f"{f.url}: bad shard header: magic {magic}, expected 20240520 (llm.c, uint16 tokens) or "
+            f"20240801 (uint32 tokens); nanoGPT's headerless files must be named train.bin or val.bin"
+        )
+    want_version, dtype = LLMC_FORMATS[magic]
+    if version != want_version:
+        raise CorpusError(
+            f"{f.url}: bad shard header: version {version} with magic {magic}, expected {want_version}"
+        )
+    expected = LLMC_HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or f.size != expected:
+        raise CorpusError(
+            f"{f.url}: wrong size: the header says {count} tokens of {dtype.itemsize} bytes "
+            f"({expected} bytes with the header) but the file has {f.size} bytes (truncated?)"
+        )
+    return TokenShard(f, dtype, LLMC_HEADER_BYTES, count, split)

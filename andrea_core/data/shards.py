@@ -1,0 +1,496 @@
+"""Sharded, memory-mapped token caches for the user's corpora (corpora.py), built to scale past memory.
+
+A corpus arm's cache is a folder in this machine's cache directory, keyed by the source's fingerprint,
+the tokenizer's id and the validation fraction:
+
+  NNNNNN.train.u16   the training tokens of shard N (.u32 where the vocabulary exceeds 65536)
+  NNNNNN.val.u16     the validation tokens of shard N (documents chosen by corpora.is_validation)
+  NNNNNN.json        shard N's counts, and where in the corpus the next shard starts
+  manifest.json      the whole cache's counts; written last, when the build is complete
+
+A shard holds whole documents (a shard is closed at the first document boundary past its size), its
+token files are written under temporary names and renamed, and its .json is renamed last: a shard
+without its .json, or whose files disagree with it, was never published and is never read. An
+interrupted build resumes after the last published shard. The documents stream through the tokenizer
+in bounded batches and straight to disk, so memory stays bounded whatever the corpus size; the
+tokenizer (`tokenizers` encodes a batch on every core) is where the time goes.
+
+The caches hold the documents' tokens in corpus order, each followed by DOC_SEPARATOR, as one stream
+split into files; `ShardedTokens` reads the shards back as that one stream, so where a shard ends
+changes nothing a batch sees.
+
+`tokens` arms are not built: their shards are used as they are (memory-mapped in place when local,
+copied into the cache directory, atomically and one file at a time, when remote).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from andrea_core.config import RunConfig
+from andrea_core.data.corpora import (
+    CorpusError,
+    CorpusSource,
+    inspect_shard,
+    is_validation,
+)
+from andrea_core.data.tokens import DOC_SEPARATOR, ByteTokenizer, Tokenizer
+from andrea_core.rundir import cache_dir
+
+CACHE_FORMAT = 1  # part of every cache key: bump it when the cache layout or contents change
+SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)
+BATCH_DOCS = 256  # documents handed to the tokenizer at once ...
+BATCH_BYTES = 8 << 20  # ... or this much text, whichever comes first: what bounds the builder's memory
+BAD_FRACTION = 0.01  # more bad records than this refuses the arm
+NAMED_BAD = 5  # bad records named in the log (all are counted)
+PROGRESS_EVERY_S = 2.0
+
+
+def shard_tokens() -> int:
+    return int(os.environ.get("ANDREA_SHARD_TOKENS") or SHARD_TOKENS)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+class ShardedTokens:
+    """Token arrays (memory-mapped shards) read as their concatenation, never concatenated in memory."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]
+        self.starts = np.cumsum([0, *(len(p) for p in self.parts)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def rows(self, offsets: np.ndarray, length: int) -> np.ndarray:
+        """`length` tokens from each offset of the concatenated stream, as int64 rows: the same values
+        `concatenation[offsets[:, None] + arange(length)]` would give."""
+        out = np.empty((len(offsets), length), dtype=np.int64)
+        shard_of = np.searchsorted(self.starts, offsets, side="right") - 1
+        for r, (o, i) in enumerate(zip(offsets, shard_of, strict=True)):
+            local, n = int(o - self.starts[i]), 0
+            while n < length:  # a window that runs past its shard's end continues in the next shard
+                take = min(length - n, len(self.parts[i]) - local)
+                out[r, n : n + take] = self.parts[i][local : local + take]
+                n, i, local = n + take, i + 1, 0
+        return out
+
+
+@dataclass
+class ArmData:
+    """A corpus arm ready to train on, with what `andrea data stats` reports of it."""
+
+    train: ShardedTokens
+    val: ShardedTokens
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def batch_encoder(tokenizer: Tokenizer, dtype: np.dtype) -> Callable[[list[str]], list[np.ndarray]]:
+    """The tokenizer's batch encode, straight to arrays: bytes need no tokenizer at all, and a
+    `tokenizers` tokenizer skips the offsets it would otherwise compute."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return lambda texts: [np.frombuffer(t.encode("utf-8", "replace"), np.uint8) for t in texts]
+    hf = getattr(tokenizer, "_tok", None)
+    if hf is not None:
+        encode = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
+        return lambda texts: [np.asarray(e.ids, dtype=dtype) for e in encode(texts)]
+    return lambda texts: [np.asarray(ids, dtype=dtype) for ids in tokenizer.encode_batch(texts)]
+
+
+# --- document arms: the sharded cache ------------------------------------------------------------
+
+
+def cache_key(source: CorpusSource, tokenizer: Tokenizer, val_fraction: float) -> str:
+    text = f"{source.fingerprint}|{tokenizer.id}|val {val_fraction!r}|cache-v{CACHE_FORMAT}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def corpus_cache_dir(source: CorpusSource, tokenizer: Tokenizer, val_fraction: float) -> Path:
+    return cache_dir() / "corpora" / f"{source.arm.name}-{cache_key(source, tokenizer, val_fraction)}"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _suffix(dtype: np.dtype) -> str:
+    return "u16" if dtype == np.uint16 else "u32"
+
+
+def _shard_file(folder: Path, index: int, split: str, dtype: np.dtype) -> Path:
+    return folder / f"{index:06d}.{split}.{_suffix(dtype)}"
+
+
+def _zero_totals() -> dict[str, Any]:
+    return {"documents": 0, "records": 0, "bad": 0, "bad_examples": [], "text_bytes": 0, "train_tokens": 0,
+            "val_tokens": 0}  # fmt: skip
+
+
+def _published_shards(folder: Path, dtype: np.dtype) -> list[dict[str, Any]]:
+    """The metas of the shards published so far, in order; anything after the first shard that is not
+    whole (its .json missing, or its files' sizes disagreeing with it) is removed, to be rebuilt."""
+    metas: list[dict[str, Any]] = []
+    while (meta := _read_json(folder / f"{len(metas):06d}.json")) is not None:
+        i = len(metas)
+        sizes_ok = all(
+            _shard_file(folder, i, s, dtype).exists()
+            and _shard_file(folder, i, s, dtype).stat().st_size == meta[f"{s}_tokens"] * dtype.itemsize
+            for s in ("train", "val")
+        )
+        if not sizes_ok:
+            break
+        metas.append(meta)
+    # The caller holds the folder's lock: no other builder is writing here.
+    for p in folder.iterdir():
+        m = re.match(r"^(\d{6})\.", p.name)
+        if m and int(m.group(1)) >= len(metas):
+            p.unlink(missing_ok=True)  # an unpublished shard (or one that lost its files): never read
+        elif p.name.endswith(".tmp"):
+            p.unlink(missing_ok=True)  # a dead builder's half-written file
+    return metas
+
+
+class _ShardWriter:
+    """One shard being written: temporary files, renamed into place by publish()."""
+
+    def __init__(self, folder: Path, index: int, dtype: np.dtype):
+        self.folder, self.index, self.dtype = folder, index, dtype
+        self.tokens = {"train": 0, "val": 0}
+        self.tmp = {s: folder / f".{index:06d}.{s}.{os.getpid()}.tmp" for s in ("train", "val")}
+        self.files = {s: open(p, "wb") for s, p in self.tmp.items()}
+
+    def write(self, ids: np.ndarray, val: bool) -> None:
+        split = "val" if val else "train"
+        ids.astype(self.dtype, copy=False).tofile(self.files[split])
+        self.tokens[split] += len(ids)
+
+    def publish(self, next_position: tuple[int, int], totals: dict[str, Any]) -> None:
+        for split, f in self.files.items():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(self.tmp[split], _shard_file(self.folder, self.index, split, self.dtype))
+        meta = {
+            "index": self.index,
+            "train_tokens": self.tokens["train"],
+            "val_tokens": self.tokens["val"],
+            "next": list(next_position),
+            "totals": totals,
+        }
+        _write_json_atomic(self.folder / f"{self.index:06d}.json", meta)  # last: the shard now exists
+
+    def abandon(self) -> None:
+        for split, f in self.files.items():
+            f.close()
+            self.tmp[split].unlink(missing_ok=True)
+
+
+class BuildProgress:
+    """Progress lines while a cache builds: documents, MB of text, tokens/s, ETA."""
+
+    def __init__(self, source: CorpusSource, start_file: int, warn: Callable[[str], None]):
+        self.name = source.arm.name
+        self.cumulative = np.cumsum([0, *(f.size for f in source.files)])
+        self.start_bytes = int(self.cumulative[start_file])
+        self.warn = warn
+        self.t0 = self.last = time.monotonic()
+        self.tokens = 0
+
+    def update(self, file_index: int, totals: dict[str, Any], new_tokens: int, force: bool = False) -> None:
+        self.tokens += new_tokens
+        now = time.monotonic()
+        if not force and now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        elapsed = max(now - self.t0, 1e-9)
+        done = int(self.cumulative[file_index]) - self.start_bytes
+        left = int(self.cumulative[-1]) - int(self.cumulative[file_index])
+        eta = f"{left * elapsed / done:,.0f}s" if done > 0 and left > 0 else ("0s" if left == 0 else "?")
+        self.warn(
+            f"arm {self.name!r}: building its token cache: {totals['documents']:,} documents, "
+            f"{totals['text_bytes'] / 1e6:,.1f} MB of text, {self.tokens / elapsed:,.0f} tokens/s, "
+            f"file {min(file_index + 1, len(self.cumulative) - 1)} of {len(self.cumulative) - 1}, ETA {eta}"
+        )
+
+
+def bad_summary(name: str, totals: dict[str, Any]) -> str:
+    pct = 100.0 * totals["bad"] / max(1, totals["records"])
+    first = "; ".join(totals["bad_examples"])
+    bad, records = totals["bad"], totals["records"]
+    return f"arm {name!r}: {bad:,} of {records:,} records ({pct:.2f}%) are bad (first: {first})"
+
+
+def build_corpus_cache(
+    source: CorpusSource, tokenizer: Tokenizer, val_fraction: float, folder: Path, warn: Callable[[str], None]
+) -> dict[str, Any]:
+    """Build (or finish building) the arm's cache in `folder`; returns its manifest."""
+    name, files = source.arm.name, source.files
+    dtype = token_dtype(tokenizer.vocab_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    done = _published_shards(folder, dtype)
+    totals = dict(done[-1]["totals"]) if done else _zero_totals()
+    start = tuple(done[-1]["next"]) if done else (0, 0)
+    if done:
+        warn(
+            f"arm {name!r}: resuming its token cache build after shard {len(done) - 1} "
+            f"(file {start[0] + 1} of {len(files)}, record {start[1]})"
+        )
+    encode = batch_encoder(tokenizer, dtype)
+    limit = shard_tokens()
+    progress = BuildProgress(source, start[0], warn)
+    shard = _ShardWriter(folder, len(done), dtype)
+    pending: list[tuple[str, bool]] = []
+    pending_bytes = 0
+    position = published_at = start
+
+    def flush() -> int:
+        nonlocal pending_bytes
+        arrays = encode([text + DOC_SEPARATOR for text, _ in pending]) if pending else []
+        for (_, val), ids in zip(pending, arrays, strict=True):
+            shard.write(ids, val)
+            totals["val_tokens" if val else "train_tokens"] += len(ids)
+        pending.clear()
+        pending_bytes = 0
+        return sum(len(a) for a in arrays)
+
+    try:
+        for rec in source.records(start):
+            position = (rec.file, rec.index + rec.count)
+            totals["records"] += rec.count
+            if rec.text is None:
+                totals["bad"] += rec.count
+                if len(totals["bad_examples"]) < NAMED_BAD:
+                    totals["bad_examples"].append(rec.problem)
+                    warn(f"arm {name!r}: skipping bad record: {rec.problem}")
+                continue
+            size = len(rec.text.encode("utf-8", "replace"))
+            totals["documents"] += 1
+            totals["text_bytes"] += size
+            pending.append((rec.text, is_validation(rec.identity(files), val_fraction)))
+            pending_bytes += size
+            # Bytes bound the tokens of a batch (one token per byte at most, for byte-level tokenizers):
+            # flushing once they could fill the shard keeps shards near their size on small corpora too.
+            full = shard.tokens["train"] + pending_bytes >= limit
+            if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES or full:
+                progress.update(rec.file, totals, flush())
+                if shard.tokens["train"] >= limit:
+                    shard.publish(position, totals)
+                    published_at = position
+                    shard = _ShardWriter(folder, shard.index + 1, dtype)
+        progress.update(len(files), totals, flush(), force=True)
+        if shard.tokens["train"] or shard.tokens["val"] or shard.index == 0 or position != published_at:
+            shard.publish(position, totals)
+            n_shards = shard.index + 1
+        else:
+            shard.abandon()
+            n_shards = shard.index
+    except BaseException:
+        shard.abandon()
+        raise
+    if totals["bad"] > BAD_FRACTION * totals["records"]:
+        raise CorpusError(
+            f"{bad_summary(name, totals)}: more than {100 * BAD_FRACTION:g}% of its records are bad, so the "
+            f"arm is refused; fix or remove them ({', '.join(source.arm.paths)})"
+        )
+    if totals["bad"]:
+        warn(f"{bad_summary(name, totals)}; they were skipped")
+    manifest = {
+        "format": CACHE_FORMAT,
+        "arm": name,
+        "fingerprint": source.fingerprint,
+        "tokenizer": tokenizer.id,
+        "dtype": dtype.name,
+        "val_fraction": val_fraction,
+        "files": len(files),
+        "shards": n_shards,
+        **totals,
+    }
+    _write_json_atomic(folder / "manifest.json", manifest)
+    return manifest
+
+
+def _intact(folder: Path, manifest: dict[str, Any]) -> bool:
+    """Every shard the manifest counts is there at the size its .json says (a cache folder is a cache:
+    someone may have deleted files from it)."""
+    dtype = np.dtype(manifest["dtype"])
+    for i in range(manifest["shards"]):
+        meta = _read_json(folder / f"{i:06d}.json")
+        if meta is None:
+            return False
+        for split in ("train", "val"):
+            path = _shard_file(folder, i, split, dtype)
+            if not path.exists() or path.stat().st_size != meta[f"{split}_tokens"] * dtype.itemsize:
+                return False
+    return True
+
+
+def corpus_cache(
+    source: CorpusSource, tokenizer: Tokenizer, val_fraction: float, warn: Callable[[str], None] = print
+) -> ArmData:
+    """The arm's train and validation tokens, from its cache (built first if missing or unfinished)."""
+    folder = corpus_cache_dir(source, tokenizer, val_fraction)
+    manifest = _read_json(folder / "manifest.json")
+    if manifest is not None and not _intact(folder, manifest):
+        warn(f"arm {source.arm.name!r}: its token cache {folder} lost shards; finishing it again")
+        manifest = None
+    if manifest is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".lock", "wb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; a second waits, then reads its work
+            manifest = _read_json(folder / "manifest.json")
+            if manifest is not None and not _intact(folder, manifest):
+                (folder / "manifest.json").unlink()
+                manifest = None
+            if manifest is None:
+                manifest = build_corpus_cache(source, tokenizer, val_fraction, folder, warn)
+    elif manifest["bad"]:
+        warn(f"{bad_summary(source.arm.name, manifest)}; they were skipped when its cache was built")
+    dtype = np.dtype(manifest["dtype"])
+    splits = {}
+    for split in ("train", "val"):
+        parts = []
+        for i in range(manifest["shards"]):
+            path = _shard_file(folder, i, split, dtype)
+            if path.stat().st_size:
+                parts.append(np.memmap(path, dtype=dtype, mode="r"))
+        splits[split] = ShardedTokens(parts)
+    info = {k: manifest[k] for k in ("documents", "records", "bad", "shards")}
+    info["cache_bytes"] = splits["train"].nbytes + splits["val"].nbytes
+    info["cache"] = str(folder)
+    return ArmData(splits["train"], splits["val"], info)
+
+
+# --- tokens arms: shards used as they are --------------------------------------------------------
+
+FROZEN_ID = re.compile(r"^(bpe|hf)-([0-9a-f]{16})$")
+
+
+def declared_tokenizer_hash(declared: str) -> str:
+    """What a tokens arm's `tokenizer` names: `bytes`, a tokenizer id (`hf-…`, `bpe-…`), or the path or
+    URL of a tokenizer.json, identified by the hash of its bytes as a run's frozen tokenizer is."""
+    if declared == "bytes":
+        return "bytes"
+    m = FROZEN_ID.match(declared)
+    if m:
+        return m.group(2)
+    try:
+        with fsspec.open(declared, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError as e:
+        raise CorpusError(f"tokenizer {declared!r}: cannot read it ({e})") from None
+
+
+def check_tokens_tokenizer(source: CorpusSource, tokenizer: Tokenizer) -> None:
+    declared = source.arm.tokenizer
+    want = declared_tokenizer_hash(declared)
+    have = "bytes" if tokenizer.id == "bytes" else tokenizer.id.rsplit("-", 1)[-1]
+    if want != have:
+        raise CorpusError(
+            f"arm {source.arm.name!r} (tokens): its shards were made with tokenizer {declared!r} but the "
+            f"run's tokenizer is {tokenizer.id}; training on them would be a silent garbage run"
+        )
+
+
+def _chunked_max(a: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max((int(a[i : i + chunk].max()) for i in range(0, len(a), chunk)), default=0)
+
+
+def token_shards(
+    source: CorpusSource, tokenizer: Tokenizer, vocab_size: int, warn: Callable[[str], None] = print
+) -> ArmData:
+    """A tokens arm's shards, checked (headers, sizes, tokenizer, token ids) and memory-mapped."""
+    check_tokens_tokenizer(source, tokenizer)
+    shards = [inspect_shard(f) for f in source.files]
+    folder = cache_dir() / "tokens" / f"{source.arm.name}-{source.fingerprint}"
+    folder.mkdir(parents=True, exist_ok=True)
+    maxima = _read_json(folder / "maxima.json") or {}
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    copied = 0
+    for sh in shards:
+        f = sh.file
+        if isinstance(f.fs, LocalFileSystem):
+            path = Path(f.path)
+        else:
+            path = folder / f.rel.replace("/", "__")
+            if not path.exists() or path.stat().st_size != f.size:
+                tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+                f.fs.get_file(f.path, str(tmp))  # streamed to disk, never whole in memory
+                if tmp.stat().st_size != f.size:
+                    tmp.unlink()
+                    raise CorpusError(f"{f.url}: {f.size} bytes listed but a different size was read")
+                os.replace(tmp, path)
+                copied += f.size
+        if sh.count == 0:
+            continue
+        arr = np.memmap(path, dtype=sh.dtype, mode="r", offset=sh.offset, shape=(sh.count,))
+        if f.rel not in maxima:
+            maxima[f.rel] = _chunked_max(arr)
+        if maxima[f.rel] >= vocab_size:
+            raise CorpusError(
+                f"{f.url}: token id {maxima[f.rel]} is outside the model's vocabulary (model.vocab_size "
+                f"{vocab_size}); the shard was made with another tokenizer"
+            )
+        parts[sh.split].append(arr)
+    _write_json_atomic(folder / "maxima.json", maxima)
+    if copied:
+        warn(f"arm {source.arm.name!r}: copied {copied / 1e6:,.1f} MB of token shards into {folder}")
+    for split, what in (("val", "val.bin or *_val_*"), ("train", "train.bin or *_train_*")):
+        if not parts[split]:
+            raise CorpusError(
+                f"arm {source.arm.name!r} (tokens): no {split} shard with tokens among "
+                f"{', '.join(f.url for f in source.files)} (a {split} shard is named {what})"
+            )
+    train, val = ShardedTokens(parts["train"]), ShardedTokens(parts["val"])
+    info = {"documents": None, "records": None, "bad": 0, "shards": len(shards)}
+    info["cache_bytes"] = train.nbytes + val.nbytes
+    info["cache"] = str(folder)
+    return ArmData(train, val, info)
+
+
+def corpus_arm(
+    source: CorpusSource, tokenizer: Tokenizer, cfg: RunConfig, warn: Callable[[str], None] = print
+) -> ArmData:
+    """A corpus arm of any kind, ready to train on."""
+    if source.arm.kind == "tokens":
+        return token_shards(source, tokenizer, cfg.model.vocab_size, warn)
+    return corpus_cache(source, tokenizer, cfg.data.val_fraction, warn)
+
+
+def check_corpus_split(data: ArmData, block_size: int) -> None:
+    """Both splits must hold a window; a corpus too small for that is unavailable, saying why."""
+    for split in ("train", "val"):
+        n = len(getattr(data, split))
+        if n < block_size + 2:
+            raise ValueError(
+                f"its {split} split has {n} tokens, fewer than block_size + 2 = {block_size + 2} (the "
+                "validation split is the documents whose identity hashes below data.val_fraction: "
+                "add documents or raise data.val_fraction)"
+            )

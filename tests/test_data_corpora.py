@@ -1,0 +1,409 @@
+"""The user's own data as arms (fast, in-process): each kind read as its format says, the sharded cache,
+the split by document, bad records, shard headers, tokenizers, and a source that changes or vanishes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+from corpus_files import (
+    byte_tokens,
+    corpus_policy,
+    document,
+    jsonl_bytes,
+    llmc_shard,
+    put,
+    write_corpus,
+    write_text_folder,
+    zstd,
+)
+
+from andrea_core.config import ConfigError, load_run_config, load_yaml
+from andrea_core.data import shards
+from andrea_core.data.changes import DATA_LOG, read_data_log
+from andrea_core.data.corpora import CorpusError, is_validation
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import parse_policy
+from andrea_core.data.tokens import DOC_SEPARATOR, BPETokenizer, ByteTokenizer, run_tokenizer
+from andrea_core.rundir import RunDir
+from andrea_core.runs import create_run
+
+CFG = load_run_config("andrea-tiny")
+QUIET = lambda line: None  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test builds its caches from scratch, in shards of 3000 tokens so that arms span several."""
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ANDREA_SHARD_TOKENS", "3000")
+
+
+def policy(text: str):
+    return parse_policy(load_yaml(text, "policy"), "policy")
+
+
+def one_arm(line: str):
+    return policy(f"name: one\narms:\n  - {line}\n")
+
+
+def stream(tokens) -> bytes:
+    return b"".join(np.asarray(p).astype(np.uint8).tobytes() for p in tokens.parts)
+
+
+def test_every_kind_is_read_as_its_format_says_and_documents_split_by_identity(tmp_path):
+    root = str(tmp_path / "corpus")
+    written = write_corpus(root)
+    data = DataPipeline(CFG, policy(corpus_policy(root)), QUIET)
+    assert sorted(data.arms) == ["llmc", "nano", "notes", "posts", "table"]
+
+    # Document kinds: the cache holds exactly the documents, each in the split its identity hashes to.
+    identities = {
+        "notes": [(f"doc_{i:03d}.txt.gz:0", d) for i, d in enumerate(written["text"])],
+        "posts": [(f"docs.jsonl.zst:{i}", d) for i, d in enumerate(written["jsonl"])],
+        "table": [(f"table.parquet:{i}", d) for i, d in enumerate(written["parquet"])],
+    }
+    for arm, docs in identities.items():
+        val = [d for ident, d in docs if is_validation(ident, CFG.data.val_fraction)]
+        train = [d for ident, d in docs if not is_validation(ident, CFG.data.val_fraction)]
+        assert val and train, arm
+        assert stream(data.arms[arm].train) == "".join(d + DOC_SEPARATOR for d in train).encode(), arm
+        assert stream(data.arms[arm].val) == "".join(d + DOC_SEPARATOR for d in val).encode(), arm
+        assert data.arms[arm].info["shards"] > 3, "3000-token shards: the arm spans several"
+        assert data.arms[arm].info["documents"] == len(docs)
+
+    # Tokens kinds: the shards as they are; the ones named val are the validation split.
+    for arm, key in (("nano", "nanogpt"), ("llmc", "llmc")):
+        for split in ("train", "val"):
+            got = np.concatenate(getattr(data.arms[arm], split).parts)
+            assert got.dtype == np.uint16 and np.array_equal(got, written[key][split]), (arm, split)
+
+    # A batch is a window of the concatenated stream, across shard boundaries too.
+    notes = data.arms["notes"].train
+    whole = np.frombuffer(stream(notes), np.uint8)
+    offsets = np.array([0, 2990, int(notes.starts[2]) - 1, len(whole) - 65])
+    assert np.array_equal(notes.rows(offsets, 65), whole[offsets[:, None] + np.arange(65)])
+
+
+def test_adding_files_moves_no_document_between_train_and_validation(tmp_path):
+    root = str(tmp_path / "corpus")
+    write_text_folder(root, n=40)
+    arm = one_arm(f'{{name: notes, kind: text, paths: ["{root}/text"]}}')
+    before = DataPipeline(CFG, arm, QUIET).arms["notes"]
+    write_text_folder(root, n=40, first=40)  # the corpus grows
+    after = DataPipeline(CFG, arm, QUIET).arms["notes"]
+    assert after.fingerprint != before.fingerprint
+    old_val = stream(before.val).decode().split(DOC_SEPARATOR)[:-1]
+    new_val = stream(after.val).decode().split(DOC_SEPARATOR)[:-1]
+    assert [d for d in new_val if int(d.split(":")[0][4:]) < 40] == old_val  # every old val doc stays val
+    old_train = stream(before.train).decode().split(DOC_SEPARATOR)[:-1]
+    new_train = stream(after.train).decode().split(DOC_SEPARATOR)[:-1]
+    assert [d for d in new_train if int(d.split(":")[0][4:]) < 40] == old_train
+
+
+def test_an_interrupted_build_resumes_after_its_last_published_shard(tmp_path, monkeypatch):
+    root = str(tmp_path / "corpus")
+    docs = [document(i, 60) for i in range(400)]
+    put(f"{root}/posts.jsonl.gz", gzip.compress(jsonl_bytes(docs)))
+    arm = one_arm(f'{{name: posts, kind: jsonl, paths: ["{root}/posts.jsonl.gz"]}}')
+
+    real = shards.batch_encoder
+    calls = {"n": 0}
+
+    def dies_after_ten_batches(tokenizer, dtype):
+        encode = real(tokenizer, dtype)
+
+        def encode_or_die(texts):
+            calls["n"] += 1
+            if calls["n"] > 10:
+                raise KeyboardInterrupt  # the process is stopped mid-build
+            return encode(texts)
+
+        return encode_or_die
+
+    monkeypatch.setattr(shards, "batch_encoder", dies_after_ten_batches)
+    with pytest.raises(KeyboardInterrupt):
+        DataPipeline(CFG, arm, QUIET)
+    (folder,) = (tmp_path / "cache" / "corpora").iterdir()
+    published = sorted(p.name for p in folder.glob("*.json"))
+    assert published and "manifest.json" not in published
+    assert not list(folder.glob(".*.tmp")), "the interrupted shard's temporary files are cleaned up"
+    # A half-written shard, as a SIGKILL between its data and its .json leaves it: never read.
+    n = len(published)
+    (folder / f"{n:06d}.train.u16").write_bytes(b"\x41\x00" * 999)
+    (folder / f".{n + 1:06d}.val.123.tmp").write_bytes(b"junk")
+
+    monkeypatch.setattr(shards, "batch_encoder", real)
+    lines = []
+    resumed = DataPipeline(CFG, arm, lines.append).arms["posts"]
+    assert (
+        f"arm 'posts': resuming its token cache build after shard {n - 1} (file 1 of 1, record "
+        in "\n".join(lines)
+    )
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "fresh"))
+    whole = DataPipeline(CFG, arm, QUIET).arms["posts"]
+    assert stream(resumed.train) == stream(whole.train) and stream(resumed.val) == stream(whole.val)
+    assert resumed.info["documents"] == whole.info["documents"] == 400
+
+    # A finished cache that lost a shard (someone cleaned the cache folder) is finished again.
+    (folder / "000003.val.u16").unlink()
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    lines.clear()
+    again = DataPipeline(CFG, arm, lines.append).arms["posts"]
+    assert "lost shards; finishing it again" in "\n".join(lines)
+    assert stream(again.train) == stream(whole.train) and stream(again.val) == stream(whole.val)
+
+
+def test_bad_records_are_counted_and_named_and_more_than_one_percent_refuses_the_arm(tmp_path):
+    docs = [document(i, 30) for i in range(1000)]
+    bad = {
+        3: '{"text": "unterminated',
+        17: '{"body": "no text field"}',
+        40: '{"text": 42}',
+        41: "[1, 2]",
+        99: '{"text": null}',
+    }
+    bad.update({100 + 50 * k: "not json" for k in range(5)})  # 10 bad of 1000: exactly 1%, accepted
+    put(str(tmp_path / "ok.jsonl.zst"), zstd(jsonl_bytes(docs, bad)))
+    lines: list[str] = []
+    data = DataPipeline(
+        CFG, one_arm(f"{{name: posts, kind: jsonl, paths: [{tmp_path}/ok.jsonl.zst]}}"), lines.append
+    )
+    log = "\n".join(lines)
+    url = f"{tmp_path}/ok.jsonl.zst"
+    assert f"skipping bad record: {url}:4: not valid JSON" in log
+    assert f"skipping bad record: {url}:18: no field 'text'" in log
+    assert f"skipping bad record: {url}:41: field 'text' is int, not text" in log
+    assert f"skipping bad record: {url}:42: no field 'text'" in log
+    assert f"skipping bad record: {url}:100: field 'text' is NoneType, not text" in log
+    assert "arm 'posts': 10 of 1,000 records (1.00%) are bad (first: " in log and "they were skipped" in log
+    assert data.arms["posts"].info["documents"] == 990 and data.arms["posts"].info["bad"] == 10
+
+    bad[500] = "{"  # 11 of 1000: refused
+    put(str(tmp_path / "bad.jsonl.zst"), zstd(jsonl_bytes(docs, bad)))
+    with pytest.raises(CorpusError) as e:
+        DataPipeline(CFG, one_arm(f"{{name: posts, kind: jsonl, paths: [{tmp_path}/bad.jsonl.zst]}}"), QUIET)
+    assert "arm 'posts': 11 of 1,000 records (1.10%) are bad (first: " in str(e.value)
+    assert "more than 1% of its records are bad, so the arm is refused" in str(e.value)
+
+
+def test_parquet_rows_that_are_null_or_a_missing_column_are_bad_records(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [document(i, 30) for i in range(300)]
+    pq.write_table(pa.table({"text": docs[:299] + [None]}), tmp_path / "a.parquet", row_group_size=100)
+    pq.write_table(pa.table({"body": docs}), tmp_path / "b.parquet")
+    lines: list[str] = []
+    DataPipeline(CFG, one_arm(f"{{name: t, kind: parquet, paths: [{tmp_path}/a.parquet]}}"), lines.append)
+    assert f"skipping bad record: {tmp_path}/a.parquet: row 299: 'text' is null" in "\n".join(lines)
+    with pytest.raises(CorpusError, match=rf"{tmp_path}/b.parquet: no column 'text' \(it has body\)"):
+        DataPipeline(CFG, one_arm(f"{{name: t, kind: parquet, paths: [{tmp_path}/*.parquet]}}"), QUIET)
+    data = DataPipeline(
+        CFG, one_arm(f"{{name: t, kind: parquet, column: body, paths: [{tmp_path}/b.parquet]}}")
+    )
+    assert data.arms["t"].info["documents"] == 300
+
+
+def test_bad_token_shards_are_refused_naming_the_file_and_what_is_wrong(tmp_path):
+    tokens = byte_tokens(1, 5000)
+    folder = tmp_path / "llmc"
+    folder.mkdir()
+    put(f"{folder}/c_val_000000.bin", llmc_shard(tokens[:1000]))
+    arm = one_arm(f"{{name: l, kind: tokens, tokenizer: bytes, paths: [{folder}]}}")
+    cases = {
+        llmc_shard(tokens, magic=20240521): "bad shard header: magic 20240521, expected 20240520",
+        llmc_shard(tokens, version=2): "bad shard header: version 2 with magic 20240520, expected 1",
+        llmc_shard(tokens)[:-10]: "wrong size: the header says 5000 tokens of 2 bytes (11024 bytes with the "
+        "header) but the file has 11014 bytes (truncated?)",
+        llmc_shard(tokens, count=6000): "wrong size: the header says 6000 tokens",
+        b"\x00" * 100: "100 bytes, shorter than the 1024-byte llm.c shard header",
+    }
+    for data, problem in cases.items():
+        put(f"{folder}/c_train_000001.bin", data)
+        with pytest.raises(CorpusError) as e:
+            DataPipeline(CFG, arm, QUIET)
+        assert str(e.value).startswith(f"{folder}/c_train_000001.bin: {problem}"), str(e.value)
+    put(f"{folder}/c_train_000001.bin", llmc_shard(tokens.astype(np.uint32), magic=20240801, version=7))
+    loaded = DataPipeline(CFG, arm, QUIET).arms["l"]
+    assert loaded.train.parts[0].dtype == np.uint32 and np.array_equal(loaded.train.parts[0], tokens)
+
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    put(f"{nano}/val.bin", tokens[:500].astype("<u2").tobytes())
+    put(f"{nano}/train.bin", tokens.astype("<u2").tobytes()[:-1])
+    with pytest.raises(CorpusError, match=rf"^{nano}/train.bin: 9999 bytes is not a whole number of uint16"):
+        DataPipeline(CFG, one_arm(f"{{name: n, kind: tokens, tokenizer: bytes, paths: [{nano}]}}"), QUIET)
+    put(f"{nano}/train.bin", np.full(100, 300, "<u2").tobytes())
+    with pytest.raises(
+        CorpusError, match=rf"^{nano}/train.bin: token id 300 is outside the model's vocabulary"
+    ):
+        DataPipeline(CFG, one_arm(f"{{name: n, kind: tokens, tokenizer: bytes, paths: [{nano}]}}"), QUIET)
+
+
+def word_tokenizer(path, size: int) -> str:
+    """A Hugging Face tokenizer.json of `size` words, made with `tokenizers` in no time."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(sorted(set(" ".join(document(0)).split())))}}
+    vocab.update({f"w{i}": i for i in range(len(vocab), size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_users_tokenizer_json_is_frozen_checked_against_the_model_and_tokens_arms(tmp_path):
+    root = str(tmp_path / "corpus")
+    write_text_folder(root, n=40)
+    (tmp_path / "p.yaml").write_text(
+        f'name: p\narms:\n  - {{name: notes, kind: text, paths: ["{root}/text"]}}\n'
+    )
+    big = word_tokenizer(tmp_path / "big.json", 70_000)
+    cfg = CFG.with_overrides({"data.tokenizer": big, "data.policy": str(tmp_path / "p.yaml")})
+    with pytest.raises(
+        ConfigError, match=rf"data.tokenizer: {big}: its 70000 tokens exceed model.vocab_size 256"
+    ):
+        create_run(RunDir(str(tmp_path / "small")), cfg)
+    assert not (tmp_path / "small").exists(), "rejected before any work"
+
+    cfg = cfg.with_overrides({"model.vocab_size": 70_000})
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, cfg)
+    assert run.read_bytes("tokenizer.json") == (tmp_path / "big.json").read_bytes()
+    tok = run_tokenizer(run, cfg)
+    assert isinstance(tok, BPETokenizer) and tok.id.startswith("hf-") and tok.vocab_size == 70_000
+    data = DataPipeline.for_run(run, cfg, QUIET)
+    notes = data.arms["notes"]
+    assert notes.train.parts[0].dtype == np.uint32, "a vocabulary over 65536 tokens is cached as uint32"
+    assert len(notes.train) + len(notes.val) == sum(
+        len(tok.encode(d + DOC_SEPARATOR)) for d in written_text(root)
+    )
+
+    # A tokens arm declares its tokenizer: the same file is accepted, bytes is a mismatch.
+    put(f"{root}/tok/val.bin", np.arange(200, dtype="<u2").tobytes())
+    put(f"{root}/tok/train.bin", np.arange(2000, dtype="<u2").tobytes())
+    ok = one_arm(f"{{name: pre, kind: tokens, tokenizer: {big}, paths: [{root}/tok]}}")
+    assert len(DataPipeline(cfg, ok, QUIET, tok).arms["pre"].train) == 2000
+    wrong = one_arm(f"{{name: pre, kind: tokens, tokenizer: bytes, paths: [{root}/tok]}}")
+    with pytest.raises(
+        CorpusError, match=r"arm 'pre' \(tokens\): its shards were made with tokenizer 'bytes' but"
+    ):
+        DataPipeline(cfg, wrong, QUIET, tok)
+    with pytest.raises(
+        CorpusError, match=rf"its shards were made with tokenizer {big!r} but the run's tokenizer is bytes"
+    ):
+        DataPipeline(CFG, ok, QUIET, ByteTokenizer())
+
+
+def written_text(root: str) -> list[str]:
+    return [document(i) for i in range(40)]
+
+
+def test_a_changed_source_is_rebuilt_with_a_warning_and_recorded_with_its_step(tmp_path):
+    root = str(tmp_path / "corpus")
+    write_text_folder(root, n=40)
+    put(f"{root}/more/posts.jsonl", jsonl_bytes([document(i, 60) for i in range(100)]))
+    text = (
+        f'name: p\nmixer: exp3\narms:\n  - {{name: notes, kind: text, paths: ["{root}/text"]}}\n'
+        f'  - {{name: posts, kind: jsonl, paths: ["{root}/more/*.jsonl"]}}\n'
+    )
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, CFG, policy_text=text)
+
+    def start(step: int, trains_to: int) -> tuple[DataPipeline, str]:
+        """A trainer start that resumes `step` and checkpoints `trains_to`."""
+        lines: list[str] = []
+        data = DataPipeline.for_run(run, CFG, lines.append)
+        data.resume(step)
+        data.save_state(trains_to)
+        return data, "\n".join(lines)
+
+    first, _ = start(0, 100)
+    assert [(e["step"], e["arm"], e["event"]) for e in read_data_log(run)] == [
+        (0, "notes", "loaded"),
+        (0, "posts", "loaded"),
+    ]
+    _, log = start(100, 150)  # nothing changed: nothing recorded
+    assert len(read_data_log(run)) == 2 and "changed" not in log
+
+    put(f"{root}/text/doc_999.txt.gz", gzip.compress(document(999).encode()))  # a file is added
+    second, log = start(150, 200)
+    old, new = first.arms["notes"].fingerprint, second.arms["notes"].fingerprint
+    assert (
+        f"warning: arm 'notes': its source changed since step 0 (fingerprint {old} -> {new}): its token "
+        f"cache was rebuilt for the new source; recorded in {DATA_LOG} at step 150"
+    ) in log
+    assert document(999).encode() in stream(second.arms["notes"].train) + stream(second.arms["notes"].val)
+    entry = read_data_log(run)[-1]
+    assert (entry["step"], entry["arm"], entry["event"], entry["previous"], entry["fingerprint"]) == (
+        150, "notes", "changed", old, new,
+    )  # fmt: skip
+
+    os.remove(f"{root}/more/posts.jsonl")  # the arm's objects are gone: the zombie case
+    third, log = start(200, 250)
+    assert list(third.arms) == ["notes"] and "posts" in third.unavailable
+    assert (
+        "arm 'posts' is unavailable and will not be drawn: arm 'posts' (jsonl): no .jsonl/.ndjson/.json files"
+        in log
+    )
+    assert "warning: zombie arm 'posts' dropped" in log
+    entry = read_data_log(run)[-1]
+    assert (entry["step"], entry["arm"], entry["event"]) == (200, "posts", "unavailable")
+
+
+def test_memory_urls_and_globs_reach_the_corpus(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    docs = [document(i, 60) for i in range(100)]
+    fs.pipe("/h7-corpus/a/part-0.jsonl", jsonl_bytes(docs[:50]))
+    fs.pipe("/h7-corpus/a/part-1.jsonl", jsonl_bytes(docs[50:]))
+    fs.pipe("/h7-corpus/a/notes.txt", b"not matched by the glob")
+    data = DataPipeline(
+        CFG, one_arm("{name: m, kind: jsonl, paths: ['memory://h7-corpus/a/part-*.jsonl']}"), QUIET
+    )
+    arm = data.arms["m"]
+    assert arm.info["documents"] == 100
+    text = (stream(arm.train) + stream(arm.val)).decode()
+    assert all(d in text for d in docs) and "not matched" not in text
+    assert json.loads(jsonl_bytes(docs[:1]))["text"] == docs[0]
+
+
+def test_data_stats_of_a_run_reports_documents_tokens_and_passes(tmp_path, capsys):
+    from andrea_core.cli import main
+
+    root = str(tmp_path / "corpus")
+    write_text_folder(root, n=40)
+    text = (
+        f'name: p\nmixer: exp3\narms:\n  - {{name: notes, kind: text, paths: ["{root}/text"], cap: 0.7}}\n'
+        "  - {name: stdlib-code, kind: python-stdlib, floor: 0.3}\n"
+    )
+    (tmp_path / "p.yaml").write_text(text)
+    assert main(["data", "stats", str(tmp_path / "p.yaml")]) == 2
+    assert "policy 'p': give --config" in capsys.readouterr().err
+    cfg = CFG.with_overrides({"data.max_source_bytes": 100_000})
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, cfg, policy_text=text)
+    capsys.readouterr()
+    assert main(["data", "stats", run.url, "--json"]) == 0
+    rows = {r["arm"]: r for r in json.loads(capsys.readouterr().out)}
+    notes = rows["notes"]
+    run_tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.model.block_size
+    assert notes["documents"] == 40 and notes["kind"] == "text" and notes["bad_records"] == 0
+    assert notes["train_tokens"] + notes["val_tokens"] == sum(len(d) + 2 for d in written_text(root))
+    assert notes["cache_bytes"] == 2 * (notes["train_tokens"] + notes["val_tokens"])
+    assert notes["passes_at_cap"] == pytest.approx(0.7 * run_tokens / notes["train_tokens"])
+    assert notes["passes_at_floor"] == 0.0
+    assert rows["stdlib-code"]["passes_at_floor"] == pytest.approx(
+        0.3 * run_tokens / rows["stdlib-code"]["train_tokens"]
+    )
+    assert main(["data", "stats", run.url]) == 0
+    table = capsys.readouterr().out
+    assert (
+        f"run {run.url}: tokenizer bytes; a run of 300 steps x 8 x 64 tokens = {run_tokens:,} tokens" in table
+    )
+    assert "\nnotes                text                   40 " in table
