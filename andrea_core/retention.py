@@ -22,7 +22,7 @@ from andrea_core.checkpoint import CheckpointError, checkpoint_name
 from andrea_core.config import RetentionConfig
 from andrea_core.fork import fork_records
 from andrea_core.pivot import phases
-from andrea_core.rundir import RunDir
+from andrea_core.rundir import RUN_YAML, RunDir
 from andrea_core.runs import read_run
 
 
@@ -41,7 +41,7 @@ def protected_steps(run: RunDir) -> dict[int, list[str]]:
         protected[boundary].append(f"pivot boundary (phase {number})")
     for record in fork_records(run):
         protected[int(record["step"])].append(f"fork point ({', '.join(record.get('names', []))})")
-    lineage = read_run(run).lineage
+    lineage = read_run(run).lineage if run.exists(RUN_YAML) else {}
     if lineage.get("parent_step") is not None:
         protected[int(lineage["parent_step"])].append(f"forked from {lineage.get('parent')}")
     return dict(protected)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -73,24 +71,30 @@ def test_a_crash_between_state_and_checkpoint_resumes_the_previous_checkpoints_b
     assert doc["step"] == 80 and [e["step"] for e in doc["previous"]] == [50]
 
 
-def test_kept_states_end_the_same_for_an_interrupted_and_an_uninterrupted_run(tmp_path):
+def test_kept_states_are_those_of_the_checkpoints_retention_keeps(tmp_path):
+    """An interrupted run keeps its off-grid checkpoints (57, 104) as retention does, and their states
+    with them; a state whose checkpoint retention deleted (50, once five newer exist) goes too. The
+    states of the steps both runs share are the same bandit."""
     policy = make_policy()
     mixer = make_mixer(policy, ARMS)
     train(mixer, 1, 30)
-    files = []
+    docs = []
     for name, steps in (("straight", [50, 100, 150, 200]), ("interrupted", [50, 57, 100, 104, 150, 200])):
         run = RunDir(str(tmp_path / name))
         s = store(run, policy)
         s.restore(mixer, 0)
         for step in steps:
             s.save(mixer, step)
+            run.write_atomic(checkpoint_name(step), encode(step, np.zeros(3, dtype=np.float32)))
             if step == 104:  # a SIGTERM checkpoint, then a new trainer resumes from it
                 s = store(run, policy)
                 s.restore(mixer, 104)
-        files.append(run.read_bytes(STATE))
-    assert files[0] == files[1]
-    doc = json.loads(files[0])
-    assert doc["step"] == 200 and [e["step"] for e in doc["previous"]] == [150, 100, 50]
+        docs.append(run.read_json(STATE))
+    straight, interrupted = docs
+    assert [straight["step"], *(e["step"] for e in straight["previous"])] == [200, 150, 100, 50]
+    assert [interrupted["step"], *(e["step"] for e in interrupted["previous"])] == [200, 150, 104, 100, 57]
+    by_step = {e["step"]: e for e in straight["previous"]}
+    assert all(e == by_step[e["step"]] for e in interrupted["previous"] if e["step"] in by_step)
 
 
 def test_a_state_of_another_policy_is_not_loaded_and_is_kept_aside(tmp_path):
