@@ -36,6 +36,7 @@ from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import ArmSpec, Policy
 from andrea_core.data.tokens import run_tokenizer
+from andrea_core.fork import BranchSpec, check_destination
 from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer
@@ -125,6 +126,35 @@ def check_held_out(parent: RunConfig, branches: dict[str, RunConfig]) -> None:
             "an audit fork scores every branch on the parent's held-out split, and these branches split "
             f"the data differently (they would be scored on data they trained on): {'; '.join(problems)}"
         )
+
+
+MAX_VAL_SEQUENCES = 4096  # per arm: held-out scoring runs every branch's model over all of them
+
+
+def check_audit(
+    parent_url: str,
+    branches: list[BranchSpec],
+    steps: object,
+    val_sequences: object,
+    report_dir: str | None,
+) -> None:
+    """Everything an audit fork's parameters can get wrong, checked before it writes anything: the
+    step counts, the report's destination, each branch's config, and that no branch moves the held-out
+    split it will be scored on."""
+    for name, value, top in (("steps", steps, None), ("val_sequences", val_sequences, MAX_VAL_SEQUENCES)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (top and value > top):
+            bound = f"1..{top}" if top else ">= 1"
+            raise ConfigError(f"{name}: expected a whole number {bound}, got {value!r}")
+    if report_dir is not None:
+        check_destination(report_dir, "report_dir")
+    parent = read_run(RunDir(parent_url)).config
+    configs = {b.name: parent.with_overrides(b.overrides, f"branch {b.name!r}") for b in branches}
+    check_held_out(parent, configs)
+
+
+def default_report_dir(parent_url: str, fork_step: int) -> str:
+    """Beside the parent, in the runs folder: "<run>-fork<step>-report"."""
+    return f"{RunDir(parent_url).url.rstrip('/')}-fork{fork_step}-report"
 
 
 @torch.no_grad()
