@@ -7,22 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prefect_ephemeral import ephemeral_prefect  # noqa: F401
 from test_retention import fabricated_run
 
 from andrea_core.config import ConfigError
 from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ephemeral_prefect(tmp_path_factory):
-    """Prefect's ephemeral mode (a temporary local server it starts itself), with a home of its own."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
-    home = str(tmp_path_factory.mktemp("prefect-home"))
-    with temporary_settings(updates={PREFECT_HOME: home}, restore_defaults={PREFECT_API_URL}):
-        yield
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ephemeral_prefect")]
 
 
 def unreachable_policy(folder: Path) -> str:
