@@ -142,3 +142,17 @@ def test_inputs_are_escaped_in_the_report():
     # The table keeps its columns: a "|" inside a cell does not split it.
     rows = html.split("<tr>")[2:]  # after the header row
     assert len(rows) == 2 and all(row.count("<td") == 8 for row in rows), rows
+
+
+def test_the_trainer_status_artifact_escapes_its_inputs():
+    from tasks.artifacts import status_markdown
+
+    md = status_markdown(
+        "trainer of <img src=x>",
+        {"run": "/runs/[r](javascript:alert(1))", "summary": "failed | <script>x</script>", "step": 120},
+    )
+    html = render(md)
+    assert "<a " not in html and "<img" not in html and "<script" not in html
+    assert "| step | 120 |" in md and "&lt;img src=x&gt;" in html
+    rows = html.split("<tr>")[2:]
+    assert len(rows) == 3 and all(row.count("<td") == 2 for row in rows)
