@@ -164,10 +164,13 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
     branch, step = plan.branch, ckpt.step
     branch.makedirs()
     branch.write_atomic(checkpoint_name(step), encode(step, ckpt.flat))
+    # Each file is published whole, so one an earlier attempt left is complete; and a branch's own
+    # .loss.json is append-only: never replaced.
     # The branch's history is the parent's up to the fork point, never what the parent logged after it.
-    if parent.exists(LOSS_LOG):
+    if parent.exists(LOSS_LOG) and not branch.exists(LOSS_LOG):
         branch.write_atomic(LOSS_LOG, history_up_to(parent.read_bytes(LOSS_LOG), step))
-    if parent.exists(STATE) and plan.policy_text == parent.read_text(POLICY_YAML):
+    same_policy = plan.policy_text == parent.read_text(POLICY_YAML)
+    if parent.exists(STATE) and same_policy and not branch.exists(STATE):
         branch.write_atomic(STATE, parent.read_bytes(STATE))
     if branch.exists(RUN_YAML):
         return  # an earlier attempt's run.yaml (a fork made before run.yaml came last): now whole
