@@ -189,6 +189,7 @@ def test_at_now_right_after_a_crash_resume_waits_for_the_new_segments_checkpoint
         assert ckpt.step in (201, 202)
     finally:
         if trainer.poll() is None:
+            trainer.send_signal(signal.SIGCONT)  # a failed assertion may leave it stopped
             trainer.send_signal(signal.SIGTERM)
         trainer.wait(120)
     assert andrea("loss", run.url).returncode == 0 and checkpoint_name(ckpt.step) in run.listdir()
