@@ -2,9 +2,19 @@
 
 Each branch's newest checkpoint is scored on one fixed validation batch per arm (the union of the
 branches' arms, drawn from the parent's data config), so that the branches differ only in what they
-learned. The winner has the lowest mean held-out loss; the margin is its lead over the runner-up, and
-the noise is the standard error of the paired per-sequence difference (same sequences, so the
-sequence-to-sequence spread cancels). Training-loss figures (final, EMA, spread) are reported beside it.
+learned. That held-out data is outside every branch's training split only while every branch splits its
+arms as the parent does: a branch that changes the split (data.val_fraction, data.max_source_bytes) is
+refused (held_out_differences), not scored on data it trained on.
+
+The leader has the lowest mean held-out loss; the margin is its lead over the runner-up, and the noise is
+the standard error of the paired per-sequence difference (same sequences, so the sequence-to-sequence
+spread cancels). The leader is named the winner only when the margin exceeds SIGNIFICANCE x the noise;
+otherwise there is no winner ("no winner: within noise"). Training-loss figures (final, EMA, spread) are
+reported beside it.
+
+Every string that comes from an input (run URLs, branch, arm and policy names, overrides, error texts)
+reaches the markdown report escaped (markdown_text, markdown_code): it is shown, never interpreted as a
+link, an image or HTML.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import base64
 import dataclasses
 import io
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from andrea_core.checkpoint import restore
+from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import ArmSpec, Policy
 from andrea_core.data.tokens import run_tokenizer
+from andrea_core.fork import BranchSpec, check_destination
 from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer
@@ -32,6 +45,9 @@ from andrea_core.rundir import RunDir
 from andrea_core.runs import read_policy, read_run
 
 SIGNIFICANCE = 2.0  # a margin above this many standard errors is called a winner, not noise
+# The data settings that decide which tokens of an arm are held out: a branch must share the parent's.
+SPLIT_FIELDS = ("val_fraction", "max_source_bytes")
+UNTRAINED = "untrained: no checkpoint past the fork point"
 
 
 @dataclass
@@ -58,7 +74,8 @@ class Comparison:
     val_sequences: int  # per arm
     block_size: int
     branches: list[BranchResult]
-    winner: str | None = None
+    winner: str | None = None  # the leader, only when its margin is beyond the noise
+    leader: str | None = None  # the lowest held-out loss, winner or not
     runner_up: str | None = None
     margin: float | None = None
     noise: float | None = None
@@ -90,6 +107,56 @@ def evaluation_policy(policies: list[Policy]) -> Policy:
     return Policy(name="audit-evaluation", arms=list(arms.values()), mixer="uniform")
 
 
+def held_out_differences(parent: RunConfig, branch: RunConfig) -> list[str]:
+    """The data settings in which `branch` splits its arms differently from `parent`: each one moves the
+    held-out tail of an arm, so that part of the parent's held-out data is in the branch's training set."""
+    return [
+        f"data.{name} {getattr(branch.data, name)!r} (the parent's is {getattr(parent.data, name)!r})"
+        for name in SPLIT_FIELDS
+        if getattr(branch.data, name) != getattr(parent.data, name)
+    ]
+
+
+def check_held_out(parent: RunConfig, branches: dict[str, RunConfig]) -> None:
+    """Refuse branches that would be scored on data they trained on (see held_out_differences)."""
+    problems = [f"branch {name!r}: {', '.join(d)}" for name, cfg in branches.items()
+                if (d := held_out_differences(parent, cfg))]  # fmt: skip
+    if problems:
+        raise ConfigError(
+            "an audit fork scores every branch on the parent's held-out split, and these branches split "
+            f"the data differently (they would be scored on data they trained on): {'; '.join(problems)}"
+        )
+
+
+MAX_VAL_SEQUENCES = 4096  # per arm: held-out scoring runs every branch's model over all of them
+
+
+def check_audit(
+    parent_url: str,
+    branches: list[BranchSpec],
+    steps: object,
+    val_sequences: object,
+    report_dir: str | None,
+) -> None:
+    """Everything an audit fork's parameters can get wrong, checked before it writes anything: the
+    step counts, the report's destination, each branch's config, and that no branch moves the held-out
+    split it will be scored on."""
+    for name, value, top in (("steps", steps, None), ("val_sequences", val_sequences, MAX_VAL_SEQUENCES)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (top and value > top):
+            bound = f"1..{top}" if top else ">= 1"
+            raise ConfigError(f"{name}: expected a whole number {bound}, got {value!r}")
+    if report_dir is not None:
+        check_destination(report_dir, "report_dir")
+    parent = read_run(RunDir(parent_url)).config
+    configs = {b.name: parent.with_overrides(b.overrides, f"branch {b.name!r}") for b in branches}
+    check_held_out(parent, configs)
+
+
+def default_report_dir(parent_url: str, fork_step: int) -> str:
+    """Beside the parent, in the runs folder: "<run>-fork<step>-report"."""
+    return f"{RunDir(parent_url).url.rstrip('/')}-fork{fork_step}-report"
+
+
 @torch.no_grad()
 def sequence_losses(model: GPT, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
     logits, _ = model(x)
@@ -114,6 +181,10 @@ def compare_branches(
     parent_cfg = read_run(parent).config
     branches = [RunDir(u) for u in branch_urls]
     records = [read_run(b) for b in branches]
+    check_held_out(
+        parent_cfg,
+        {r.lineage.get("branch") or b.url: r.config for b, r in zip(branches, records, strict=True)},
+    )
     policy = evaluation_policy([read_policy(b) for b in branches])
     data = DataPipeline(parent_cfg, policy, warn, run_tokenizer(parent, parent_cfg))
     arms = list(data.arms)
@@ -138,7 +209,7 @@ def compare_branches(
         if failed and name in failed:
             result.problem = failed[name]
         if ckpt is None or ckpt.step <= fork_step:
-            result.problem = result.problem or "no checkpoint past the fork point"
+            result.problem = result.problem or UNTRAINED
         if ckpt is not None:
             result.trained_to = ckpt.step
             restore(ckpt, model, optimizer)
@@ -161,9 +232,12 @@ def _name_winner(c: Comparison) -> None:
         c.verdict = "no branch could be evaluated: " + "; ".join(f"{b.name}: {b.problem}" for b in c.branches)
         return
     best = ranked[0]
-    c.winner = best.name
+    c.leader = best.name
     if len(ranked) == 1:
-        c.verdict = f"{best.name} is the only branch that trained (held-out loss {best.val_mean:.4f})"
+        c.verdict = (
+            f"no winner: {best.name} is the only branch that trained (held-out loss {best.val_mean:.4f}), "
+            "nothing to compare it with"
+        )
         return
     second = ranked[1]
     diff = second.per_sequence - best.per_sequence  # paired: the same held-out sequences
@@ -176,15 +250,25 @@ def _name_winner(c: Comparison) -> None:
         f"margin {c.margin:.4f}, noise ±{c.noise:.4f}"
     )
     if c.significant:
+        c.winner = best.name
         ratio = c.margin / c.noise if c.noise > 0 else math.inf
         c.verdict = f"{best.name} converges best: {figures} ({ratio:.1f} standard errors)"
     else:
         c.verdict = (
-            f"{best.name} leads but within the noise: {figures}; no clear winner yet, run the branches longer"
+            f"no winner: within noise ({best.name} leads: {figures}, under {SIGNIFICANCE:g} standard "
+            "errors); run the branches longer"
         )
 
 
 # --- the report ------------------------------------------------------------------------------------
+
+
+def legend_label(c: Comparison, b: BranchResult) -> str:
+    """A branch's name in the plot: "(winner)" only for a winner beyond the noise. Shown as text: a
+    leading "_" would hide it from the legend and "$" start matplotlib's mathtext."""
+    name = b.name.replace("$", r"\$")
+    name = " " + name if name.startswith("_") else name
+    return f"{name} (winner)" if b.name == c.winner else name
 
 
 def plot_comparison(c: Comparison) -> bytes:
@@ -210,8 +294,7 @@ def plot_comparison(c: Comparison) -> bytes:
         # Continue the parent's EMA, so that every branch's curve leaves the fork point from the same value.
         smooth = ema_curve([lead_smooth[-1], *losses])[1:] if lead_smooth else ema_curve(losses)
         ax.plot(steps, losses, color=color, lw=0.6, alpha=0.35)
-        label = f"{b.name} (winner)" if b.name == c.winner else b.name
-        ax.plot(steps, smooth, color=color, lw=1.8, label=label)
+        ax.plot(steps, smooth, color=color, lw=1.8, label=legend_label(c, b))
     ax.axvline(c.fork_step, color="0.5", ls="--", lw=1)
     for _, boundary in c.pivots:
         if shown and c.parent_history[shown[0]].step <= boundary < c.fork_step:
@@ -255,25 +338,62 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+# Markdown's inline syntax (links, images, emphasis, code, table cells, strikethrough); what matters only
+# at the start of a line (lists, headings) cannot occur: these strings are always placed mid-line.
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~])")
+
+
+def markdown_text(text: object) -> str:
+    """An input-derived string as plain markdown text: HTML and markdown syntax shown, never interpreted
+    (no link, image, raw HTML, emphasis or table cell break); one line."""
+    text = " ".join(str(text).split())
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+def markdown_code(text: object, in_table: bool = False) -> str:
+    """An input-derived string as a markdown code span: shown verbatim, whatever backticks, brackets or
+    HTML it holds (the fence is longer than any run of backticks inside). In a table cell "|" is
+    escaped, which GitHub-flavoured markdown requires even inside code spans."""
+    text = " ".join(str(text).split())
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
+    if in_table:
+        text = text.replace("|", "\\|")
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def headline(c: Comparison) -> str:
+    if c.winner:
+        return f"**Winner: {markdown_code(c.winner)}**."
+    if c.margin is not None:
+        return "**No winner: within noise.**"
+    return "**No winner.**"
+
+
 def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
     """The audit report: verdict first, then the figures behind it. `plot_src` is an image URL or a
-    data URI (the Prefect UI shows data URIs inside markdown artifacts)."""
-    verdict = f"**Winner: `{c.winner}`**. {c.verdict}" if c.winner else f"**No winner.** {c.verdict}"
+    data URI (the Prefect UI shows data URIs inside markdown artifacts). Every input-derived string is
+    escaped (markdown_text, markdown_code)."""
     lines = [
-        f"# Audit fork of `{c.parent}` at step {c.fork_step}",
+        f"# Audit fork of {markdown_code(c.parent)} at step {c.fork_step}",
         "",
-        verdict,
+        f"{headline(c)} {markdown_text(c.verdict)}",
         "",
         "| branch | overrides | trained to | final loss | EMA loss | train noise | held-out loss | "
-        + " | ".join(f"held-out `{a}`" for a in c.arms)
+        + " | ".join(f"held-out {markdown_code(a, in_table=True)}" for a in c.arms)
         + " |",
         "|---" * (7 + len(c.arms)) + "|",
     ]
     for b in c.branches:
-        overrides = ", ".join(f"`{k}={v}`" for k, v in b.overrides.items()) or "(none)"
-        name = f"**{b.name}**" if b.name == c.winner else b.name
+        overrides = (
+            ", ".join(markdown_code(f"{k}={v}", in_table=True) for k, v in b.overrides.items()) or "(none)"
+        )
+        name = markdown_text(b.name)
+        if b.name == c.winner:
+            name = f"**{name}**"
         if b.problem:
-            name += f" ({b.problem})"
+            name += f" ({markdown_text(b.problem)})"
         cells = [
             name,
             overrides,
@@ -288,14 +408,16 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
     lines += [
         "",
         f"Held-out data: {c.val_sequences} sequences of {c.block_size} tokens from the validation split of "
-        f"each arm, the same for every branch. Margin: the runner-up's mean held-out loss minus the "
-        f"winner's ({_fmt(c.margin)}); noise: standard error of the paired per-sequence difference "
-        f"({_fmt(c.noise)}). A margin above {SIGNIFICANCE:g}x the noise names a winner; below, the lead "
-        f"is reported as within the noise.",
+        f"each arm under the parent's data settings, the same for every branch. No branch trained on it: "
+        f"every branch splits its arms as the parent does (a branch that changes "
+        f"{' or '.join('data.' + f for f in SPLIT_FIELDS)} is refused). Margin: the runner-up's mean "
+        f"held-out loss minus the leader's ({_fmt(c.margin)}); noise: standard error of the paired "
+        f"per-sequence difference ({_fmt(c.noise)}). A margin above {SIGNIFICANCE:g}x the noise names a "
+        f"winner; below, there is no winner (within noise).",
         "",
     ]
     if plot_src:
         lines += [f"![training and held-out loss of the branches]({plot_src})", ""]
     lines += ["Branch run directories (lineage in each `run.yaml`):", ""]
-    lines += [f"- `{b.name}`: `{b.url}`" for b in c.branches]
+    lines += [f"- {markdown_code(b.name)}: {markdown_code(b.url)}" for b in c.branches]
     return "\n".join(lines) + "\n"

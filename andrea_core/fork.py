@@ -2,22 +2,37 @@
 
 A fork never writes into the parent except one line appended to its forks.jsonl: the parent's
 checkpoints and sidecars stay byte-identical.
+
+Order, so that a fork killed at any point can neither lose its fork point nor leave a branch that
+trains from scratch:
+  1. validate everything (branch names, configs, destinations, the checkpoint) before any write;
+  2. append the fork's line to the parent's forks.jsonl: from then on retention keeps the fork point
+     (retention.protected_steps), even while the branches are still being copied;
+  3. build each branch with its run.yaml last: a folder without run.yaml is an unfinished branch, never
+     a run. A rerun of the same fork (same step, same branch names) finds its line and completes
+     whatever is missing instead of refusing or appending a second line;
+  4. a trainer started on a branch whose lineage names a fork point it does not hold refuses to start
+     (require_fork_point) instead of training from step 1.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from andrea_core.checkpoint import CheckpointError, checkpoint_name, encode
-from andrea_core.config import ConfigError
+from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
+from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.policy import load_policy
 from andrea_core.loss_log import json_lines
-from andrea_core.rundir import FORKS, LOSS_LOG, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
+from andrea_core.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
 from andrea_core.runs import create_run, read_run
+
+# Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
+BRANCH_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
 
 @dataclass
@@ -27,67 +42,177 @@ class BranchSpec:
     url: str | None = None  # default: beside the parent, "<parent>-<name>"
 
 
+def check_branch_name(name: Any, where: str = "branch") -> str:
+    if not isinstance(name, str) or not BRANCH_NAME_RE.match(name):
+        raise ConfigError(
+            f"{where}: name {name!r} is not allowed: use letters, digits, '-', '_' and '.' (not first), "
+            "at most 100 characters (it becomes part of the branch's path)"
+        )
+    return name
+
+
+def check_destination(url: str, where: str) -> str:
+    """An explicit destination (a branch URL, a report folder): no '..' component may climb out of
+    where it names."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"{where}: expected a path or URL, got {url!r}")
+    parts = re.split(r"[/\\]", url)
+    if ".." in parts or any(ord(c) < 32 for c in url):
+        raise ConfigError(f"{where}: {url!r} may not contain '..' components or control characters")
+    return url
+
+
 def default_branch_url(parent: RunDir, step: int, name: str) -> str:
-    return f"{parent.url.rstrip('/')}-fork{step}-{name}"
+    return f"{parent.url.rstrip('/')}-fork{step}-{check_branch_name(name)}"
+
+
+@dataclass
+class _Plan:
+    spec: BranchSpec
+    cfg: RunConfig
+    branch: RunDir
+    policy_text: str
+    complete: bool  # a finished branch of this very fork: left as it is
 
 
 def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -> list[str]:
     """Create one branch run directory per spec from the parent's checkpoint at `step` (default:
-    newest valid). Returns the branch URLs. Everything is validated before the first write."""
+    newest valid). Returns the branch URLs. Everything is validated before the first write; a rerun
+    of a fork that did not finish completes it."""
     parent = RunDir(parent_url)
     record = read_run(parent)
     n_params = run_n_params(record)
+    for i, b in enumerate(branches):
+        check_branch_name(b.name, f"branches[{i}]")
+        if b.url is not None:
+            check_destination(b.url, f"branches[{i}] ({b.name}).url")
+    if len({b.name for b in branches}) != len(branches) or len(branches) < 1:
+        raise ConfigError(
+            f"fork of {parent.url}: branch names must be unique, got {[b.name for b in branches]}"
+        )
     # Read once (a 1.44 GB download on an object store) and validated (raises naming the file).
     ckpt = (
         parent.newest_valid_checkpoint(n_params) if step is None else parent.read_checkpoint(step, n_params)
     )
     if ckpt is None:
         raise CheckpointError(parent.url, "no valid checkpoint to fork from")
-    step, data = ckpt.step, encode(ckpt.step, ckpt.flat)  # the file's bytes: header + floats
-    if len({b.name for b in branches}) != len(branches) or len(branches) < 1:
+    step = ckpt.step
+    names = [b.name for b in branches]
+    urls = [RunDir(b.url or default_branch_url(parent, step, b.name)).url for b in branches]
+    earlier = next(
+        (r for r in fork_records(parent) if r.get("step") == step and r.get("names") == names), None
+    )
+    if earlier is not None and list(earlier.get("branches", [])) != urls:
         raise ConfigError(
-            f"fork of {parent.url}: branch names must be unique, got {[b.name for b in branches]}"
+            f"fork of {parent.url} at step {step} into {names} was made before into {earlier['branches']}, "
+            f"not {urls}"
         )
 
     plans = []
-    for spec in branches:
+    for spec, url in zip(branches, urls, strict=True):
         cfg = record.config.with_overrides(spec.overrides, f"branch {spec.name!r}")
         if cfg.model != record.config.model or cfg.data.tokenizer != record.config.data.tokenizer:
             raise ConfigError(
                 f"branch {spec.name!r}: a fork cannot change the model architecture or tokenizer"
             )
-        branch = RunDir(spec.url or default_branch_url(parent, step, spec.name))
-        if branch.exists(RUN_YAML):
-            raise ConfigError(f"branch {spec.name!r}: {branch.url} already holds a run")
-        if cfg.data.policy != record.config.data.policy:
+        branch = RunDir(url)
+        # A branch trains on the policy its config names whenever the override names one (even the
+        # parent's original one after a pivot); without it, on the parent's policy in force.
+        if "data.policy" in spec.overrides:
             _, policy_text = load_policy(cfg.data.policy)
         else:
-            policy_text = parent.read_text("policy.yaml")
-        plans.append((spec, cfg, branch, policy_text))
+            policy_text = parent.read_text(POLICY_YAML)
+        complete = _branch_state(branch, spec, parent, step, n_params, cfg, earlier is not None)
+        plans.append(_Plan(spec, cfg, branch, policy_text, complete))
 
-    urls = []
-    for spec, cfg, branch, policy_text in plans:
-        lineage = {
-            "parent": parent.url,
-            "parent_step": step,
-            "branch": spec.name,
-            "overrides": spec.overrides,
-        }
-        # The weights only mean something with the parent's frozen tokenizer.
-        tokenizer = parent.read_bytes(TOKENIZER_JSON) if parent.exists(TOKENIZER_JSON) else None
-        create_run(branch, cfg, policy_text, lineage, tokenizer)
-        branch.write_atomic(checkpoint_name(step), data)
-        # The branch's history starts as the parent's; its own trainer opens a new segment at step+1,
-        # which drops whatever the parent logged past the fork point from the branch's canonical view.
-        if parent.exists(LOSS_LOG):
-            branch.write_atomic(LOSS_LOG, _complete_lines(parent.read_bytes(LOSS_LOG)))
-        if parent.exists(STATE) and policy_text == parent.read_text("policy.yaml"):
-            branch.write_atomic(STATE, parent.read_bytes(STATE))
-        urls.append(branch.url)
-
-    line = {"step": step, "branches": urls, "names": [b.name for b in branches], "time": time.time()}
-    parent.append(FORKS, (json.dumps(line) + "\n").encode(), durable=True)
+    if earlier is None:
+        # The fork point is protected from here on, before anything is copied (retention reads this).
+        line = {"step": step, "branches": urls, "names": names, "time": time.time()}
+        parent.append(FORKS, (json.dumps(line) + "\n").encode(), durable=True)
+    for plan in plans:
+        if not plan.complete:
+            _build_branch(parent, plan, ckpt)
     return urls
+
+
+def _branch_state(
+    branch: RunDir, spec: BranchSpec, parent: RunDir, step: int, n_params: int, cfg: RunConfig, rerun: bool
+) -> bool:
+    """True: a finished branch of this fork; False: to be built (absent, or left unfinished by an
+    earlier attempt of this same fork). Anything else at the destination is refused."""
+    if not branch.exists(RUN_YAML):
+        if rerun or not branch.listdir():
+            return False
+        raise ConfigError(f"branch {spec.name!r}: {branch.url} exists and is not a branch of this fork")
+    lineage = read_run(branch).lineage
+    ours = lineage.get("parent") == parent.url and lineage.get("parent_step") == step
+    if not (rerun and ours):
+        raise ConfigError(f"branch {spec.name!r}: {branch.url} already holds a run")
+    if read_run(branch).config != cfg:
+        raise ConfigError(
+            f"branch {spec.name!r}: {branch.url} was forked with other overrides "
+            f"({lineage.get('overrides')}), not {spec.overrides}"
+        )
+    return _holds_fork_point(branch, step, n_params)
+
+
+def _holds_fork_point(branch: RunDir, step: int, n_params: int) -> bool:
+    name = checkpoint_name(step)
+    return branch.exists(name) and branch.size(name) == expected_size(n_params)
+
+
+def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
+    """Every file of the branch, run.yaml last (the branch exists as a run only once it is whole)."""
+    branch, step = plan.branch, ckpt.step
+    branch.makedirs()
+    branch.write_atomic(checkpoint_name(step), encode(step, ckpt.flat))
+    # Each file is published whole, so one an earlier attempt left is complete; and a branch's own
+    # .loss.json is append-only: never replaced.
+    # The branch's history is the parent's up to the fork point, never what the parent logged after it.
+    if parent.exists(LOSS_LOG) and not branch.exists(LOSS_LOG):
+        branch.write_atomic(LOSS_LOG, history_up_to(parent.read_bytes(LOSS_LOG), step))
+    same_policy = plan.policy_text == parent.read_text(POLICY_YAML)
+    if parent.exists(STATE) and same_policy and not branch.exists(STATE):
+        branch.write_atomic(STATE, parent.read_bytes(STATE))
+    if branch.exists(RUN_YAML):
+        return  # an earlier attempt's run.yaml (a fork made before run.yaml came last): now whole
+    lineage = {
+        "parent": parent.url,
+        "parent_step": step,
+        "branch": plan.spec.name,
+        "overrides": plan.spec.overrides,
+    }
+    # The weights only mean something with the parent's frozen tokenizer.
+    tokenizer = parent.read_bytes(TOKENIZER_JSON) if parent.exists(TOKENIZER_JSON) else None
+    create_run(branch, plan.cfg, plan.policy_text, lineage, tokenizer)
+
+
+def history_up_to(data: bytes, step: int) -> bytes:
+    """The complete lines of a .loss.json with steps up to `step`, bytes as they were (every segment:
+    the canonical history up to `step` is the same as the parent's)."""
+    kept = []
+    for line in data.split(b"\n"):
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line + b"\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn or foreign line
+    return b"".join(kept)
+
+
+def require_fork_point(run: RunDir, resume: Checkpoint | None) -> None:
+    """The trainer's check before it resumes (or starts) `run`: a branch whose lineage names a fork
+    point must resume from that checkpoint or a later one, never train from step 1."""
+    parent_step = read_run(run).lineage.get("parent_step")
+    if parent_step is None or (resume is not None and resume.step >= parent_step):
+        return
+    lineage = read_run(run).lineage
+    found = "no valid checkpoint" if resume is None else f"only {checkpoint_name(resume.step)}"
+    raise ConfigError(
+        f"{run.url}: this branch of {lineage.get('parent')} was forked at step {parent_step} but holds "
+        f"{found}, not a valid {checkpoint_name(parent_step)} (the fork did not finish): rerun the fork "
+        f"(same step and branch names) to complete it; not training from scratch"
+    )
 
 
 def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list[dict]:
@@ -121,10 +246,6 @@ def _is_fork_record(record: Any) -> bool:
         and ("names" not in record or strings(record["names"]))
         and isinstance(record.get("time", 0.0), (int, float))
     )
-
-
-def _complete_lines(data: bytes) -> bytes:
-    return data[: data.rfind(b"\n") + 1]
 
 
 def run_n_params(record) -> int:

@@ -2,21 +2,29 @@
 
 Stopping and starting the trainer belongs to whoever orchestrates (Prefect's `pivot` flow, or an
 operator in a shell); this module only rearranges the run directory, and only while no trainer runs.
+It also holds what an orchestrator needs around those steps: `check_pivot`, every check of a pivot's
+parameters made before anything is touched, and `pivot.json`, the record of a pivot under way that
+keeps retention away from its checkpoint until the phase is archived (format in record_pivot).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
-from andrea_core.config import load_yaml
-from andrea_core.data.policy import Policy, parse_policy
+from andrea_core.config import ConfigError, load_yaml
+from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.lock import LockError, live_trainer
-from andrea_core.rundir import ARCHIVE, POLICY_YAML, SAMPLES, STATE, RunDir
+from andrea_core.rundir import ARCHIVE, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 
 PHASE_RE = re.compile(r"^phase_(\d{3,})_step_(\d{6,})$")
+PIVOT_JSON = "pivot.json"  # a pivot under way (record_pivot); absent when none is
+PIVOT_FORMAT = 1
+PIVOT_STEPS = ("intent", "checkpointed", "stopped", "archived", "installed")
 
 
 def boundary_after(step: int, every: int) -> int:
@@ -33,6 +41,128 @@ def phases(run: RunDir) -> list[tuple[int, int]]:
     """(phase number, boundary step) of every closed phase, oldest first."""
     found = (PHASE_RE.match(n) for n in run.listdir(ARCHIVE))
     return sorted((int(m.group(1)), int(m.group(2))) for m in found if m)
+
+
+@dataclass
+class PivotCheck:
+    policy: Policy
+    text: str  # the policy's exact YAML, installed verbatim
+    source: str  # the name or path it was given as
+    max_steps: int  # what the resumed trainer trains to (the run config's when not given)
+    device: str  # the device the resumed trainer will use, resolved here
+
+
+def check_pivot(
+    run: RunDir,
+    policy: str,
+    *,
+    max_steps: int | None = None,
+    device: str = "auto",
+    restart: bool = True,
+    warn: Callable[[str], None] = print,
+) -> PivotCheck:
+    """Every check of a pivot made before anything is touched: the run exists; the new policy parses,
+    is feasible and passes the trainer's own data check on this machine (pipeline.prepare_data: arms
+    with data, enough tokens, caps and floors of the arms left); and, for a restart, the device exists
+    here and max_steps lies beyond where the run already is (require_steps_after checks it again once
+    the pivot point is known)."""
+    from andrea_core.data.pipeline import prepare_data  # the data package imports this module
+    from andrea_core.data.tokens import run_tokenizer
+    from andrea_core.runs import read_run
+
+    if not run.exists(RUN_YAML):
+        raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
+    cfg = read_run(run).config
+    parsed, text = load_policy(policy)
+    prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
+    target = max_steps if max_steps is not None else cfg.train.max_steps
+    resolved = device
+    if restart:
+        from andrea_core.trainer import pick_device  # imports torch and the trainer: only here
+
+        resolved = pick_device(device)
+        steps = run.checkpoint_steps()
+        require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
+    return PivotCheck(parsed, text, policy, target, resolved)
+
+
+def require_steps_after(max_steps: int, step: int, what: str = "the pivot point") -> None:
+    """A resumed trainer with nothing to train would end at once and never confirm the pivot."""
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= step:
+        raise ConfigError(
+            f"max_steps {max_steps!r} is not beyond {what} (step {step}): the resumed trainer would have "
+            "nothing to train; pass a larger max_steps"
+        )
+
+
+def record_pivot(
+    run: RunDir,
+    policy: Policy,
+    step: str,
+    boundary: int | None,
+    not_before: int | None = None,
+) -> dict[str, Any]:
+    """Write pivot.json, the record of a pivot under way, before the step it names is taken:
+
+        {"format": 1, "policy": NAME, "policy_hash": HASH, "boundary": B or null,
+         "not_before": S or null, "step": one of PIVOT_STEPS, "started_at": T0, "updated_at": T}
+
+    `step` is the last step reached ("intent": the pivot point chosen, not yet on disk; "checkpointed",
+    "stopped", "archived", "installed"). Retention keeps checkpoint `boundary` while the file exists;
+    with boundary null (a SIGUSR1 checkpoint not written yet) it keeps every checkpoint from
+    `not_before` on. The pivot removes the file once the new policy is installed (clear_pivot)."""
+    if step not in PIVOT_STEPS:
+        raise ValueError(f"pivot step {step!r}: expected one of {PIVOT_STEPS}")
+    earlier = read_pivot(run) or {}
+    now = time.time()
+    doc = {
+        "format": PIVOT_FORMAT,
+        "policy": policy.name,
+        "policy_hash": policy.hash,
+        "boundary": boundary,
+        "not_before": not_before,
+        "step": step,
+        "started_at": earlier.get("started_at", now) if earlier.get("policy_hash") == policy.hash else now,
+        "updated_at": now,
+    }
+    run.write_json(PIVOT_JSON, doc)
+    return doc
+
+
+def read_pivot(run: RunDir) -> dict[str, Any] | None:
+    """The pivot under way, or None. An unreadable file is reported as one that protects everything."""
+    if not run.exists(PIVOT_JSON):
+        return None
+    try:
+        doc = run.read_json(PIVOT_JSON)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        for key in ("boundary", "not_before"):
+            if doc.get(key) is not None:
+                doc[key] = int(doc[key])
+        return doc
+    except (ValueError, TypeError) as e:
+        return {"unreadable": f"{run.path(PIVOT_JSON)}: {type(e).__name__}"}
+
+
+def clear_pivot(run: RunDir) -> None:
+    if run.exists(PIVOT_JSON):
+        run.remove(PIVOT_JSON)
+
+
+def pivot_protected_steps(run: RunDir, steps: list[int]) -> dict[int, str]:
+    """The checkpoints among `steps` that a pivot under way needs kept, with the reason."""
+    doc = read_pivot(run)
+    if doc is None:
+        return {}
+    if "unreadable" in doc:
+        return dict.fromkeys(steps, f"pivot.json unreadable ({doc['unreadable']}): nothing deleted")
+    why = f"pivot under way (to policy {doc.get('policy')!r}, step {doc.get('step')!r})"
+    if doc.get("boundary") is not None:
+        return {doc["boundary"]: why}
+    if doc.get("not_before") is not None:
+        return {s: why for s in steps if s >= doc["not_before"]}
+    return {}
 
 
 @dataclass

@@ -5,6 +5,7 @@ parameters). A checkpoint stays if it is
   - one of the `keep_last` newest (recent recovery points),
   - a multiple of `keep_every` (long-range recovery and comparison points),
   - a pivot boundary (its archive/phase_NNN_step_SSSSSS folder names it): where a phase starts,
+  - the checkpoint of a pivot under way (pivot.json, written before the pivot stops the trainer),
   - a fork point: a step in forks.jsonl, or for a branch the parent_step its lineage records,
   - newer than the newest valid checkpoint (a bad file is evidence; it is never deleted here).
 Nothing is deleted before the newest checkpoint has been read back and validated, so that no run is
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
 from andrea_core.config import RetentionConfig
 from andrea_core.fork import fork_records
-from andrea_core.pivot import phases
-from andrea_core.rundir import RunDir
+from andrea_core.pivot import phases, pivot_protected_steps
+from andrea_core.rundir import RUN_YAML, RunDir
 from andrea_core.runs import read_run
 
 
@@ -41,7 +42,9 @@ def protected_steps(run: RunDir) -> dict[int, list[str]]:
         protected[boundary].append(f"pivot boundary (phase {number})")
     for record in fork_records(run):
         protected[int(record["step"])].append(f"fork point ({', '.join(record.get('names', []))})")
-    lineage = read_run(run).lineage
+    for step, why in pivot_protected_steps(run, run.checkpoint_steps()).items():
+        protected[step].append(why)
+    lineage = read_run(run).lineage if run.exists(RUN_YAML) else {}
     if lineage.get("parent_step") is not None:
         protected[int(lineage["parent_step"])].append(f"forked from {lineage.get('parent')}")
     return dict(protected)

@@ -248,8 +248,19 @@ def require_live_trainer(run: RunDir) -> TrainerIdentity:
 
 
 def logged_step(run: RunDir) -> int | None:
-    """The newest step in the canonical loss history (where the trainer is, give or take a step)."""
+    """Where the run's trainer is, give or take a step: the newest step of the canonical loss history,
+    as long as the live trainer (if any) has logged there. A trainer that has just resumed and not yet
+    logged its first step is at its resume point (its newest checkpoint), not at the end of a timeline
+    that a crash abandoned: that dead tail is still the newest of the history until the new segment
+    overwrites it."""
     history = read_history(run)
+    trainer = live_trainer(run)
+    if trainer is not None and history:
+        newest_segment = max(e.segment for e in history)
+        first = min(e.time for e in history if e.segment == newest_segment)
+        if first < trainer.started_at:  # the live trainer's segment has no entry yet
+            steps = run.checkpoint_steps()
+            return steps[-1] if steps else 0
     return history[-1].step if history else None
 
 
@@ -375,10 +386,23 @@ def first_entry_after(run: RunDir, snapshot: LossLogSnapshot) -> dict | None:
 
 
 def wait_for_first_entry_after(
-    run: RunDir, snapshot: LossLogSnapshot, timeout: float, poll: float = 0.2
+    run: RunDir,
+    snapshot: LossLogSnapshot,
+    timeout: float,
+    poll: float = 0.2,
+    ended: Callable[[], str | None] | None = None,
 ) -> dict:
+    """The first loss entry logged after `snapshot`. `ended` says whether the trainer expected to log it
+    has already ended (and how): then there is nothing to wait for, and the error says why at once
+    instead of after `timeout`."""
     deadline = time.monotonic() + timeout
     while (entry := first_entry_after(run, snapshot)) is None:
+        why = ended() if ended is not None else None
+        if why is not None:
+            entry = first_entry_after(run, snapshot)  # it may have logged just before it ended
+            if entry is not None:
+                return entry
+            raise SupervisionError(f"{run.url}: the trainer ended before logging a step: {why}")
         if time.monotonic() > deadline:
             raise SupervisionError(f"{run.url}: no new loss entry within {timeout:.0f}s")
         time.sleep(poll)

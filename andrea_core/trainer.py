@@ -36,6 +36,7 @@ from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import Batch, DataPipeline
+from andrea_core.fork import require_fork_point
 from andrea_core.loss_log import LossWriter, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
@@ -193,6 +194,7 @@ class Trainer:
         self.start_step = 0
         self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
         ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
+        require_fork_point(self.run, ckpt)  # a half-built fork branch must not train from scratch
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
             self.start_step = ckpt.step

@@ -3,16 +3,27 @@ train each K steps, compare them on the same held-out data and report which conv
 
 The parent is never disturbed: the fork reads its checkpoint and appends one line to its forks.jsonl.
 The branch trainers hold the GPU's concurrency slot, so a scheduled audit fork waits for (or, after
-slot_timeout_s, refuses) a GPU the main run is using instead of silently sharing it."""
+slot_timeout_s, refuses) a GPU the main run is using instead of silently sharing it.
+
+Every parameter is checked before anything is written. A rerun of the same fork (same step and branch
+names) finishes what an earlier run left undone: it completes unfinished branches, trains each branch
+that is short of its target, and writes the report. An audit in which no branch could be evaluated ends
+Failed, naming each branch's error."""
 
 from __future__ import annotations
 
-from prefect import flow
-from prefect.states import Completed, State
+from prefect import flow, get_run_logger
+from prefect.states import Completed, Failed, State
 
+from andrea_core.compare import default_report_dir
 from andrea_core.rundir import RunDir
 from tasks.artifacts import publish_fork_report, run_name
-from tasks.fork import branch_specs, compare_branches, copy_checkpoint_into_branches
+from tasks.fork import (
+    check_audit_parameters,
+    compare_branches,
+    copy_checkpoint_into_branches,
+    trained_to,
+)
 from tasks.gpu import holding_gpu_slot
 from tasks.trainer import run_trainer
 
@@ -40,20 +51,31 @@ def audit_fork(
     [{"name": "base"}, {"name": "low-lr", "overrides": {"train.lr": 3e-4}}], train each `steps` steps
     and publish the comparison (markdown report with the plot, and the plot) as artifacts and files
     in `report_dir` (default: beside the parent, "<run>-fork<step>-report")."""
-    branch_specs(branches)  # a malformed parameter fails here, before anything is written
     parent = RunDir(run_dir)
+    # A malformed parameter fails here, before anything is written.
+    check_audit_parameters(parent.url, branches, steps, val_sequences, report_dir)
     with holding_gpu_slot(gpu_slot, device, slot_timeout_s):
         forked = copy_checkpoint_into_branches(parent.url, branches, step)
-        if forked["already"]:
+        target = forked["step"] + steps
+        report_dir = report_dir or default_report_dir(parent.url, forked["step"])
+        short = [u for u in forked["branches"] if (trained_to(u) or 0) < target]
+        if forked["already"] and not short and RunDir(report_dir).exists("report.md"):
             return Completed(
-                message=f"step {forked['step']} of {parent.url} was already audited", data=forked
+                message=f"step {forked['step']} of {parent.url} was already audited: report "
+                f"{RunDir(report_dir).path('report.md')}",
+                data=forked,
             )
         failed = {}
         for name, url in zip(forked["names"], forked["branches"], strict=True):
-            outcome = run_trainer(url, max_steps=forked["step"] + steps, device=device, pace=pace)
+            if url not in short:
+                get_run_logger().info(f"branch {name} is already trained to step {trained_to(url)}")
+                continue
+            outcome = run_trainer(url, max_steps=target, device=device, pace=pace)
             if not outcome["ok"]:
                 failed[name] = outcome["summary"]
     comparison = compare_branches(parent.url, forked["branches"], forked["step"], val_sequences, failed)
-    where = publish_fork_report(comparison, report_dir or f"{parent.url}-fork{forked['step']}-report")
+    where = publish_fork_report(comparison, report_dir)
     message = f"{comparison.verdict}. Report {where['report']}, plot {where['plot']}"
+    if comparison.leader is None:  # not one branch could be evaluated: the audit failed
+        return Failed(message=message, data={**comparison.to_dict(), **where})
     return Completed(message=message, data={**comparison.to_dict(), **where})

@@ -9,7 +9,11 @@
   6. restart the trainer from the pivot checkpoint (full weights, Adam m and v, a fresh bandit) as a new
      `train` flow run, and confirm its first step is pivot+1 with the old history an untouched prefix
 
-A bad policy is refused before step 1: nothing is touched."""
+A bad policy, a policy the trainer would refuse on this machine's data, a device that is not here, a
+max_steps not beyond the pivot point or a train deployment that does not exist are refused before step 1:
+nothing is touched. From step 1 until the new policy is installed, pivot.json records the pivot under
+way, so that retention never deletes its checkpoint (andrea_core.pivot.record_pivot). A resumed trainer
+that dies before its first step is reported at once, with its error."""
 
 from __future__ import annotations
 
@@ -29,11 +33,16 @@ from tasks.artifacts import run_name
 from tasks.pivot import (
     archive_phase,
     check_new_policy,
+    check_restart_steps,
     choose_pivot_boundary,
+    clear_pivot_intent,
     confirm_resumed_trainer,
+    flow_run_ended,
     install_policy,
     keep_loss_log,
     newest_checkpoint,
+    protect_pivot_point,
+    subflow_ended,
 )
 from tasks.trainer import signal_trainer, stop_trainer, wait_for_checkpoint, wait_for_requested_checkpoint
 
@@ -78,27 +87,44 @@ def pivot(
             f"at={at!r} restart={restart!r}: expected at boundary|now, restart deployment|subflow|none"
         )
     run = RunDir(run_dir)
-    new_policy = check_new_policy(run.url, policy)
+    # Every parameter, the policy and its data are checked here, before anything is touched.
+    new_policy = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)
+    target = new_policy["max_steps"]
     before = LossLogSnapshot.take(run)
 
-    # 1. the pivot checkpoint
+    # 1. the pivot checkpoint, protected (pivot.json) from retention before the trainer is stopped
     trainer = live_trainer(run)
-    if trainer is None:
-        boundary = newest_checkpoint(run.url)
-    elif at == "now":
-        receipt = signal_trainer(run.url, "SIGUSR1")
-        boundary = wait_for_requested_checkpoint(run.url, receipt, timeout_s)
-    else:
-        boundary = choose_pivot_boundary(run.url)["boundary"]
-        wait_for_checkpoint(run.url, boundary, timeout_s)
+    try:
+        if trainer is None:
+            boundary = newest_checkpoint(run.url)
+        elif at == "now":
+            # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
+            protect_pivot_point(run.url, new_policy["text"], "intent", None, from_logged_step=True)
+            receipt = signal_trainer(run.url, "SIGUSR1")
+            boundary = wait_for_requested_checkpoint(run.url, receipt, timeout_s)
+        else:
+            boundary = choose_pivot_boundary(run.url)["boundary"]
+            if restart != "none":
+                check_restart_steps(target, boundary)
+            protect_pivot_point(run.url, new_policy["text"], "intent", boundary)
+            wait_for_checkpoint(run.url, boundary, timeout_s)
+        if restart != "none":
+            check_restart_steps(target, boundary)
+        protect_pivot_point(run.url, new_policy["text"], "checkpointed", boundary)
+    except BaseException:
+        clear_pivot_intent(run.url)  # nothing was changed: the run trains on as before
+        raise
     # 2. stop the trainer
     stopped = stop_trainer(run.url)
+    protect_pivot_point(run.url, new_policy["text"], "stopped", boundary)
     at_stop = LossLogSnapshot.take(run)
     before.check_prefix_of(run, "the stopped trainer's .loss.json")
     # 3.-5. the run directory
     archived = archive_phase(run.url, boundary)
+    protect_pivot_point(run.url, new_policy["text"], "archived", boundary)
     keep_loss_log(run.url, at_stop)
     install_policy(run.url, new_policy["text"], new_policy["source"])
+    clear_pivot_intent(run.url)  # the archived phase's folder protects the boundary from now on
     message = (
         f"pivoted {run.url} at step_{boundary:06d}.bin to policy {new_policy['name']!r}; "
         f"closed phase in {archived['folder']}"
@@ -117,10 +143,12 @@ def pivot(
     if restart == "deployment":
         result["resumed_by"] = restart_trainer(train_deployment, params)
         background = None
+        ended = flow_run_ended(result["resumed_by"]["flow_run_id"])
     else:
         background = start_subflow(train, **params)
         result["resumed_by"] = {"subflow": "train"}
-    confirmed = confirm_resumed_trainer(run.url, boundary, at_stop, stopped["pid"], timeout_s)
+        ended = subflow_ended(background)
+    confirmed = confirm_resumed_trainer(run.url, boundary, at_stop, stopped["pid"], timeout_s, ended)
     result["resumed"] = confirmed
     message += f"; resumed at step {confirmed['first_step']} with loss {confirmed['first_loss']:.4f}"
     if background is not None:

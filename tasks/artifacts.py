@@ -15,7 +15,13 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
-from andrea_core.compare import Comparison, plot_comparison, png_data_uri, report_markdown
+from andrea_core.compare import (
+    Comparison,
+    markdown_text,
+    plot_comparison,
+    png_data_uri,
+    report_markdown,
+)
 from andrea_core.rundir import RunDir
 
 
@@ -40,7 +46,8 @@ class TrainingProgress:
         self._id: UUID = create_progress_artifact(0.0, description=self._describe(None))
 
     def _describe(self, step: int | None) -> str:
-        return f"{self.run_dir}: step {step if step is not None else '?'} of {self.total or '?'}"
+        where = f"step {step if step is not None else '?'} of {self.total or '?'}"
+        return markdown_text(f"{self.run_dir}: {where}")
 
     def update(self, step: int | None, total: int | None, force: bool = False) -> None:
         self.total = total or self.total
@@ -51,13 +58,19 @@ class TrainingProgress:
         update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), self._describe(step))
 
 
+def status_markdown(title: str, rows: dict[str, object]) -> str:
+    """A heading and a two-column table; every value escaped (run URLs and trainer error lines are
+    inputs: shown as text, never rendered as links, images or HTML)."""
+    body = "\n".join(f"| {markdown_text(k)} | {markdown_text(v)} |" for k, v in rows.items())
+    return f"### {markdown_text(title)}\n\n| | |\n|---|---|\n{body}\n"
+
+
 def publish_status(run_dir: str, title: str, rows: dict[str, object]) -> None:
     """A small markdown table keyed by the run: the UI's Artifacts page shows its latest version."""
-    body = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
     create_markdown_artifact(
-        markdown=f"### {title}\n\n| | |\n|---|---|\n{body}\n",
+        markdown=status_markdown(title, rows),
         key=artifact_key("trainer", run_name(run_dir)),
-        description=f"trainer status of {run_dir}",
+        description=markdown_text(f"trainer status of {run_dir}"),
     )
 
 
@@ -72,7 +85,9 @@ def publish_fork_report(comparison: Comparison, report_dir: str) -> dict[str, st
     create_markdown_artifact(
         markdown=report_markdown(comparison, uri),
         key=key,
-        description=f"audit fork of {comparison.parent} at step {comparison.fork_step}: {comparison.verdict}",
+        description=markdown_text(
+            f"audit fork of {comparison.parent} at step {comparison.fork_step}: {comparison.verdict}"
+        ),
     )
     create_image_artifact(
         image_url=uri, key=f"{key}-plot", description=f"loss of the branches forked at {comparison.fork_step}"

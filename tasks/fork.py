@@ -19,18 +19,32 @@ def branch_specs(branches: list[dict]) -> list[fork.BranchSpec]:
     for i, b in enumerate(branches):
         if not isinstance(b, dict) or not isinstance(b.get("name"), str) or not b["name"]:
             raise ConfigError(f"branches[{i}]: expected {{name: ..., overrides: {{...}}}}, got {b!r}")
+        fork.check_branch_name(b["name"], f"branches[{i}]")
         unknown = set(b) - {"name", "overrides", "url"}
         if unknown:
             raise ConfigError(f"branches[{i}] ({b['name']}): unknown key(s) {', '.join(sorted(unknown))}")
+        if not isinstance(b.get("overrides") or {}, dict):
+            raise ConfigError(f"branches[{i}] ({b['name']}).overrides: expected a mapping of dotted keys")
+        if b.get("url") is not None:
+            fork.check_destination(b["url"], f"branches[{i}] ({b['name']}).url")
         specs.append(fork.BranchSpec(b["name"], dict(b.get("overrides") or {}), b.get("url")))
     return specs
+
+
+@task(name="check-audit-parameters", cache_policy=NO_CACHE)
+def check_audit_parameters(
+    run_dir: str, branches: list[dict], steps: int, val_sequences: int, report_dir: str | None
+) -> None:
+    """Refuse bad parameters before anything is written (compare.check_audit)."""
+    compare.check_audit(run_dir, branch_specs(branches), steps, val_sequences, report_dir)
 
 
 @task(name="copy-checkpoint-into-branches", cache_policy=NO_CACHE)
 def copy_checkpoint_into_branches(run_dir: str, branches: list[dict], step: int | None = None) -> dict:
     """One branch run directory per spec from the parent's checkpoint at `step` (default: the newest
     valid one), lineage in each run.yaml. The parent only gains a line in forks.jsonl. A fork that was
-    already made (same step, same branch names) is reported, not made twice."""
+    already made (same step, same branch names) is not made twice: whatever it left unfinished is
+    completed (fork.fork), and `already` says so."""
     logger = get_run_logger()
     specs = branch_specs(branches)
     parent = RunDir(run_dir)
@@ -40,14 +54,17 @@ def copy_checkpoint_into_branches(run_dir: str, branches: list[dict], step: int 
             raise CheckpointError(parent.url, "no valid checkpoint to fork from")
         step = newest.step
     names = [s.name for s in specs]
-    for record in fork.fork_records(parent):
-        if record["step"] == step and record["names"] == names:
-            logger.info(f"{parent.url}: step {step} was already forked into {names}: {record['branches']}")
-            return {"step": step, "branches": record["branches"], "names": names, "already": True}
+    already = any(r.get("step") == step and r.get("names") == names for r in fork.fork_records(parent))
     urls = fork.fork(parent.url, specs, step)
     for name, url in zip(names, urls, strict=True):
-        logger.info(f"branch {name}: {url} (from step {step})")
-    return {"step": step, "branches": urls, "names": names, "already": False}
+        logger.info(f"branch {name}: {url} (from step {step}{', made before' if already else ''})")
+    return {"step": step, "branches": urls, "names": names, "already": already}
+
+
+def trained_to(url: str) -> int | None:
+    """The newest checkpoint step of a branch (valid or not: its trainer decides on resume)."""
+    steps = RunDir(url).checkpoint_steps()
+    return steps[-1] if steps else None
 
 
 @task(name="compare-branches", cache_policy=NO_CACHE)

@@ -3,13 +3,15 @@ trainer are in trainer.py and flows/pivot.py; the moves themselves are andrea_co
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from andrea_core import pivot, supervise
 from andrea_core.config import ConfigError
-from andrea_core.data.policy import load_policy
-from andrea_core.data.sources import SourceUnavailable, open_source
 from andrea_core.fork import run_n_params
 from andrea_core.lock import live_trainer
 from andrea_core.rundir import SAMPLES, STATE, RunDir
@@ -18,30 +20,80 @@ from andrea_core.supervise import LossLogSnapshot, SupervisionError
 
 
 @task(name="check-new-policy", cache_policy=NO_CACHE)
-def check_new_policy(run_dir: str, policy: str) -> dict:
-    """Refuse a pivot before anything is touched: the run must exist and the new policy must parse, be
-    feasible and have data on this machine. Returns the policy's exact YAML text, installed verbatim."""
+def check_new_policy(
+    run_dir: str,
+    policy: str,
+    restart: str = "none",
+    max_steps: int | None = None,
+    device: str = "auto",
+    train_deployment: str | None = None,
+) -> dict:
+    """Refuse a pivot before anything is touched (pivot.check_pivot): the run must exist; the new policy
+    must parse, be feasible and pass the trainer's own data check on this machine; for a restart, the
+    device must exist here, max_steps must lie beyond the run's newest checkpoint and, with
+    restart="deployment", `train_deployment` must exist. Returns the policy's exact YAML text,
+    installed verbatim."""
     logger = get_run_logger()
     run = RunDir(run_dir)
-    if not run.exists("run.yaml"):
-        raise ConfigError(f"{run.url}: no run here (no run.yaml): nothing to pivot")
-    record = read_run(run)
-    parsed, text = load_policy(policy)
-    available = []
-    for arm in parsed.arms:
-        try:
-            open_source(arm, record.config.data.max_source_bytes)
-            available.append(arm.name)
-        except SourceUnavailable as e:
-            logger.warning(f"policy {parsed.name!r}: {e}")
-    if not available:
-        raise ConfigError(f"policy {policy!r}: none of its arms has data on this machine; not pivoting")
+    checked = pivot.check_pivot(
+        run, policy, max_steps=max_steps, device=device, restart=restart != "none", warn=logger.warning
+    )
+    if restart == "deployment":
+        _require_deployment(train_deployment)
+    parsed = checked.policy
     if parsed.hash == read_policy(run).hash:
         logger.warning(f"policy {parsed.name!r} is the one in force: the pivot only starts a fresh bandit")
     logger.info(
         f"new policy {parsed.name!r} (hash {parsed.hash}): arms {', '.join(a.name for a in parsed.arms)}"
     )
-    return {"name": parsed.name, "hash": parsed.hash, "text": text, "source": policy}
+    return {
+        "name": parsed.name,
+        "hash": parsed.hash,
+        "text": checked.text,
+        "source": policy,
+        "max_steps": checked.max_steps,
+    }
+
+
+def _require_deployment(name: str | None) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    if not name or "/" not in name:
+        raise ConfigError(f"train_deployment {name!r}: expected FLOW/DEPLOYMENT, e.g. 'train/train'")
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        raise ConfigError(
+            f"train_deployment {name!r} does not exist on this Prefect server: the resumed trainer could "
+            "not be started (prefect deploy --all creates 'train/train'); not pivoting"
+        ) from None
+
+
+@task(name="protect-pivot-point", cache_policy=NO_CACHE)
+def protect_pivot_point(
+    run_dir: str, policy_text: str, step: str, boundary: int | None, from_logged_step: bool = False
+) -> dict:
+    """Record the pivot under way in pivot.json before its next step: retention keeps its checkpoint
+    (or, before the checkpoint a SIGUSR1 asks for exists, every checkpoint from the trainer's step on)."""
+    run = RunDir(run_dir)
+    policy = pivot.parse_policy_text(policy_text, "new policy")
+    not_before = (supervise.logged_step(run) or 0) if from_logged_step else None
+    return pivot.record_pivot(run, policy, step, boundary, not_before)
+
+
+@task(name="clear-pivot-intent", cache_policy=NO_CACHE)
+def clear_pivot_intent(run_dir: str) -> None:
+    """Remove pivot.json: the pivot is installed (its phase folder protects the boundary now), or it
+    stopped before it changed anything."""
+    pivot.clear_pivot(RunDir(run_dir))
+
+
+@task(name="check-restart-steps", cache_policy=NO_CACHE)
+def check_restart_steps(max_steps: int, boundary: int) -> None:
+    """The resumed trainer must have steps to train past the pivot point."""
+    pivot.require_steps_after(max_steps, boundary)
 
 
 @task(name="choose-pivot-boundary", cache_policy=NO_CACHE)
@@ -108,12 +160,19 @@ def install_policy(run_dir: str, policy_text: str, source: str) -> str:
 
 @task(name="confirm-resumed-trainer", cache_policy=NO_CACHE)
 def confirm_resumed_trainer(
-    run_dir: str, boundary: int, snapshot: LossLogSnapshot, old_pid: int | None, timeout_s: float
+    run_dir: str,
+    boundary: int,
+    snapshot: LossLogSnapshot,
+    old_pid: int | None,
+    timeout_s: float,
+    ended: Callable[[], str | None] | None = None,
 ) -> dict:
     """Step 6's proof: the new trainer's first loss is for step boundary+1 (it resumed from the pivot
-    checkpoint), the old history is a byte-for-byte prefix of .loss.json, and it is a new process."""
+    checkpoint), the old history is a byte-for-byte prefix of .loss.json, and it is a new process.
+    `ended` reports the resumed trainer's end (its flow run's final state): a trainer that died is
+    reported at once with its error, not after timeout_s."""
     run = RunDir(run_dir)
-    entry = supervise.wait_for_first_entry_after(run, snapshot, timeout_s)
+    entry = supervise.wait_for_first_entry_after(run, snapshot, timeout_s, ended=ended)
     if entry["step"] != boundary + 1:
         raise SupervisionError(
             f"{run.url}: the resumed trainer logged step {entry['step']} first; expected {boundary + 1} "
@@ -135,3 +194,40 @@ def confirm_resumed_trainer(
         f".loss.json still starts with its {snapshot.size} old bytes"
     )
     return result
+
+
+def flow_run_ended(flow_run_id: str, every_s: float = 2.0) -> Callable[[], str | None]:
+    """For confirm_resumed_trainer: how the resumed `train` flow run ended, once it has (asked of the
+    API at most every `every_s` seconds)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    last = [0.0]
+
+    def ended() -> str | None:
+        if time.monotonic() - last[0] < every_s:
+            return None
+        last[0] = time.monotonic()
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(flow_run_id)).state
+        if state is None or not state.is_final():
+            return None
+        return f"its flow run {flow_run_id} ended {state.type.value}: {state.message}"
+
+    return ended
+
+
+def subflow_ended(future: Future) -> Callable[[], str | None]:
+    """For confirm_resumed_trainer: how the resumed `train` subflow ended, once it has."""
+
+    def ended() -> str | None:
+        if not future.done():
+            return None
+        error = future.exception()
+        if error is not None:
+            return f"the train subflow raised {type(error).__name__}: {error}"
+        outcome = future.result()
+        return outcome.get("summary", str(outcome)) if isinstance(outcome, dict) else str(outcome)
+
+    return ended

@@ -93,7 +93,8 @@ def test_report_and_plot(forked):
 def test_a_branch_that_failed_is_reported_not_ranked(forked):
     parent, urls = forked
     c = compare_branches(parent.url, urls, 100, val_sequences=16, failed={"base": "trainer exited 1"})
-    assert c.winner == "frozen" and c.runner_up is None and c.margin is None
+    # One branch left: nothing to compare it with, so no winner (issue 15.9), but it leads.
+    assert c.winner is None and c.leader == "frozen" and c.runner_up is None and c.margin is None
     assert c.branch("base").problem == "trainer exited 1"
     assert "(trainer exited 1)" in report_markdown(c)
 
@@ -124,4 +125,5 @@ def test_margin_and_noise_are_paired():
     )
     c = Comparison("p", 10, ["a"], 6, 64, [tie, better])
     _name_winner(c)
-    assert c.winner == "better" and not c.significant and "within the noise" in c.verdict
+    assert c.winner is None and c.leader == "better" and not c.significant
+    assert c.verdict.startswith("no winner: within noise")

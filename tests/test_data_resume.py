@@ -32,7 +32,14 @@ def test_sigterm_then_resume_is_bit_exact_with_the_bandit_on(mix):
     assert "fresh bandit" not in mix.resume_log
     for step in (3 * EVERY, STEPS):
         assert a.read_bytes(checkpoint_name(step)) == b.read_bytes(checkpoint_name(step)), step
-    assert a.read_bytes(STATE) == b.read_bytes(STATE)
+    sa, sb = a.read_json(STATE), b.read_json(STATE)
+    assert sa.pop("previous") != sb.pop("previous") and sa == sb  # the newest state: the same bandit
+    # Each run keeps the states of the checkpoints it keeps (the interrupted one's off-grid SIGUSR1 and
+    # SIGTERM checkpoints too): the states of the checkpoints both have are the same bandit.
+    previous_a, previous_b = a.read_json(STATE)["previous"], b.read_json(STATE)["previous"]
+    assert [e["step"] for e in previous_b] == sorted(set(b.checkpoint_steps()) - {STEPS}, reverse=True)
+    shared = {e["step"]: e for e in previous_a}
+    assert all(e == shared[e["step"]] for e in previous_b if e["step"] in shared)
 
     # The same batches, arm for arm, and the bandit really mixed: every arm drawn, and the state's
     # pulls are exactly the draws the loss log records. The state of checkpoint S is the bandit that

@@ -73,10 +73,13 @@ def test_a_crash_between_state_and_checkpoint_resumes_the_previous_checkpoints_b
     assert doc["step"] == 80 and [e["step"] for e in doc["previous"]] == [50]
 
 
-def test_kept_states_end_the_same_for_an_interrupted_and_an_uninterrupted_run(tmp_path):
-    """The bandit trains between saves, so the kept states differ in content, not only in step."""
+def test_kept_states_are_those_of_the_checkpoints_retention_keeps(tmp_path):
+    """An interrupted run keeps its off-grid checkpoints (57, 104) as retention does, and their states
+    with them; a state whose checkpoint retention deleted (50, once five newer exist) goes too. The
+    bandit trains between saves, so the kept states differ in content, not only in step, and the states
+    of the steps both runs share are the same bandit."""
     policy = make_policy()
-    files = []
+    docs = []
     for name, steps in (("straight", [50, 100, 150, 200]), ("interrupted", [50, 57, 100, 104, 150, 200])):
         run = RunDir(str(tmp_path / name))
         mixer = make_mixer(policy, ARMS)
@@ -87,15 +90,25 @@ def test_kept_states_end_the_same_for_an_interrupted_and_an_uninterrupted_run(tm
             train(mixer, done + 1, step)
             done = step
             s.save(mixer, step)
+            run.write_atomic(checkpoint_name(step), encode(step, np.zeros(3, dtype=np.float32)))
             if step == 104:  # a SIGTERM checkpoint, then a new trainer (a new bandit) resumes from it
                 mixer = make_mixer(policy, ARMS)
                 s = store(run, policy)
                 s.restore(mixer, 104)
-        files.append(run.read_bytes(STATE))
-    assert files[0] == files[1]
-    doc = json.loads(files[0])
-    assert doc["step"] == 200 and [e["step"] for e in doc["previous"]] == [150, 100, 50]
-    kept = [json.dumps({k: v for k, v in e.items() if k != "step"}, sort_keys=True) for e in doc["previous"]]
+        docs.append(run.read_json(STATE))
+    straight, interrupted = docs
+    assert [straight["step"], *(e["step"] for e in straight["previous"])] == [200, 150, 100, 50]
+    assert [interrupted["step"], *(e["step"] for e in interrupted["previous"])] == [200, 150, 104, 100, 57]
+    by_step = {e["step"]: e for e in straight["previous"]}
+    shared = [e for e in interrupted["previous"] if e["step"] in by_step]
+    assert [e["step"] for e in shared] == [150, 100]
+    assert all(e == by_step[e["step"]] for e in shared)
+    assert {k: v for k, v in straight.items() if k != "previous"} == {
+        k: v for k, v in interrupted.items() if k != "previous"
+    }
+    kept = [
+        json.dumps({k: v for k, v in e.items() if k != "step"}, sort_keys=True) for e in straight["previous"]
+    ]
     assert len(set(kept)) == 3, "each kept state is the bandit of its own step"
 
 

@@ -27,18 +27,37 @@ def project_capped_simplex(p: np.ndarray, floors: np.ndarray, caps: np.ndarray) 
     q_i = clip(p_i - tau, floor_i, cap_i) for the one tau where the sum is 1. The sum is monotone and
     piecewise linear in tau, with breakpoints at p_i - cap_i and p_i - floor_i: bisect the sorted
     breakpoints for the piece that crosses 1 (np.searchsorted), then solve that linear piece exactly.
-    The caller guarantees feasibility (sum floors <= 1 <= sum caps), checked when the policy loads.
+    The caller guarantees feasibility (sum floors <= 1 <= sum caps, within check_feasible's slack).
+
+    Total over every such input: floors that sum to 1 in decimal (0.2 + 0.4 + 0.3 + 0.1, which is
+    1.0000000000000002 in floating point) leave a set of one point, the floors themselves, and no
+    breakpoint whose sum is <= 1; likewise caps that sum to 1. Those are answered directly, scaled.
     """
+    if not np.all(np.isfinite(p)):
+        raise ValueError(f"distribution {p.tolist()} is not finite: refusing to draw from it")
+    floor_sum, cap_sum = float(floors.sum()), float(caps.sum())
+    if floor_sum >= 1.0 - 1e-12:
+        return floors / floor_sum  # the set is (up to rounding) the floors alone
+    if cap_sum <= 1.0 + 1e-12:
+        return caps / cap_sum
     if np.all(p >= floors) and np.all(p <= caps) and abs(p.sum() - 1.0) < 1e-12:
         return p / p.sum()  # already inside: the projection of a point of the set is itself
     taus = np.sort(np.concatenate([p - caps, p - floors]))
     sums = np.clip(p[None, :] - taus[:, None], floors, caps).sum(axis=1)  # non-increasing in tau
     j = int(np.searchsorted(-sums, -1.0))  # the first breakpoint whose sum is <= 1
-    if j == 0 or sums[j] == 1.0:
-        tau = taus[j]
+    # In exact arithmetic sums[0] is the caps' sum (> 1) and sums[-1] the floors' (< 1). Rounding in
+    # p - tau (p far from the simplex, floors within 1e-9 of summing to 1) can push either end across
+    # 1: the crossing is then at that end, the caps or the floors.
+    if j == len(sums):
+        q = floors.copy()
+    elif j == 0:
+        q = caps.copy()
     else:
-        tau = taus[j - 1] + (sums[j - 1] - 1.0) * (taus[j] - taus[j - 1]) / (sums[j - 1] - sums[j])
-    q = np.clip(p - tau, floors, caps)
+        if sums[j] == 1.0:
+            tau = taus[j]
+        else:
+            tau = taus[j - 1] + (sums[j - 1] - 1.0) * (taus[j] - taus[j - 1]) / (sums[j - 1] - sums[j])
+        q = np.clip(p - tau, floors, caps)
     return q / q.sum()
 
 

@@ -93,6 +93,18 @@ def make_mixer(policy: Policy, available: list[str], seed: int = 0) -> Mixer:
     return UniformMixer(available, floors, caps, seed)
 
 
+def prepare_data(
+    policy: Policy, cfg: RunConfig, tokenizer: Tokenizer, warn: Callable[[str], None] = print
+) -> tuple[dict[str, TokenArm], dict[str, str], Mixer]:
+    """The trainer's whole check of a policy against this machine's data, and what it yields: the
+    token arms that are available, why the others are not, and the mixer over the available ones.
+    Raises (naming the policy and what is wrong) when no arm has data, when an arm has too few tokens,
+    or when the arms left cannot satisfy the floors and caps. The trainer builds its data with this, and
+    a pivot runs it on the new policy before it touches anything, so both refuse the same policies."""
+    arms, unavailable = load_arms(policy, cfg, tokenizer, warn)
+    return arms, unavailable, make_mixer(policy, list(arms), cfg.train.seed)
+
+
 def windows(
     tokens: np.ndarray | ShardedTokens, offsets: np.ndarray, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +127,7 @@ class DataPipeline:
         self.cfg = cfg
         self.policy = policy
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
-        self.arms, self.unavailable = load_arms(policy, cfg, self.tokenizer, warn)
-        self.mixer = make_mixer(policy, list(self.arms), cfg.train.seed)
+        self.arms, self.unavailable, self.mixer = prepare_data(policy, cfg, self.tokenizer, warn)
         self.store: BanditStore | None = None
 
     @classmethod

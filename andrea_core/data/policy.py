@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -120,10 +121,11 @@ def parse_policy(raw: Any, source: str) -> Policy:
     if policy.mixer not in MIXERS:
         raise ConfigError(f"{source}: mixer: {policy.mixer!r} is not one of {MIXERS}")
     for knob in ("reward_ema", "baseline_ema"):
-        if not 0.0 < getattr(policy, knob) <= 1.0:
+        if not 0.0 < getattr(policy, knob) <= 1.0:  # NaN fails every comparison: refused here too
             raise ConfigError(f"{source}: {knob}: must be in (0, 1], got {getattr(policy, knob)}")
-    if not policy.eta > 0.0:
-        raise ConfigError(f"{source}: eta: must be positive, got {policy.eta}")
+    # An infinite eta makes every softmax weight NaN: every draw would pick arm 0, bounds ignored.
+    if not (math.isfinite(policy.eta) and policy.eta > 0.0):
+        raise ConfigError(f"{source}: eta: must be a finite positive number, got {policy.eta}")
     check_feasible([a.floor for a in arms], [a.cap for a in arms], source, names)
     return policy
 

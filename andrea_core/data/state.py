@@ -10,9 +10,10 @@ hands it the loss of S from .loss.json, as the uninterrupted run did.
 Write order. The trainer writes the state of step S before the checkpoint of step S, each atomically.
 A crash between the two leaves a state for S and no checkpoint S: the resume then takes checkpoint P,
 the one before, and finds P's state under `previous`, because a save always keeps the state it
-replaces. A few grid-aligned states are kept besides, for a resume that has to fall back further
-(refused checkpoints). Off-grid states (SIGTERM, SIGUSR1) are kept only while they are the newest
-before the next one, so an interrupted run and an uninterrupted one end with the same file.
+replaces. Besides, the file keeps the state of every checkpoint that retention keeps once S is
+written (retention.py: the newest keep_last, multiples of keep_every, pivot boundaries, fork points),
+so that a fork or a resume from any checkpoint on disk restores that checkpoint's bandit, and no
+state outlives its checkpoint for more than one save.
 
 On load (DESIGN.md "Data mixer"): a state written under another policy hash is not loaded (the bandit
 starts fresh, as at a pivot) and is moved aside into archive/, never overwritten; an arm of the state
@@ -28,14 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from andrea_core.config import ConfigError
+from andrea_core.config import ConfigError, RetentionConfig
 from andrea_core.data.mixer import Mixer
 from andrea_core.data.policy import Policy
 from andrea_core.pivot import phases
-from andrea_core.rundir import ARCHIVE, STATE, RunDir
+from andrea_core.retention import plan_retention, protected_steps
+from andrea_core.rundir import ARCHIVE, RUN_YAML, STATE, RunDir
+from andrea_core.runs import read_run
 
 FORMAT = 1
-KEEP_GRID_STATES = 2  # grid-aligned states kept besides the newest and the one it replaced
 
 
 @dataclass
@@ -169,9 +171,23 @@ class BanditStore:
         """Publish the state of `step` atomically; call it before writing checkpoint `step`."""
         entry = self.snapshot(mixer, step)
         older = [e for e in self.history if e["step"] < step]
-        grid = [e for e in older[1:] if e["step"] % self.every == 0][:KEEP_GRID_STATES]
-        self.history = [entry, *older[:1], *grid]
+        kept = self.kept_checkpoints(step)
+        self.history = [entry, *older[:1], *(e for e in older[1:] if e["step"] in kept)]
         self.run.write_json(STATE, {**entry, "previous": self.history[1:]})
+
+    def kept_checkpoints(self, step: int) -> set[int]:
+        """The checkpoints on disk that retention keeps once checkpoint `step` is written: the states
+        to keep with them."""
+        retention = read_run_retention(self.run)
+        steps = sorted({*self.run.checkpoint_steps(), step})
+        return set(plan_retention(steps, retention, protected_steps(self.run), newest=step).keep)
+
+
+def read_run_retention(run: RunDir) -> RetentionConfig:
+    """The run's retention settings (the defaults for a bare directory without run.yaml)."""
+    if not run.exists(RUN_YAML):
+        return RetentionConfig()
+    return read_run(run).config.retention
 
 
 def _strip(entry: dict[str, Any]) -> dict[str, Any]:

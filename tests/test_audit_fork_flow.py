@@ -1,0 +1,98 @@
+"""The `audit-fork` flow in Prefect's ephemeral mode, as the review ran it (issue 15.4, 15.5 and its
+unchecked parameters): an audit in which every branch fails ends Failed naming each branch's error; a
+rerun after a failure finishes what is missing; steps and val_sequences are checked before any write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prefect_ephemeral import ephemeral_prefect  # noqa: F401
+from test_retention import fabricated_run
+
+from andrea_core.config import ConfigError
+from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ephemeral_prefect")]
+
+
+def unreachable_policy(folder: Path) -> str:
+    """Feasible as written; once its prose arm (a path that does not exist) is dropped the caps left sum
+    to 0.5, so a trainer on it refuses to start."""
+    path = folder / "half.yaml"
+    path.write_text(
+        "name: half\nmixer: exp3\narms:\n"
+        "  - {name: stdlib-code, kind: python-stdlib, cap: 0.5}\n"
+        f"  - {{name: gone, kind: prose, cap: 0.5, paths: [{folder}/no-such-folder]}}\n"
+    )
+    return str(path)
+
+
+def test_an_audit_whose_every_branch_fails_ends_failed_naming_each_error(tmp_path):
+    from flows.audit_fork import audit_fork
+
+    parent = fabricated_run(str(tmp_path / "parent"), [100])
+    policy = unreachable_policy(tmp_path)
+    branches = [
+        {"name": "a", "overrides": {"data.policy": policy}},
+        {"name": "b", "overrides": {"data.policy": policy, "train.lr": 1e-3}},
+    ]
+    state = audit_fork(
+        parent.url, branches, steps=3, device="cpu", gpu_slot=None, val_sequences=4, return_state=True
+    )
+    assert state.is_failed(), state.message
+    assert state.message.startswith("no branch could be evaluated: a: ")
+    for name in ("a", "b"):
+        branch = f"{parent.url}-fork100-{name}"
+        assert f"{name}: {branch}: trainer failed (exit 2): " in state.message
+    assert state.message.count("caps sum to 0.5 < 1") == 2
+
+
+def test_a_rerun_after_a_failed_report_writes_the_report_without_retraining(tmp_path):
+    from flows.audit_fork import audit_fork
+
+    parent = fabricated_run(str(tmp_path / "parent"), [100])
+    obstacle = tmp_path / "a-file"
+    obstacle.write_text("the report folder cannot be made under a file")
+    branches = [{"name": "a"}, {"name": "b", "overrides": {"train.lr": 1e-4}}]
+    common = {"steps": 3, "device": "cpu", "gpu_slot": None, "val_sequences": 4}
+    first = audit_fork(parent.url, branches, report_dir=str(obstacle / "report"), return_state=True, **common)
+    assert first.is_failed()
+    urls = [f"{parent.url}-fork100-{b['name']}" for b in branches]
+    logs = {u: RunDir(u).read_bytes(LOSS_LOG) for u in urls}
+    assert all(RunDir(u).checkpoint_steps() == [100, 103] for u in urls)
+
+    good = tmp_path / "reports" / "audit"
+    second = audit_fork(parent.url, branches, report_dir=str(good), return_state=True, **common)
+    assert second.is_completed(), second.message
+    assert "already audited" not in second.message and f"Report {good}/report.md" in second.message
+    assert (good / "report.md").read_text().startswith(f"# Audit fork of `{parent.url}` at step 100")
+    assert {u: RunDir(u).read_bytes(LOSS_LOG) for u in urls} == logs, "the branches were not retrained"
+    assert len(parent.read_text(FORKS).splitlines()) == 1
+
+    third = audit_fork(parent.url, branches, report_dir=str(good), return_state=True, **common)
+    assert third.is_completed() and "was already audited" in third.message
+
+
+@pytest.mark.parametrize(
+    "bad,error",
+    [
+        ({"steps": 0}, r"steps: expected a whole number >= 1, got 0"),
+        ({"val_sequences": 0}, r"val_sequences: expected a whole number 1\.\.4096, got 0"),
+        ({"report_dir": "/tmp/x/../../etc"}, r"report_dir: '/tmp/x/\.\./\.\./etc' may not contain '\.\.'"),
+        (
+            {"branches": [{"name": "a"}, {"name": "b", "overrides": {"data.val_fraction": 0.01}}]},
+            r"branch 'b': data\.val_fraction 0\.01 \(the parent's is 0\.05\)",
+        ),
+        ({"branches": [{"name": "a"}, {"name": "q/../../escaped"}]}, r"branches\[1\]: name 'q/\.\./\.\./esc"),
+    ],
+)
+def test_bad_parameters_are_refused_before_anything_is_written(tmp_path, bad, error):
+    from flows.audit_fork import audit_fork
+
+    parent = fabricated_run(str(tmp_path / "runs" / "parent"), [100])
+    before = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    params = {"branches": [{"name": "a"}, {"name": "b"}], "device": "cpu", "gpu_slot": None, **bad}
+    with pytest.raises(ConfigError, match=error):
+        audit_fork(parent.url, **params)
+    assert not parent.exists(FORKS) and sorted(p.name for p in (tmp_path / "runs").iterdir()) == before

@@ -1,0 +1,127 @@
+"""Audit-fork defects (issues 14.6, 14.7, 15.6, 15.10, 17.6): the policy a branch trains on, the history it
+starts with, a fork that stops half-way, and branch names that would climb out of the runs folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY, andrea
+from test_lineage import copy_checkpoint
+from test_retention import fabricated_run
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.config import ConfigError, RetentionConfig
+from andrea_core.data.policy import load_policy
+from andrea_core.fork import BranchSpec, fork, fork_records
+from andrea_core.loss_log import read_history
+from andrea_core.pivot import pivot_run_directory
+from andrea_core.retention import apply_retention
+from andrea_core.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, RunDir
+from andrea_core.runs import read_run
+
+TINY_MIX = (Path(TINY).parent / "policies" / "tiny-mix.yaml").read_text()
+
+
+def loss_line(step: int, segment: int) -> bytes:
+    entry = {"step": step, "loss": 5.0 - step / 1000, "lr": 1e-3, "arm": "stdlib-code", "tokens": 512}
+    return (json.dumps({**entry, "segment": segment, "time": 1.0}, separators=(",", ":")) + "\n").encode()
+
+
+def test_a_branch_trains_on_the_policy_its_config_names_after_a_pivot(tmp_path):
+    """The parent (run.yaml: stdlib-only) pivoted to tiny-mix. A branch whose override names stdlib-only
+    must get stdlib-only, not the parent's policy in force; a branch without the override continues
+    the parent's policy in force."""
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    pivot_run_directory(run, 200, TINY_MIX)
+    named, plain = fork(
+        run.url, [BranchSpec("named", {"data.policy": "stdlib-only"}), BranchSpec("plain")], step=200
+    )
+    assert read_run(RunDir(named)).config.data.policy == "stdlib-only"
+    assert RunDir(named).read_text(POLICY_YAML) == load_policy("stdlib-only")[1]
+    assert RunDir(plain).read_text(POLICY_YAML) == TINY_MIX
+
+
+def test_a_branch_history_ends_at_the_fork_point(tmp_path):
+    """The parent logged to 300 (a crash at 250 and a resume from 200 on the way); a branch forked at
+    200 starts with the parent's canonical history up to 200, and nothing after it."""
+    run = fabricated_run(str(tmp_path / "run"), [100, 200, 300])
+    log = b"".join([*(loss_line(s, 1) for s in range(1, 251)), *(loss_line(s, 2) for s in range(201, 301))])
+    run.write_atomic(LOSS_LOG, log + b'{"step":301,"lo')  # and a torn last line
+    (branch,) = fork(run.url, [BranchSpec("b")], step=200)
+    history = read_history(RunDir(branch))
+    assert [e.step for e in history] == list(range(1, 201))
+    assert history == [e for e in read_history(run) if e.step <= 200]
+    assert all(e.segment == (1 if e.step <= 200 else 2) for e in read_history(run))
+
+
+def test_the_fork_point_is_protected_before_the_copy_and_a_rerun_completes_the_fork(tmp_path):
+    """The second branch cannot be written (its folder would be under a file): the fork stops half-way.
+    Its line in forks.jsonl is already there, so retention (keep_last 2) keeps the fork point; a rerun
+    after the obstacle is gone completes the fork, with one line in forks.jsonl."""
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    obstacle = tmp_path / "not-a-folder"
+    obstacle.write_text("a file where the second branch's parent folder should be")
+    specs = [BranchSpec("a"), BranchSpec("b", {"train.lr": 1e-3}, url=str(obstacle / "b"))]
+    with pytest.raises(OSError):
+        fork(run.url, specs, step=200)
+    (record,) = fork_records(run)
+    assert record["step"] == 200 and record["names"] == ["a", "b"]
+
+    for step in (300, 400, 500):  # the parent trains on; its retention keeps the newest 2
+        copy_checkpoint(run, 100, run, step)
+    plan = apply_retention(run, RetentionConfig(keep_last=2, keep_every=None), None)
+    assert 200 in run.checkpoint_steps() and "fork point (a, b)" in plan.keep[200]
+
+    obstacle.unlink()
+    a_before = RunDir(record["branches"][0]).read_bytes(RUN_YAML)
+    urls = fork(run.url, specs, step=200)
+    assert urls == record["branches"] and len(fork_records(run)) == 1
+    assert RunDir(urls[0]).read_bytes(RUN_YAML) == a_before  # the finished branch is left as it was
+    b = RunDir(urls[1])
+    assert b.read_bytes(checkpoint_name(200)) == run.read_bytes(checkpoint_name(200))
+    assert read_run(b).lineage["parent_step"] == 200 and read_run(b).config.train.lr == 1e-3
+
+
+def test_a_branch_without_its_fork_point_refuses_to_train_and_a_rerun_of_the_fork_completes_it(tmp_path):
+    """A fork killed while writing the branch checkpoint (as an older fork could leave it: run.yaml,
+    no checkpoint): the trainer refuses to train it from scratch, and rerunning the fork completes it."""
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    (branch,) = fork(run.url, [BranchSpec("a")], step=200)
+    b = RunDir(branch)
+    b.remove(checkpoint_name(200))
+
+    refused = andrea("train", "--run-dir", branch, "--max-steps", "203", check=False)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert (
+        f"andrea: error: {branch}: this branch of {run.url} was forked at step 200 but holds no valid "
+        "checkpoint, not a valid step_000200.bin (the fork did not finish): rerun the fork"
+    ) in refused.stderr
+    assert "new run" not in refused.stdout and b.checkpoint_steps() == []
+
+    assert fork(run.url, [BranchSpec("a")], step=200) == [branch]
+    assert b.read_bytes(checkpoint_name(200)) == run.read_bytes(checkpoint_name(200))
+    resumed = andrea("train", "--run-dir", branch, "--max-steps", "203")
+    assert f"resuming {branch} from step_000200.bin" in resumed.stdout
+    assert "completed step 203" in resumed.stdout
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        BranchSpec("q/../../escaped"),
+        BranchSpec("../up"),
+        BranchSpec(".hidden"),
+        BranchSpec("a b"),
+        BranchSpec("ok", url="/tmp/x/../../etc/andrea-branch"),
+    ],
+)
+def test_branch_names_and_urls_that_escape_are_refused_before_any_write(tmp_path, spec):
+    run = fabricated_run(str(tmp_path / "runs" / "run"), [100])
+    before = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    with pytest.raises(ConfigError, match=r"branches\[0\]"):
+        fork(run.url, [spec], step=100)
+    assert not run.exists(FORKS)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == before
+    assert not (tmp_path / "escaped").exists()

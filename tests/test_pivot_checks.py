@@ -1,0 +1,195 @@
+"""Pivot defects (issue 15.2, 15.3, 15.11, 15.12): everything checked before the run is touched, a resumed
+trainer's death seen at once, the pivot point protected from retention, and `at: now` after a
+crash-resume. The flows run in Prefect's ephemeral mode, as in the review."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import andrea, start_trainer, wait_for
+from prefect_ephemeral import ephemeral_prefect  # noqa: F401
+from test_retention import fabricated_run
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.config import ConfigError, RetentionConfig
+from andrea_core.data.policy import load_policy
+from andrea_core.lock import live_trainer
+from andrea_core.loss_log import read_history
+from andrea_core.pivot import PIVOT_JSON, clear_pivot, install_policy, record_pivot
+from andrea_core.retention import apply_retention
+from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.supervise import (
+    LossLogSnapshot,
+    SupervisionError,
+    TrainerProcess,
+    logged_step,
+    wait_for_first_entry_after,
+    wait_for_new_checkpoint,
+)
+from tests.tiny import tiny_config
+
+
+def half_policy(folder: Path) -> str:
+    """The issue's policy: feasible as written, but its prose arm's path does not exist, and the arm left
+    is capped at 0.5: the trainer refuses it ("caps sum to 0.5 < 1")."""
+    path = folder / "half.yaml"
+    path.write_text(
+        "name: half\nmixer: exp3\narms:\n"
+        "  - {name: stdlib-code, kind: python-stdlib, cap: 0.5}\n"
+        f"  - {{name: gone, kind: prose, cap: 0.5, paths: [{folder}/no-such-folder]}}\n"
+    )
+    return str(path)
+
+
+def files_of(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "params,error",
+    [
+        ({"policy": "HALF"}, r"caps sum to 0\.5 < 1 \(stdlib-code 0\.5\)"),
+        pytest.param(
+            {"restart": "subflow", "device": "cuda"},
+            r"--device cuda: CUDA is not available on this machine",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine has the device"),
+        ),
+        (
+            {"restart": "subflow", "max_steps": 200},
+            r"max_steps 200 is not beyond the run's newest checkpoint",
+        ),
+        ({"restart": "subflow"}, r"max_steps 300 is not beyond the run's newest checkpoint \(step 300\)"),
+        (
+            {"restart": "deployment", "max_steps": 1000, "train_deployment": "train/no-such"},
+            r"train_deployment 'train/no-such' does not exist",
+        ),
+    ],
+)
+@pytest.mark.usefixtures("ephemeral_prefect")
+def test_a_pivot_refuses_before_touching_the_run(tmp_path, params, error):
+    from flows.pivot import pivot
+
+    run = fabricated_run(str(tmp_path / "run"), [100, 200, 300])
+    params = {"policy": "tiny-mix", "restart": "none", **params}
+    if params["policy"] == "HALF":
+        params["policy"] = half_policy(tmp_path)
+    before = files_of(tmp_path / "run")
+    with pytest.raises(ConfigError, match=error):
+        pivot(run.url, **params)
+    assert files_of(tmp_path / "run") == before
+
+
+def test_a_resumed_trainer_that_dies_is_reported_at_once_with_its_error(tmp_path):
+    """The trainer refuses the policy in force; whoever waits for its first step hears why at once
+    (here through a subflow-like future, as the pivot's restart='subflow' does)."""
+    from tasks.pivot import subflow_ended
+
+    run = fabricated_run(str(tmp_path / "run"), [100])
+    install_policy(run, Path(half_policy(tmp_path)).read_text())  # past any pivot check
+    snapshot = LossLogSnapshot.take(run)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(lambda: TrainerProcess(run.url, max_steps=200, device="cpu").start().finish(600))
+        future_dict = pool.submit(lambda: future.result().to_dict())
+        t0 = time.monotonic()
+        with pytest.raises(SupervisionError) as raised:
+            wait_for_first_entry_after(run, snapshot, timeout=600, ended=subflow_ended(future_dict))
+    assert time.monotonic() - t0 < 120, "not the 600 s timeout"
+    message = str(raised.value)
+    assert message.startswith(
+        f"{run.url}: the trainer ended before logging a step: {run.url}: trainer failed"
+    )
+    assert "caps sum to 0.5 < 1" in message
+
+
+def test_retention_keeps_the_checkpoint_of_a_pivot_under_way(tmp_path):
+    run = fabricated_run(str(tmp_path / "run"), [100, 200, 300, 400, 500])
+    policy, _ = load_policy("tiny-mix")
+    cfg = RetentionConfig(keep_last=2, keep_every=None)
+    record_pivot(run, policy, "intent", None, not_before=250)  # at="now": the SIGUSR1 checkpoint is >= 250
+    plan = apply_retention(run, cfg, None, dry_run=True)
+    assert plan.delete == [100, 200]
+    assert plan.keep[300] == ["pivot under way (to policy 'tiny-mix', step 'intent')"]
+    record_pivot(run, policy, "stopped", 300)
+    doc = run.read_json(PIVOT_JSON)
+    assert {k: doc[k] for k in ("format", "policy", "policy_hash", "boundary", "not_before", "step")} == {
+        "format": 1,
+        "policy": "tiny-mix",
+        "policy_hash": policy.hash,
+        "boundary": 300,
+        "not_before": None,
+        "step": "stopped",
+    }
+    plan = apply_retention(run, cfg, None)
+    assert plan.deleted == [100, 200] and run.checkpoint_steps() == [300, 400, 500]
+    clear_pivot(run)
+    assert apply_retention(run, cfg, None).deleted == [300]
+    run.write_text(PIVOT_JSON, "{torn")
+    assert apply_retention(run, cfg, None).deleted == []  # an unreadable record protects everything
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ephemeral_prefect")
+def test_a_pivot_at_a_boundary_with_checkpoints_every_step_and_keep_last_2(tmp_path):
+    """The issue's setting: with checkpoint_every 1 and keep_last 2 the boundary's checkpoint would be
+    deleted between the wait and the SIGTERM; the pivot protects it first."""
+    from flows.pivot import pivot
+
+    run = RunDir(tmp_path / "run")
+    config = tiny_config(
+        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
+    )
+    trainer = start_trainer(
+        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
+    )
+    try:
+        wait_for(lambda: live_trainer(run) and logged_step(run), timeout=300, what="the first steps")
+        result = pivot(run.url, "tiny-mix", at="boundary", restart="none")
+    finally:
+        if trainer.poll() is None:
+            trainer.send_signal(signal.SIGTERM)
+        trainer.wait(120)
+    boundary = result["boundary"]
+    assert run.checkpoint_steps()[-1] == boundary and not run.exists(PIVOT_JSON)
+    run.read_checkpoint(boundary)
+    assert result["stopped"]["step"] >= boundary
+
+
+@pytest.mark.slow
+def test_at_now_right_after_a_crash_resume_waits_for_the_new_segments_checkpoint(tmp_path):
+    """The dead timeline logged to 300 after its last checkpoint (200); a resumed trainer that has not
+    logged yet is at 200, not 300, and the SIGUSR1 checkpoint it writes (201) is the one to wait for."""
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    lines = [
+        f'{{"step":{s},"loss":3.0,"lr":0.001,"arm":"stdlib-code","tokens":512,"segment":1,"time":{time.time():.3f}}}'
+        for s in range(1, 301)
+    ]
+    run.write_text(LOSS_LOG, "\n".join(lines) + "\n")
+    assert logged_step(run) == 300  # no live trainer: the history's newest step
+    trainer = start_trainer("--run-dir", run.url, "--max-steps", "100000", "--pace", "0.2")
+    try:
+        ident = wait_for(lambda: live_trainer(run), timeout=300, what="the resumed trainer's lock")
+        ident.signal(signal.SIGSTOP)  # while it loads: it has not logged its first step yet
+        if read_history(run)[-1].segment == 1:
+            assert logged_step(run) == 200
+        at_signal, existing = logged_step(run), set(run.checkpoint_steps())
+        ident.signal(signal.SIGCONT)
+        ident.signal(signal.SIGUSR1)
+        ckpt = wait_for_new_checkpoint(run, at_signal, existing, timeout=120, trainer=ident)
+        assert ckpt.step in (201, 202)
+    finally:
+        if trainer.poll() is None:
+            trainer.send_signal(signal.SIGCONT)  # a failed assertion may leave it stopped
+            trainer.send_signal(signal.SIGTERM)
+        trainer.wait(120)
+    assert andrea("loss", run.url).returncode == 0 and checkpoint_name(ckpt.step) in run.listdir()
