@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 HEADER = struct.Struct("<ii")
-NAME_RE = re.compile(r"^step_(\d{6,})\.bin$")
+# Anything shaped like a checkpoint name; only the canonical spelling of a step (checkpoint_name) counts.
+NAME_RE = re.compile(r"^step_(\d+)\.bin$")
 INT32_MAX = 2**31 - 1
 
 
@@ -31,12 +32,26 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_name(step: int) -> str:
+    """The one name of a step's checkpoint: six digits, more only from step 1,000,000 on."""
     return f"step_{step:06d}.bin"
 
 
 def step_from_name(name: str) -> int | None:
-    m = NAME_RE.match(name.rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else None
+    """The step of a canonically named checkpoint; None for any other name. A stray spelling of a
+    step (`step_0000350.bin`) is not that step's checkpoint: reading or moving "step 350" would
+    address step_000350.bin, another file."""
+    base = name.rsplit("/", 1)[-1]
+    m = NAME_RE.match(base)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == base else None
+
+
+def is_stray_checkpoint_name(name: str) -> bool:
+    """Shaped like a checkpoint name but not a canonical one (ignored, with a warning, never touched)."""
+    base = name.rsplit("/", 1)[-1]
+    return NAME_RE.match(base) is not None and step_from_name(base) is None
 
 
 def expected_size(n_params: int) -> int:

@@ -38,6 +38,7 @@ from andrea_core.checkpoint import (
     CheckpointError,
     checkpoint_name,
     decode,
+    is_stray_checkpoint_name,
     step_from_name,
 )
 from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
@@ -220,10 +221,21 @@ class RunDir:
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    def checkpoint_steps(self) -> list[int]:
-        """Steps of every file named like a checkpoint, oldest first (valid or not)."""
-        steps = (step_from_name(n) for n in self.listdir())
-        return sorted(s for s in steps if s is not None)
+    def checkpoint_steps(self, warn: Callable[[str], None] | None = None) -> list[int]:
+        """Steps of every file named like a checkpoint, oldest first (valid or not). Only canonical
+        names count (checkpoint_name); a stray spelling such as step_0000350.bin is never listed, so
+        nothing reads, moves or deletes it: `warn` hears of each one."""
+        steps = []
+        for name in self.listdir():
+            step = step_from_name(name)
+            if step is not None:
+                steps.append(step)
+            elif warn is not None and is_stray_checkpoint_name(name):
+                warn(
+                    f"warning: ignoring {self.path(name)}: not a canonical checkpoint name "
+                    "(step_NNNNNN.bin, six digits below step 1,000,000); it is left as it is"
+                )
+        return sorted(steps)
 
     def read_checkpoint(self, step: int, n_params: int | None = None) -> Checkpoint:
         name = checkpoint_name(step)
@@ -238,7 +250,7 @@ class RunDir:
 
     def newest_valid_checkpoint(self, n_params: int | None = None, warn=None) -> Checkpoint | None:
         """The newest checkpoint that passes validation; bad ones are reported, never deleted."""
-        for step in reversed(self.checkpoint_steps()):
+        for step in reversed(self.checkpoint_steps(warn=warn)):
             try:
                 return self.read_checkpoint(step, n_params)
             except CheckpointError as e:
