@@ -331,7 +331,20 @@ class MirroredAppendFile:
     def _publish_locked(self) -> None:
         if self._size == self._version.size and self._version.exists:
             return  # nothing new: the published file already is the mirror
-        self._version = self.run._put(self.name, self._read_locked(), expect=self._version)
+        mirror = self._read_locked()
+        try:
+            self._version = self.run._put(self.name, mirror, expect=self._version)
+        except ConcurrentWriteError:
+            # An earlier publish of ours may have reached the store although its call failed (a lost
+            # reply): then the store holds a prefix of the mirror, at least as long as the version we
+            # know, and the file still only grows if we go on from it. Anything else is foreign.
+            held, version = self.run._read_versioned(self.name)
+            known = self._version.size if self._version.exists else 0
+            if not (version.exists and len(held) >= known and mirror.startswith(held)):
+                raise
+            self._version = version
+            if len(held) < len(mirror):
+                self._version = self.run._put(self.name, mirror, expect=version)
 
     def close(self) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 from conftest import andrea, last_logged_step
 
 from andrea_core.audit import Auditor
@@ -103,3 +104,123 @@ def test_sigterm_during_an_off_grid_audit_checkpoints_that_step(tmp_path, monkey
     assert result.checkpoint == checkpoint_name(27)
     assert run.checkpoint_steps() == [20, 27] and run.read_checkpoint(27).step == 27
     assert last_logged_step(run) == 27  # nothing trained that the checkpoint does not hold
+
+
+# --- 14.1: a conditional put whose reply is lost ---------------------------------------------------
+
+
+def drop_first_reply(fs, monkeypatch, which) -> list[str]:
+    """Make the store commit a put whose reply never arrives, then receive the SDK's identical retry:
+    for the put_object calls `which` picks, the real request is sent twice and the caller sees only
+    the second answer (on S3, a 412 for a conditional put). Returns what each retry answered."""
+    real = fs._call_s3
+    answers: list[str] = []
+
+    async def call_s3(method, *args, **kwargs):
+        if method == "put_object" and which(kwargs):
+            await real(method, *args, **kwargs)  # committed; the reply is lost on the way back
+            try:
+                r = await real(method, *args, **kwargs)
+            except Exception as e:
+                answers.append(type(e.__cause__ or e).__name__ + ": " + str(e))
+                raise
+            answers.append("ok")
+            return r
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", call_s3)
+    return answers
+
+
+def test_a_loss_log_put_whose_reply_is_lost_stops_no_checkpoint(tmp_path, s3_bucket, monkeypatch):
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny(tmp_path, train__checkpoint_every=10, retention__keep_last=None)
+    url = f"{s3_bucket}/run"
+    puts = []
+    answers = drop_first_reply(
+        RunDir(url).fs,
+        monkeypatch,
+        lambda kw: kw["Key"].endswith("/.loss.json") and len(puts.append(kw) or puts) == 2,
+    )
+    logged: list[str] = []
+    result = Trainer(url, cfg, max_steps=60, device="cpu", log=logged.append).train()
+    # The retry was refused by the store (412): the first, unanswered put had committed.
+    assert len(answers) == 1 and "pre-conditions you specified did not hold" in answers[0], answers
+    text = "\n".join(logged)
+    assert "NOT written" not in text, text
+    assert result.reason == "completed" and result.step == 60
+    run = RunDir(url)
+    assert len(puts) >= 6  # one publish per checkpoint at least, every one after the lost reply accepted
+    assert run.checkpoint_steps() == [10, 20, 30, 40, 50, 60]
+    from andrea_core.loss_log import read_history
+
+    assert [e.step for e in read_history(run)] == list(range(1, 61))
+
+
+def test_a_publish_that_committed_but_failed_is_adopted_at_the_next(tmp_path, s3_bucket, monkeypatch):
+    """The put reached the store, then the call failed anyway (retries exhausted on a lost reply): the
+    next publish finds the store holding this writer's own earlier bytes and goes on from them."""
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    from andrea_core.objstore import ConcurrentWriteError
+    from andrea_core.rundir import LOSS_LOG
+
+    run = RunDir(f"{s3_bucket}/run")
+    f = run.open_append(LOSS_LOG)
+    f.write(b"one\n", durable=True)
+    real = run.fs._call_s3
+
+    async def committed_then_failed(method, *args, **kwargs):
+        r = await real(method, *args, **kwargs)
+        if method == "put_object":
+            raise OSError(104, "Connection reset by peer")
+        return r
+
+    monkeypatch.setattr(run.fs, "_call_s3", committed_then_failed)
+    with pytest.raises(OSError, match="reset"):
+        f.write(b"two\n", durable=True)
+    monkeypatch.setattr(run.fs, "_call_s3", real)
+    assert run.read_bytes(LOSS_LOG) == b"one\ntwo\n"
+    f.write(b"three\n", durable=True)
+    assert run.read_bytes(LOSS_LOG) == b"one\ntwo\nthree\n"
+    f.close()
+    # A true foreign write is still refused, and nothing of it is lost.
+    g = run.open_append(LOSS_LOG)
+    run.write_atomic(LOSS_LOG, b"someone else's\n")
+    g.write(b"four\n")
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        g.publish()
+    assert run.read_bytes(LOSS_LOG) == b"someone else's\n"
+
+
+# --- 18.2: every pending multipart upload is aborted, not the first page ----------------------------
+
+
+@pytest.fixture(scope="module")
+def paged_s3_server():
+    import sys
+    from pathlib import Path
+
+    from s3_server import start_s3_server
+
+    server = start_s3_server(server=[sys.executable, str(Path(__file__).with_name("moto_paged.py"))])
+    yield server
+    server.stop()
+
+
+def test_abort_uploads_pages_through_a_truncated_listing(paged_s3_server):
+    import fsspec.asyn
+
+    from andrea_core import objstore
+
+    fs = paged_s3_server.client()
+    fs.mkdir("paged")
+    keys = [f"run/step_{s:06d}.bin" for s in (100, 200, 300)] * 2 + ["run-other/step_000100.bin"]
+    for key in keys:
+        fs.call_s3("create_multipart_upload", Bucket="paged", Key=key)
+    first = fs.call_s3("list_multipart_uploads", Bucket="paged", Prefix="run/")
+    assert first["IsTruncated"] and len(first["Uploads"]) == 2  # the server pages at 2
+    logged: list[str] = []
+    aborted = fsspec.asyn.sync(fs.loop, objstore.s3_abort_uploads, fs, "paged/run", logged.append)
+    assert sorted(aborted) == sorted(keys[:6]) and len(logged) == 6
+    left = fs.call_s3("list_multipart_uploads", Bucket="paged")
+    assert [u["Key"] for u in left.get("Uploads", [])] == ["run-other/step_000100.bin"]
