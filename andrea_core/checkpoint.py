@@ -12,9 +12,12 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported by the functions that use it: reading a checkpoint needs none
+    import torch
 
 HEADER = struct.Struct("<ii")
 # Anything shaped like a checkpoint name; only the canonical spelling of a step (checkpoint_name) counts.
@@ -166,7 +169,6 @@ def n_params_of(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@torch.no_grad()
 def snapshot(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -178,6 +180,15 @@ def snapshot(
     `non_blocking` with a pinned `out` only queues the device-to-host copies on the current stream:
     `out` must not be read before an event recorded after this call has completed.
     """
+    import torch
+
+    with torch.no_grad():
+        return _snapshot(model, optimizer, out, non_blocking)
+
+
+def _snapshot(model, optimizer, out, non_blocking: bool):
+    import torch
+
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     if out is None:
@@ -200,9 +211,17 @@ def snapshot(
     return out
 
 
-@torch.no_grad()
 def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load weights, m and v into the model and AdamW, and set AdamW's step count from the header."""
+    import torch
+
+    with torch.no_grad():
+        _restore(ckpt, model, optimizer)
+
+
+def _restore(ckpt: Checkpoint, model, optimizer) -> None:
+    import torch
+
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     if n != ckpt.n_params:
