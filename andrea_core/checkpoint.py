@@ -12,12 +12,16 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported by the functions that use it: reading a checkpoint needs none
+    import torch
 
 HEADER = struct.Struct("<ii")
-NAME_RE = re.compile(r"^step_(\d{6,})\.bin$")
+# Anything shaped like a checkpoint name; only the canonical spelling of a step (checkpoint_name) counts.
+NAME_RE = re.compile(r"^step_(\d+)\.bin$")
 INT32_MAX = 2**31 - 1
 
 
@@ -31,12 +35,26 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_name(step: int) -> str:
+    """The one name of a step's checkpoint: six digits, more only from step 1,000,000 on."""
     return f"step_{step:06d}.bin"
 
 
 def step_from_name(name: str) -> int | None:
-    m = NAME_RE.match(name.rsplit("/", 1)[-1])
-    return int(m.group(1)) if m else None
+    """The step of a canonically named checkpoint; None for any other name. A stray spelling of a
+    step (`step_0000350.bin`) is not that step's checkpoint: reading or moving "step 350" would
+    address step_000350.bin, another file."""
+    base = name.rsplit("/", 1)[-1]
+    m = NAME_RE.match(base)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == base else None
+
+
+def is_stray_checkpoint_name(name: str) -> bool:
+    """Shaped like a checkpoint name but not a canonical one (ignored, with a warning, never touched)."""
+    base = name.rsplit("/", 1)[-1]
+    return NAME_RE.match(base) is not None and step_from_name(base) is None
 
 
 def expected_size(n_params: int) -> int:
@@ -151,7 +169,6 @@ def n_params_of(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@torch.no_grad()
 def snapshot(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -163,6 +180,15 @@ def snapshot(
     `non_blocking` with a pinned `out` only queues the device-to-host copies on the current stream:
     `out` must not be read before an event recorded after this call has completed.
     """
+    import torch
+
+    with torch.no_grad():
+        return _snapshot(model, optimizer, out, non_blocking)
+
+
+def _snapshot(model, optimizer, out, non_blocking: bool):
+    import torch
+
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     if out is None:
@@ -185,9 +211,17 @@ def snapshot(
     return out
 
 
-@torch.no_grad()
 def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load weights, m and v into the model and AdamW, and set AdamW's step count from the header."""
+    import torch
+
+    with torch.no_grad():
+        _restore(ckpt, model, optimizer)
+
+
+def _restore(ckpt: Checkpoint, model, optimizer) -> None:
+    import torch
+
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     if n != ckpt.n_params:

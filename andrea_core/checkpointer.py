@@ -13,7 +13,8 @@ Ordering guarantee of a save of step S (what sidecar writers can rely on):
   2. step_S.bin appears under its final name whole: fsynced, renamed, directory entry fsynced.
   3. `after_publish(S)` runs after 2, and only if 2 succeeded: the place for a sidecar that must never
      be newer than the newest checkpoint. (A crash between 2 and 3 leaves the sidecar one save behind:
-     sidecars record the step they belong to.)
+     sidecars record the step they belong to.) Its failure is logged as its own error: the checkpoint
+     is written all the same.
   4. All of it is over before the next save takes its snapshot, and before `wait()` returns.
 The callbacks run on the writer thread while the model trains on: they must write what the caller
 captured at the boundary (a closure over a copy), never read live training state.
@@ -131,8 +132,6 @@ class Checkpointer:
             flat = self._buffer.numpy()
             header = encode_header(record.step, flat.size // 3)
             self.run.write_atomic(record.name, [header, memoryview(flat.astype("<f4", copy=False))])
-            if after_publish is not None:
-                after_publish(record.step)
         except Exception as e:  # any failure of a write is reported; none may kill training
             record.write_s = time.perf_counter() - t0
             record.error = e
@@ -141,6 +140,13 @@ class Checkpointer:
                 "Earlier checkpoints are untouched; the next checkpoint boundary tries again."
             )
         else:
-            record.write_s = time.perf_counter() - t0
             mb = (len(header) + flat.nbytes) / 1e6
-            self.log(f"checkpoint {record.name} ({mb:,.1f} MB written in {record.write_s:.2f}s)")
+            self.log(f"checkpoint {record.name} ({mb:,.1f} MB written in {time.perf_counter() - t0:.2f}s)")
+            if after_publish is not None:
+                # The checkpoint is published: what comes after cannot unwrite it, so its failure is
+                # its own error, never a failed checkpoint (that would retry a good file, exit 1).
+                try:
+                    after_publish(record.step)
+                except Exception as e:
+                    self.log(f"ERROR: after publishing {record.name}: {type(e).__name__}: {e}")
+            record.write_s = time.perf_counter() - t0

@@ -1,4 +1,8 @@
-"""`andrea`: the operator's command line (also `python -m andrea_core`)."""
+"""`andrea`: the operator's command line (also `python -m andrea_core`).
+
+Imports are made where they are needed: `andrea train` installs its signal handlers before anything
+heavy is imported (torch takes a second or more), and the commands that never train never import torch.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,7 @@ import posixpath
 import sys
 import time
 
-import fsspec
-
 from andrea_core import signals
-from andrea_core.checkpoint import region_stats
-from andrea_core.config import ConfigError, load_run_config
-from andrea_core.data.corpora import CorpusError
-from andrea_core.data.sources import SourceUnavailable
-from andrea_core.lock import LockError
-from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
-from andrea_core.rundir import RunDir
 
 
 def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
@@ -35,11 +30,18 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    flags = signals.install()  # before the slow torch import: a SIGTERM during start-up still exits cleanly
+    flags = signals.install()  # normally done already, before the first import (main)
     _hold_start_up_for_tests(flags)
-    from andrea_core.trainer import Trainer
+    from andrea_core.config import load_run_config
 
     cfg = load_run_config(args.config) if args.config else None
+    if flags.stop is None:
+        from andrea_core.trainer import Trainer  # torch: a second or more
+
+    if flags.stop is not None:
+        # Nothing trained yet, nothing to checkpoint: the stop is honoured before any work.
+        print(f"andrea: {flags.stop} before the first step (during start-up): nothing to checkpoint, exiting")
+        return 0
     trainer = Trainer(
         args.run_dir,
         cfg,
@@ -68,6 +70,10 @@ def format_inspect(report: dict) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import fsspec
+
+    from andrea_core.checkpoint import region_stats
+
     with fsspec.open(args.file, "rb") as f:
         data = f.read()
     report = region_stats(data, posixpath.basename(args.file.rstrip("/")))
@@ -75,8 +81,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0 if report["valid"] else 1
 
 
-def plot_loss(history: list[LossEntry], out: str, title: str) -> None:
+def plot_loss(history: list, out: str, title: str) -> None:
+    import fsspec
     import matplotlib
+
+    from andrea_core.loss_log import ema_curve
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -95,6 +104,9 @@ def plot_loss(history: list[LossEntry], out: str, title: str) -> None:
 
 
 def cmd_loss(args: argparse.Namespace) -> int:
+    from andrea_core.loss_log import ema, read_history
+    from andrea_core.rundir import RunDir
+
     run = RunDir(args.run_dir)
     history = read_history(run)
     if not history:
@@ -124,8 +136,10 @@ def cmd_loss(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from andrea_core import lock
+    from andrea_core.config import ConfigError
     from andrea_core.fork import run_n_params
     from andrea_core.retention import apply_retention, format_plan
+    from andrea_core.rundir import RunDir
     from andrea_core.runs import read_run
 
     run = RunDir(args.run_dir)
@@ -161,6 +175,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from andrea_core.audit import format_audit, read_audits
+    from andrea_core.rundir import RunDir
 
     run = RunDir(args.run_dir)
     audits = read_audits(run)
@@ -330,9 +345,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["train"]:
+        # This process is a trainer: before anything else (and before torch), hold the trainer signals,
+        # take a nonce (andrea_core.signals) and install the handlers that turn a signal into a flag.
+        signals.become_trainer_process()
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, LockError, FileNotFoundError, SourceUnavailable, CorpusError) as e:
+    except Exception as e:
+        if not isinstance(e, _operator_errors()):
+            raise
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2
+
+
+def _operator_errors() -> tuple[type[Exception], ...]:
+    """What a command reports as a plain error (exit 2) rather than a traceback."""
+    from andrea_core.config import ConfigError
+    from andrea_core.data.corpora import CorpusError
+    from andrea_core.data.sources import SourceUnavailable
+    from andrea_core.lock import LockError
+
+    return (ConfigError, LockError, FileNotFoundError, SourceUnavailable, CorpusError)

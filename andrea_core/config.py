@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from andrea_core.model import ModelConfig
+from andrea_core.model_config import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"

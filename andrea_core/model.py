@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    block_size: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    dropout: float = 0.0
+from andrea_core.model_config import ModelConfig  # defined torch-free, still importable from here
 
 
 class KVCache:

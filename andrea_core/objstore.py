@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -51,8 +52,16 @@ def _is_precondition_failure(e: BaseException) -> bool:
 
 
 async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | None) -> Version:
+    """Publish `views` as `path` whole (one PUT, or a multipart upload completed or aborted); with
+    `expect`, only over that version (If-Match / If-None-Match), else ConcurrentWriteError.
+
+    A conditional put is ambiguous when its reply is lost: the store may have committed it, and the
+    SDK's identical retry then fails its own precondition (412). So a refused put reads back what the
+    store holds: exactly our bytes means it was ours, and its version is adopted; anything else is a
+    true concurrent write."""
     bucket, key, _ = fs.split_path(path)
     conditions = _conditions(expect)
+    digest = hashlib.sha256() if conditions else None
     part_size = max(fs.default_block_size, S3_MIN_PART)
     pending: collections.deque[memoryview] = collections.deque()
     pending_size = size = 0
@@ -88,6 +97,8 @@ async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | N
 
     try:
         for view in views:
+            if digest is not None:
+                digest.update(view)
             pending.append(view)
             pending_size += view.nbytes
             size += view.nbytes
@@ -122,6 +133,10 @@ async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | N
                 await asyncio.shield(
                     fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
                 )
+        if _is_precondition_failure(e) and digest is not None:
+            etag = await s3_etag_if_holding(fs, path, size, digest.digest())
+            if etag is not None:
+                return Version(size, etag)  # our own put, committed before its reply was lost
         if _is_precondition_failure(e):
             raise ConcurrentWriteError(
                 f"s3://{path} changed since this process read it; not replacing it"
@@ -130,6 +145,23 @@ async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | N
     finally:
         fs.invalidate_cache(path)
     return Version(size, r["ETag"])
+
+
+async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | None:
+    """The ETag of `path` if the store holds exactly `size` bytes with this SHA-256, else None."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        r = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    if r.get("ContentLength") not in (None, size):
+        r["Body"].close()
+        return None
+    held = hashlib.sha256()
+    async with r["Body"] as body:
+        while chunk := await body.read(2**20):
+            held.update(chunk)
+    return r["ETag"] if held.digest() == sha256 else None
 
 
 async def s3_get(fs, path: str) -> tuple[bytes, str]:
@@ -142,12 +174,21 @@ async def s3_get(fs, path: str) -> tuple[bytes, str]:
 async def s3_abort_uploads(fs, root: str, log: Callable[[str], None]) -> list[str]:
     bucket, prefix, _ = fs.split_path(root)
     prefix = f"{prefix}/" if prefix else ""
-    listing = await fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
     aborted = []
-    for upload in listing.get("Uploads", []):
-        await fs._call_s3(
-            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-        )
-        aborted.append(upload["Key"])
-        log(f"aborted an unfinished upload of s3://{bucket}/{upload['Key']} (its writer died)")
-    return aborted
+    page: dict[str, str] = {}
+    while True:  # S3 lists at most 1,000 uploads a page
+        listing = await fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page)
+        uploads = listing.get("Uploads", [])
+        for upload in uploads:
+            await fs._call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+            aborted.append(upload["Key"])
+            log(f"aborted an unfinished upload of s3://{bucket}/{upload['Key']} (its writer died)")
+        if not listing.get("IsTruncated") or not uploads:
+            return aborted
+        # The markers are positions in the listing's order: valid although those uploads are gone now.
+        page = {
+            "KeyMarker": listing.get("NextKeyMarker") or uploads[-1]["Key"],
+            "UploadIdMarker": listing.get("NextUploadIdMarker") or uploads[-1]["UploadId"],
+        }

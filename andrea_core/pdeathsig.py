@@ -6,7 +6,7 @@ A trainer launched by an orchestrator (a Prefect flow-run process) is that proce
 orchestrator is killed outright (SIGKILL, the OOM killer), the trainer must not train on unsupervised,
 holding the GPU and the run lock where nobody watches it: with Linux's parent-death signal it gets the
 same SIGTERM as any other stop, checkpoints the step in flight and exits, and the next run resumes.
-Standard library only, so that the exec happens before any heavy import.
+Standard library only (andrea_core.signals is), so that the exec happens before any heavy import.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import ctypes
 import os
 import signal
 import sys
+
+from andrea_core.signals import nonce_environment
 
 PR_SET_PDEATHSIG = 1
 
@@ -35,7 +37,9 @@ def main(argv: list[str]) -> int:
         if os.getppid() != parent:
             print(f"andrea: error: launcher pid {parent} is gone; not starting {command[0]}", file=sys.stderr)
             return 3
-    os.execvp(command[0], command)  # the signal request survives exec; the pid and process group stay
+    # The signal request survives exec; the pid and process group stay. The trainer's nonce is given
+    # here, tagged with that pid, so that the trainer need not re-exec itself to get one.
+    os.execvpe(command[0], command, nonce_environment(os.getpid()))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ a prefix extension of itself, and a crash loses at most what was written since t
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -40,6 +42,7 @@ from andrea_core.checkpoint import (
     checkpoint_name,
     decode,
     expected_size,
+    is_stray_checkpoint_name,
     step_from_name,
 )
 from andrea_core.config import ConfigError, check_limit, limit
@@ -227,6 +230,57 @@ class RunDir:
                 log(f"removed {self.path(name)}, left by a writer that did not finish")
         return discarded
 
+    # --- exclusive creation and conditional replacement (the trainer lock) ----------------------
+
+    def read_versioned(self, name: str) -> tuple[bytes, Version]:
+        """A file's bytes and the version they are, read as one (ABSENT if there is no such file):
+        what `replace_if_unchanged` takes as `expect`."""
+        return self._read_versioned(name)
+
+    def create_exclusive(self, name: str, data: bytes) -> Version:
+        """Publish `name` only if no file of that name exists, atomically: of any number of processes
+        racing to create it, exactly one succeeds and the others get FileExistsError.
+
+          local disk   the bytes are written and fsynced under a temporary name, then hard-linked
+                       to the final name (link(2) fails if the name exists: O_EXCL for a whole file);
+          S3           one put with If-None-Match: * (a lost reply is resolved by s3_put);
+          others       check then put, made exclusive only among this process's threads (the memory
+                       filesystem of the tests lives in one process)."""
+        final = self.path(name)
+        if self.is_local:
+            return Version(_create_local(final, data), _sha256(data))
+        if self.is_s3:
+            try:
+                return self._put(name, data, expect=ABSENT)
+            except ConcurrentWriteError:
+                raise FileExistsError(errno.EEXIST, "already exists", final) from None
+        with _IN_PROCESS:
+            if self.fs.exists(final):
+                raise FileExistsError(errno.EEXIST, "already exists", final)
+            self.fs.pipe_file(final, data)
+            return Version(len(data), _sha256(data))
+
+    def replace_if_unchanged(self, name: str, data: bytes, expect: Version) -> Version:
+        """Replace `name` with `data` only if it is still exactly version `expect` (as read by
+        `read_versioned`), else ConcurrentWriteError: of two processes replacing the same version,
+        one wins. Local disk: compare and rename under flock(2) of the directory; S3: If-Match."""
+        final = self.path(name)
+        if self.is_s3:
+            return self._put(name, data, expect=expect)
+        if self.is_local:
+            guard = _DirectoryLock(posixpath.dirname(final))
+        else:
+            guard = _IN_PROCESS
+        with guard:
+            held, version = self._read_versioned(name)
+            if not version.exists or version.etag != expect.etag:
+                raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
+            if self.is_local:
+                _write_local(final, [memoryview(data)])
+            else:
+                self.fs.pipe_file(final, data)
+        return Version(len(data), _sha256(data))
+
     # --- publishing, per kind of filesystem ---------------------------------------------------
 
     def _put(self, name: str, parts: Buffer | Iterable[Buffer], expect: Version | None = None) -> Version:
@@ -253,7 +307,7 @@ class RunDir:
             data = self.read_bytes(name)
         except FileNotFoundError:
             return b"", ABSENT
-        return data, Version(len(data))
+        return data, Version(len(data), _sha256(data))
 
     def _check_unchanged(self, name: str, expect: Version) -> None:
         # Without conditional puts this is check-then-act; the trainer's lock makes it enough for
@@ -267,10 +321,21 @@ class RunDir:
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    def checkpoint_steps(self) -> list[int]:
-        """Steps of every file named like a checkpoint, oldest first (valid or not)."""
-        steps = (step_from_name(n) for n in self.listdir())
-        return sorted(s for s in steps if s is not None)
+    def checkpoint_steps(self, warn: Callable[[str], None] | None = None) -> list[int]:
+        """Steps of every file named like a checkpoint, oldest first (valid or not). Only canonical
+        names count (checkpoint_name); a stray spelling such as step_0000350.bin is never listed, so
+        nothing reads, moves or deletes it: `warn` hears of each one."""
+        steps = []
+        for name in self.listdir():
+            step = step_from_name(name)
+            if step is not None:
+                steps.append(step)
+            elif warn is not None and is_stray_checkpoint_name(name):
+                warn(
+                    f"warning: ignoring {self.path(name)}: not a canonical checkpoint name "
+                    "(step_NNNNNN.bin, six digits below step 1,000,000); it is left as it is"
+                )
+        return sorted(steps)
 
     def read_checkpoint(self, step: int, n_params: int | None = None) -> Checkpoint:
         name = checkpoint_name(step)
@@ -296,7 +361,7 @@ class RunDir:
 
     def newest_valid_checkpoint(self, n_params: int | None = None, warn=None) -> Checkpoint | None:
         """The newest checkpoint that passes validation; bad ones are reported, never deleted."""
-        for step in reversed(self.checkpoint_steps()):
+        for step in reversed(self.checkpoint_steps(warn=warn)):
             try:
                 return self.read_checkpoint(step, n_params)
             except CheckpointError as e:
@@ -377,7 +442,20 @@ class MirroredAppendFile:
     def _publish_locked(self) -> None:
         if self._size == self._version.size and self._version.exists:
             return  # nothing new: the published file already is the mirror
-        self._version = self.run._put(self.name, self._read_locked(), expect=self._version)
+        mirror = self._read_locked()
+        try:
+            self._version = self.run._put(self.name, mirror, expect=self._version)
+        except ConcurrentWriteError:
+            # An earlier publish of ours may have reached the store although its call failed (a lost
+            # reply): then the store holds a prefix of the mirror, at least as long as the version we
+            # know, and the file still only grows if we go on from it. Anything else is foreign.
+            held, version = self.run._read_versioned(self.name)
+            known = self._version.size if self._version.exists else 0
+            if not (version.exists and len(held) >= known and mirror.startswith(held)):
+                raise
+            self._version = version
+            if len(held) < len(mirror):
+                self._version = self.run._put(self.name, mirror, expect=version)
 
     def close(self) -> None:
         with self._lock:
@@ -411,6 +489,48 @@ def _write_local(final: str, views: Iterable[memoryview]) -> int:
         raise
     _fsync_dir(folder)
     return size
+
+
+def _sha256(data: bytes) -> str:
+    # The version of a file on a store without ETags: its content (the same bytes are the same version).
+    return hashlib.sha256(data).hexdigest()
+
+
+# Serialises check-then-act on filesystems that offer nothing better, among this process's threads.
+_IN_PROCESS = threading.Lock()
+
+
+class _DirectoryLock:
+    """flock(2) on a directory: serialises the processes of this kernel that compare-and-replace a
+    file in it (the lock takeover), without adding a file to the run directory."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.folder, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)  # closing drops the flock
+
+
+def _create_local(final: str, data: bytes) -> int:
+    """Write `data` durably under a temporary name, then link it to `final` (fails if it exists)."""
+    folder = posixpath.dirname(final)
+    os.makedirs(folder, exist_ok=True)
+    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(folder)
+    return len(data)
 
 
 def _fsync_dir(folder: str) -> None:

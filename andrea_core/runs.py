@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
 
 from andrea_core.config import ConfigError, RunConfig, load_yaml, parse_run_config
@@ -31,6 +30,8 @@ def cpu_model() -> str:
 def environment() -> dict[str, str]:
     """What bit-exact CPU results depend on besides the thread count (which is in the config): the
     kernels torch picks (its version and the CPU's instruction set) and numpy's random streams."""
+    import torch  # here only: reading a run's record (lineage, gc) needs no torch
+
     return {
         "torch": str(torch.__version__),
         "numpy": str(np.__version__),

@@ -2,11 +2,63 @@
 
 Installed as early as possible (before torch is imported) so that a SIGTERM during start-up, such as
 a Prefect cancellation of a flow run that just launched the trainer, still ends in a clean exit 0.
+
+Who may be signalled: a trainer process carries a secret nonce in its environment from its exec on
+(`ANDREA_TRAINER_NONCE`, tagged with its pid so that one inherited from a parent does not count) and
+writes it into the run's lock. /proc/PID/environ shows the environment a process was exec'd with, to
+its own user only, so a lock's pid is signalled only if that process shows the lock's nonce
+(andrea_core.lock). Standard library only: this module runs before any heavy import.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
+import sys
+
+NONCE_ENV = "ANDREA_TRAINER_NONCE"
+TRAINER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def environ_of(pid: int | str) -> dict[str, str]:
+    """The environment process `pid` was exec'd with (raises OSError if it cannot be read: another
+    user's process, or no /proc)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read()
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def trainer_nonce() -> str | None:
+    """This process's own trainer nonce, as /proc shows it to others; None if it has none."""
+    try:
+        value = environ_of("self").get(NONCE_ENV, "")
+    except OSError:
+        return None
+    pid, _, secret = value.partition(":")
+    return value if pid == str(os.getpid()) and len(secret) >= 32 else None
+
+
+def nonce_environment(pid: int) -> dict[str, str]:
+    """os.environ plus a fresh nonce for the process `pid` is about to become by exec."""
+    return {**os.environ, NONCE_ENV: f"{pid}:{secrets.token_hex(16)}"}
+
+
+def become_trainer_process() -> TrainerSignals:
+    """The first thing a trainer process does. Blocks the trainer signals, re-execs itself (same pid,
+    same argv) with a nonce in its environment if it has none, installs the handlers, then unblocks:
+    a signal that came meanwhile was held pending across the exec and is delivered to the handler now,
+    never to the default action."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, TRAINER_SIGNALS)
+    exec_once = not os.environ.get(NONCE_ENV, "").startswith(f"{os.getpid()}:")  # never loop on exec
+    if trainer_nonce() is None and exec_once and os.path.exists("/proc/self/environ"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, nonce_environment(os.getpid()))
+    flags = install()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
+    return flags
 
 
 class TrainerSignals:

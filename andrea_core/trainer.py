@@ -279,13 +279,23 @@ class Trainer:
             step,
             before_write=lambda _: self.loss_log.sync(),
             # Retention deletes only once this newer checkpoint is published (and re-validated).
-            after_publish=lambda s: apply_retention(
-                self.run, self.cfg.retention, self.model.n_params, self.log, newest=s
-            ),
+            after_publish=self._retain,
         )
         if audit:
             self.auditor.record(step)
         return name
+
+    def _retain(self, step: int) -> None:
+        """Retention after step's checkpoint is published. Its failure (a denied delete, a listing
+        error, an unreadable forks.jsonl) is a retention error, not a failed checkpoint: the checkpoint
+        stands, nothing is lost but disk space, and the next checkpoint retries retention whole."""
+        try:
+            apply_retention(self.run, self.cfg.retention, self.model.n_params, self.log, newest=step)
+        except Exception as e:
+            self.log(
+                f"ERROR: retention after {checkpoint_name(step)} failed: {type(e).__name__}: {e}. "
+                "The checkpoint is written and kept; retention runs again at the next checkpoint."
+            )
 
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
@@ -396,6 +406,10 @@ class Trainer:
                 last_saved = self.save(step, audit)
             elif audit:
                 self.auditor.record(step)
+                if flags.stop:  # it came during the audit: this step is still the one in flight
+                    self.log(f"{flags.stop}: checkpointing step {step}, then exiting")
+                    self._read(current)
+                    last_saved = self.save(step)
             if flags.stop:
                 return self._finish(step, flags.stop, last_saved)
             if step < self.max_steps:

@@ -69,12 +69,13 @@ class S3Server:
             self.proc.wait()
 
 
-def start_s3_server(timeout: float = 60) -> S3Server:
-    """Start `moto.server` on a free 127.0.0.1 port and wait until it answers."""
+def start_s3_server(timeout: float = 60, server: list[str] | None = None) -> S3Server:
+    """Start `moto.server` (or `server`, a command line to which -H and -p are added) on a free 127.0.0.1
+    port and wait until it answers."""
     for _ in range(3):  # the port is free when picked; another process may take it before moto binds
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            [*(server or [sys.executable, "-m", "moto.server"]), "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

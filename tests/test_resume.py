@@ -129,7 +129,8 @@ def test_a_stop_signal_during_start_up_exits_cleanly_before_the_first_step(tmp_p
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert f"andrea: {signame} before the first step: nothing to checkpoint, exiting" in log.read_text()
+    line = f"andrea: {signame} before the first step (during start-up): nothing to checkpoint, exiting"
+    assert line in log.read_text()
     assert not (run / ".trainer.json").exists()
     assert RunDir(str(run)).checkpoint_steps() == [] and last_logged_step(run) == 0
 

@@ -1,0 +1,266 @@
+"""The trainer lock (issue 14.2, 14.3) and who may be signalled (issue 17.2): exclusive acquisition
+raced by real processes on local disk and on the moto S3 server, identities across pid namespaces,
+and forged locks that must never get a process signalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from conftest import _env, start_trainer, wait_for
+from s3_server import ThrottledLink
+
+from andrea_core import lock
+from andrea_core.lock import LockError, NotOurTrainer, TrainerIdentity, live_trainer, read_lock
+from andrea_core.rundir import LOCK, RunDir
+from tests.tiny import tiny_config
+
+PROCESSES, TRIALS = 6, 30
+
+RACER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from andrea_core import lock
+    from andrea_core.rundir import RunDir
+    base, sync, me, n, trials = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    results = []
+    for t in range(trials):
+        open(os.path.join(sync, f"ready.{t}.{me}"), "w").close()
+        while sum(f.startswith(f"ready.{t}.") for f in os.listdir(sync)) < n:  # all start together
+            time.sleep(0.0005)
+        try:
+            lock.acquire(RunDir(f"{base}/trial{t}"), log=lambda m: None)
+            results.append("won")
+        except lock.LockError as e:
+            results.append("lost")
+        except Exception as e:
+            results.append(f"error {type(e).__name__}: {e}")
+    print(json.dumps(results), flush=True)
+    """
+)
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def stale_identity(run: RunDir) -> TrainerIdentity:
+    me = TrainerIdentity.of_this_process(run.url)
+    return replace(me, pid=dead_pid(), proc_start=12345, nonce=None)
+
+
+def race(base: str, tmp_path: Path, stale: bool, env: dict[str, str]) -> list[list[str]]:
+    """TRIALS rounds of PROCESSES processes calling lock.acquire on one run at the same moment; every
+    process stays alive until all rounds are over, so a winner's lock is never stale. Returns, per
+    round, what each process got."""
+    if stale:  # each round starts from the lock of a dead trainer: the takeover is raced
+        for t in range(TRIALS):
+            run = RunDir(f"{base}/trial{t}")
+            run.makedirs()
+            run.write_atomic(LOCK, stale_identity(run).encode())
+    sync = tmp_path / f"sync-{int(stale)}"
+    sync.mkdir()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, base, str(sync), str(i), str(PROCESSES), str(TRIALS)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(PROCESSES)
+    ]
+    outcomes = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+    return [[o[t] for o in outcomes] for t in range(TRIALS)]
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh", "stale"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_exactly_one_of_many_racing_trainers_gets_the_lock(kind, stale, tmp_path, s3_server, s3_bucket):
+    base = str(tmp_path / "runs") if kind == "local" else f"{s3_bucket}/runs"
+    env, link = _env(), None
+    if kind == "s3":  # the racers reach the store over a slow link: each request takes tens of ms
+        link = ThrottledLink(s3_server.port, rate=20_000)
+        env.update(s3_server.env(link.endpoint))
+    try:
+        rounds = race(base, tmp_path, stale, env)
+    finally:
+        if link is not None:
+            link.close()
+    errors = [r for rnd in rounds for r in rnd if r.startswith("error")]
+    assert not errors, errors[:3]
+    winners = [rnd.count("won") for rnd in rounds]
+    assert winners == [1] * TRIALS, f"winners per round: {winners}"
+    if stale:  # the winner's takeover raised the generation
+        assert {read_lock(RunDir(f"{base}/trial{t}")).generation for t in range(TRIALS)} == {2}
+
+
+def test_a_lock_create_whose_reply_is_lost_is_still_ours(s3_bucket, monkeypatch):
+    from tests.test_review_storage import drop_first_reply
+
+    run = RunDir(f"{s3_bucket}/run")
+    answers = drop_first_reply(run.fs, monkeypatch, lambda kw: kw["Key"].endswith("/" + LOCK))
+    me = lock.acquire(run, log=lambda m: None)
+    assert len(answers) == 1 and "pre-conditions" in answers[0]  # the retry was refused: ours committed
+    assert read_lock(run) == me and me.generation == 1
+    lock.release(run, me)
+    assert read_lock(run) is None
+
+
+# --- 14.3: identity across pid namespaces and host names ---------------------------------------------
+
+
+def test_a_lock_held_in_another_pid_namespace_is_refused_not_taken_over(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode().strip()}")
+    run = RunDir(str(tmp_path / "run"))
+    holder_code = (
+        "from andrea_core import lock; from andrea_core.rundir import RunDir; import time; "
+        f"me = lock.acquire(RunDir({run.url!r})); print(me.pid, me.pid_ns, flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c", holder_code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        pid_inside, ns_inside = holder.stdout.readline().split()
+        assert ns_inside != os.readlink("/proc/self/ns/pid")
+        before = Path(run.path(LOCK)).read_bytes()
+        with pytest.raises(LockError, match="cannot be checked from here: it runs in another pid namespace"):
+            lock.acquire(run, log=lambda m: None)
+        assert Path(run.path(LOCK)).read_bytes() == before  # not taken over
+        assert live_trainer(run) is None  # nothing from here signals pid {pid_inside} of that namespace
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_renamed_host_on_the_same_kernel_and_namespace_is_checked_by_its_pid(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    me = TrainerIdentity.of_this_process(run.url)
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        # A pod replaced under a new host name: same kernel (boot id), same pid namespace.
+        live = replace(me, pid=sleeper.pid, proc_start=lock.process_start_ticks(sleeper.pid), host="pod-a")
+        run.write_atomic(LOCK, live.encode())
+        with pytest.raises(LockError, match=f"in use by trainer pid {sleeper.pid} on pod-a"):
+            lock.acquire(run, log=lambda m: None)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    run.write_atomic(LOCK, replace(live, pid=dead_pid()).encode())
+    logged: list[str] = []
+    taken = lock.acquire(run, log=logged.append)
+    assert "taking over the stale lock of dead trainer" in logged[0] and taken.generation == 2
+    # Another machine (another boot id under another name) still cannot be checked from here.
+    run.write_atomic(LOCK, replace(live, boot_id="another-kernel", host="pod-b").encode())
+    with pytest.raises(LockError, match="cannot be checked from here: it runs on host pod-b"):
+        lock.acquire(run, log=lambda m: None)
+
+
+# --- 17.2: a forged lock gets no process signalled -------------------------------------------------
+
+
+def forged_lock_naming(run: RunDir, pid: int, nonce: str | None = "0" * 40) -> TrainerIdentity:
+    """What an attacker can write: every public fact about a live process of ours, and some nonce."""
+    me = TrainerIdentity.of_this_process(run.url)
+    ident = replace(me, pid=pid, proc_start=lock.process_start_ticks(pid), nonce=nonce)
+    run.makedirs()
+    run.write_atomic(LOCK, ident.encode())
+    return ident
+
+
+@pytest.mark.parametrize("victim", ["sleep", "bash"])
+def test_a_forged_lock_naming_a_live_process_of_ours_gets_it_no_signal(victim, tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    argv = ["sleep", "600"] if victim == "sleep" else ["bash", "-c", "sleep 600"]
+    proc = subprocess.Popen(argv)
+    try:
+        forged_lock_naming(run, proc.pid)
+        ident = live_trainer(run)
+        assert ident is not None and ident.pid == proc.pid  # it looks alive: pid, boot id, start time
+        for send in (ident.stop, lambda: ident.signal(signal.SIGUSR1)):
+            with pytest.raises(NotOurTrainer, match="is not this run's andrea trainer"):
+                send()
+        from andrea_core.supervise import require_live_trainer
+
+        with pytest.raises(NotOurTrainer, match="does not carry the lock's trainer nonce"):
+            require_live_trainer(run).signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None, "the forged lock's process was signalled"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_pivot_tasks_refuse_a_forged_lock(tmp_path):
+    from prefect.logging import disable_run_logger
+
+    from tasks.trainer import signal_trainer, stop_trainer
+
+    run = RunDir(str(tmp_path / "run"))
+    proc = subprocess.Popen(["sleep", "600"])
+    try:
+        forged_lock_naming(run, proc.pid)
+        with disable_run_logger():
+            for call in (lambda: stop_trainer.fn(run.url, 5), lambda: signal_trainer.fn(run.url, "SIGUSR1")):
+                with pytest.raises(NotOurTrainer):
+                    call()
+        time.sleep(0.5)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_real_trainer_is_signalled_and_a_copy_of_its_lock_elsewhere_is_not(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    trainer = start_trainer("--config", tiny_config(tmp_path), "--run-dir", run.url, "--pace", "0.05")
+    try:
+        ident = wait_for(lambda: live_trainer(run), timeout=120, what="the trainer's lock")
+        assert ident.pid == trainer.pid and ident.nonce and ident.nonce.startswith(f"{trainer.pid}:")
+        # The same lock, copied into another run directory, names the same live trainer: refused.
+        other = RunDir(str(tmp_path / "other"))
+        other.makedirs()
+        other.write_atomic(LOCK, run.read_bytes(LOCK))
+        with pytest.raises(NotOurTrainer, match=f"it trains {run.url}, not {other.url}"):
+            live_trainer(other).stop()
+        # A lock naming the trainer with another nonce: refused.
+        fake = RunDir(str(tmp_path / "fake"))
+        forged_lock_naming(fake, trainer.pid)
+        with pytest.raises(NotOurTrainer, match="does not carry the lock's trainer nonce"):
+            live_trainer(fake).stop()
+        assert trainer.poll() is None
+        ident.stop()  # the real one, through its own lock
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
+def test_lock_file_records_the_identity(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    me = lock.acquire(run, log=lambda m: None)
+    recorded = json.loads(Path(run.path(LOCK)).read_text())
+    assert recorded == asdict(me)
+    assert recorded["pid_ns"] == os.readlink("/proc/self/ns/pid") and recorded["host"] == socket.gethostname()
+    assert recorded["generation"] == 1
