@@ -48,11 +48,26 @@ class TrainerIdentity:
     proc_start: int | None
     started_at: float
     run_dir: str
+    # Under torchrun: the job's world size, and the agent whose SIGTERM reaches every rank (`pid` is
+    # rank 0, which shares a signal sent to it alone with every rank at the next step).
+    world_size: int = 1
+    agent_pid: int | None = None
 
     @classmethod
-    def of_this_process(cls, run_dir: str) -> TrainerIdentity:
+    def of_this_process(
+        cls, run_dir: str, world_size: int = 1, agent_pid: int | None = None
+    ) -> TrainerIdentity:
         pid = os.getpid()
-        return cls(pid, socket.gethostname(), _boot_id(), process_start_ticks(pid), time.time(), run_dir)
+        return cls(
+            pid,
+            socket.gethostname(),
+            _boot_id(),
+            process_start_ticks(pid),
+            time.time(),
+            run_dir,
+            world_size,
+            agent_pid,
+        )
 
     def is_alive(self) -> bool:
         """True only if this exact process (not a recycled pid) still runs on this host."""
@@ -87,7 +102,7 @@ def live_trainer(run: RunDir) -> TrainerIdentity | None:
     return ident if ident is not None and ident.is_alive() else None
 
 
-def acquire(run: RunDir, log=print) -> TrainerIdentity:
+def acquire(run: RunDir, log=print, world_size: int = 1, agent_pid: int | None = None) -> TrainerIdentity:
     """Take the lock for this process: refuse a live holder, take over a dead one's."""
     held = read_lock(run)
     if held is not None:
@@ -105,7 +120,7 @@ def acquire(run: RunDir, log=print) -> TrainerIdentity:
                 f"be checked from here; if it is gone, remove {run.path(LOCK)}"
             )
         log(f"taking over the stale lock of dead trainer pid {held.pid} ({run.path(LOCK)})")
-    me = TrainerIdentity.of_this_process(run.url)
+    me = TrainerIdentity.of_this_process(run.url, world_size, agent_pid)
     run.write_json(LOCK, asdict(me))
     # Two trainers racing past the check both write: only the one whose lock survived proceeds.
     if read_lock(run) != me:
