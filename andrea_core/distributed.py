@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from andrea_core.config import ConfigError
+from andrea_core.signals import TrainerSignals
 
 # The stop flag travels as a number so that MAX picks one signal for every rank; SIGTERM outranks SIGINT.
 _STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}
@@ -120,18 +121,25 @@ def global_mean(world: World, value: torch.Tensor) -> torch.Tensor:
     return total / world.world_size
 
 
-def share_flags(world: World, flags, device: str) -> None:
-    """All-reduce (MAX) the signal flags so that every rank acts on a signal any rank received, at the
-    same step. `flags` is a signals.TrainerSignals; its fields are raised, never lowered, here."""
+def share_flags(world: World, received: TrainerSignals, device: str, consume: bool = True) -> TrainerSignals:
+    """The flags every rank acts on at this step: `received` (what this process's handlers set) all-
+    reduced (MAX) over the ranks, so that a signal any rank received acts on every rank at the same step.
+
+    The answer is a snapshot: a signal that lands after the all-reduce (during this step's checkpoint)
+    stays in `received` for the next step's all-reduce, instead of making this rank alone act on it now.
+    With `consume`, a checkpoint request is taken out of `received` into the snapshot. A single process
+    gets `received` itself back: its loop reads the live flags, as it always has."""
     if not world.distributed:
-        return
-    mine = torch.tensor([_STOP_CODES[flags.stop], int(flags.checkpoint)], dtype=torch.int32, device=device)
+        return received
+    stop, checkpoint = received.stop, received.checkpoint
+    if consume:
+        received.checkpoint = False
+    mine = torch.tensor([_STOP_CODES[stop], int(checkpoint)], dtype=torch.int32, device=device)
     torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
-    stop, checkpoint = (int(v) for v in mine.tolist())
-    if stop and flags.stop is None:
-        flags.stop = _STOP_NAMES[stop]
-    if checkpoint:
-        flags.checkpoint = True
+    agreed = TrainerSignals()
+    agreed.stop = _STOP_NAMES[int(mine[0])]
+    agreed.checkpoint = bool(mine[1])
+    return agreed
 
 
 # --- the agent: `andrea train --nproc-per-node N` ---------------------------------------------------

@@ -39,7 +39,7 @@ def _config(folder: Path, name: str, base: str, batch: int, steps: int, threads:
         "train.batch_size": batch,
         "train.max_steps": steps,
         "train.checkpoint_every": steps,
-        "train.audit_every": 10 * steps,
+        "train.sample_every": 10 * steps,
         "train.num_threads": threads,
     }
     cfg = load_run_config(base).with_overrides(overrides, "bench/ddp_overhead.py")

@@ -88,8 +88,38 @@ def test_single_process_world_needs_no_torch_distributed(monkeypatch):
     assert (world.rank, world.world_size, world.is_main, world.distributed) == (0, 1, True, False)
     flags = TrainerSignals()
     flags.checkpoint = True
-    share_flags(world, flags, "cpu")  # no process group: a no-op, the flags stay as they are
+    # No process group: the loop gets the live flags themselves, as a single trainer always did.
+    assert share_flags(world, flags, "cpu") is flags
     assert flags.checkpoint and flags.stop is None
+
+
+def _share_flags_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    world, received = World(rank, 2), TrainerSignals()
+    if rank == 1:
+        received.checkpoint = True  # SIGUSR1 to rank 1 alone
+    first = share_flags(world, received, "cpu")
+    consumed = received.checkpoint
+    if rank == 0:
+        received.stop = "SIGTERM"  # lands after the all-reduce (during the checkpoint): the next step's
+    result = [first.stop, first.checkpoint, consumed]
+    second = share_flags(world, received, "cpu")
+    result += [second.stop, second.checkpoint]
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_flags_are_all_reduced_into_a_snapshot_every_rank_shares(tmp_path):
+    """A checkpoint sent to rank 1 reaches both ranks at the same step; a stop sent to rank 0 after that
+    step's all-reduce acts at the next one, on every rank (the race a pivot hit: a
+    SIGTERM during the SIGUSR1 checkpoint made rank 0 alone stop one step early)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_share_flags_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results == [[None, True, False, "SIGTERM", False]] * 2
 
 
 def test_batch_that_does_not_split_evenly_is_refused_naming_the_fields():
@@ -260,3 +290,35 @@ def test_trainer_process_of_two_ranks_follows_and_stops_like_one(tmp_path):
     assert (outcome.reason, outcome.returncode, outcome.ok) == ("SIGTERM", 0, True), outcome.describe()
     assert outcome.step == last_logged_step(run) >= 10
     assert run.checkpoint_steps() == [outcome.step]
+
+
+@pytest.mark.slow
+def test_pivot_of_a_two_rank_trainer(tmp_path):
+    """The pivot sequence's steps against a 2-rank job, through what the pivot tasks use: SIGUSR1 to
+    the lock's pid (rank 0) for the pivot checkpoint, SIGTERM to it to stop the job, the run directory's
+    steps 3-5, and a 2-rank restart from the boundary under the new policy with a fresh bandit."""
+    from andrea_core.lock import live_trainer
+    from andrea_core.pivot import pivot_run_directory
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    rd = RunDir(str(run))
+    config = _config(tmp_path, 60, 100)
+    train = ["--run-dir", str(run), *CPU, "--nproc-per-node", "2"]
+    agent = start_trainer("--config", config, *train, "--pace", "0.1", log=tmp_path / "before.log")
+    wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
+    live_trainer(rd).signal(signal.SIGUSR1)
+    boundary = wait_for(lambda: rd.checkpoint_steps(), 120, "the pivot checkpoint")[0]
+    live_trainer(rd).stop()
+    assert agent.wait(120) == 0, (tmp_path / "before.log").read_text()
+    stopped = rd.checkpoint_steps()[-1]
+    assert stopped >= boundary and live_trainer(rd) is None
+    pivot_run_directory(rd, boundary, (Path(TINY).parent / "policies" / "default.yaml").read_text())
+    assert rd.checkpoint_steps() == [boundary]  # the closed phase's tail is archived
+
+    out = andrea("train", *train, timeout=300).stdout
+    assert f"resuming {rd.url} from {checkpoint_name(boundary)}" in out
+    entries = [json.loads(line) for line in (run / ".loss.json").read_text().splitlines()]
+    resumed = [e for e in entries if e["segment"] == entries[-1]["segment"]]
+    assert [e["step"] for e in resumed] == list(range(boundary + 1, 61))
+    assert {e["arm"] for e in resumed} > {"stdlib-code"}  # the new policy's arms are drawn
