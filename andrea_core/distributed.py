@@ -27,6 +27,7 @@ from andrea_core.signals import TrainerSignals
 # The stop flag travels as a number so that MAX picks one signal for every rank; SIGTERM outranks SIGINT.
 _STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}
 _STOP_NAMES = {code: name for name, code in _STOP_CODES.items()}
+_flag_group = None  # the gloo group of the flags under NCCL (None: the default group, gloo on the CPU)
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,22 @@ def init(world: World, device: str) -> None:
     """Join the job's process group: NCCL for CUDA ranks, gloo on the CPU."""
     if not world.distributed or torch.distributed.is_initialized():
         return
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    kwargs = {"device_id": torch.device(device)} if backend == "nccl" else {}
-    torch.distributed.init_process_group(backend, **kwargs)
+    global _flag_group
+    if device.startswith("cuda"):
+        torch.distributed.init_process_group("nccl", device_id=torch.device(device))
+        # The flags go through gloo on the host: an NCCL all-reduce would queue behind the step on the
+        # GPU, and reading its result would make the loop wait for the step (the loop never waits for
+        # the device except to read the previous step's loss).
+        _flag_group = torch.distributed.new_group(backend="gloo")
+    else:
+        torch.distributed.init_process_group("gloo")
 
 
 def shutdown(world: World) -> None:
+    global _flag_group
     if world.distributed and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _flag_group = None
 
 
 def barrier(world: World) -> None:
@@ -121,7 +130,7 @@ def global_mean(world: World, value: torch.Tensor) -> torch.Tensor:
     return total / world.world_size
 
 
-def share_flags(world: World, received: TrainerSignals, device: str, consume: bool = True) -> TrainerSignals:
+def share_flags(world: World, received: TrainerSignals, consume: bool = True) -> TrainerSignals:
     """The flags every rank acts on at this step: `received` (what this process's handlers set) all-
     reduced (MAX) over the ranks, so that a signal any rank received acts on every rank at the same step.
 
@@ -134,8 +143,8 @@ def share_flags(world: World, received: TrainerSignals, device: str, consume: bo
     stop, checkpoint = received.stop, received.checkpoint
     if consume:
         received.checkpoint = False
-    mine = torch.tensor([_STOP_CODES[stop], int(checkpoint)], dtype=torch.int32, device=device)
-    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+    mine = torch.tensor([_STOP_CODES[stop], int(checkpoint)], dtype=torch.int32)  # on the host, always
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX, group=_flag_group)
     agreed = TrainerSignals()
     agreed.stop = _STOP_NAMES[int(mine[0])]
     agreed.checkpoint = bool(mine[1])

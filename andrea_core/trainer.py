@@ -416,7 +416,7 @@ class Trainer:
         self.log(f"training steps {step + 1}..{self.max_steps} (pid {os.getpid()})")
         previous = self._start_loss()  # the step whose loss the mixer has yet to hear of
         # Under torchrun `flags` is what all ranks agreed on (an all-reduce of `received`, every step).
-        received, flags = flags, distributed.share_flags(self.world, flags, self.device, consume=False)
+        received, flags = flags, distributed.share_flags(self.world, flags, consume=False)
         while step < self.max_steps:
             if flags.stop and step == self.start_step:
                 self.log(f"{flags.stop} before the first step: nothing to checkpoint, exiting")
@@ -432,7 +432,7 @@ class Trainer:
             if previous is not None:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
             previous = current
-            flags = distributed.share_flags(self.world, received, self.device)  # every rank, this step
+            flags = distributed.share_flags(self.world, received)  # every rank, this step
             on_grid = step % t.checkpoint_every == 0
             audit = step % t.audit_every == 0 or flags.checkpoint or step == self.max_steps
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:

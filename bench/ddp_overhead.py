@@ -61,8 +61,9 @@ def _train(config: str, run: Path, device: str, nproc: int) -> None:
     subprocess.run(argv, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
-def flag_allreduce_worker(iterations: int) -> None:
-    """Run under torchrun: time `iterations` flag all-reduces; rank 0 prints microseconds per call."""
+def flag_allreduce_worker(iterations: int, device: str) -> None:
+    """Run under torchrun: time `iterations` flag all-reduces (gloo on the CPU, NCCL on CUDA, as the
+    trainer does); rank 0 prints microseconds per call."""
     import torch
 
     from andrea_core import distributed
@@ -70,14 +71,15 @@ def flag_allreduce_worker(iterations: int) -> None:
 
     world = distributed.world_from_env()
     torch.set_num_threads(1)
-    distributed.init(world, "cpu")
+    device = distributed.rank_device(world, device)
+    distributed.init(world, device)
     flags = TrainerSignals()
     for _ in range(50):
-        distributed.share_flags(world, flags, "cpu")
+        distributed.share_flags(world, flags)
     distributed.barrier(world)
     t0 = time.perf_counter()
     for _ in range(iterations):
-        distributed.share_flags(world, flags, "cpu")
+        distributed.share_flags(world, flags)  # on the host (gloo), as in the trainer
     per_call = (time.perf_counter() - t0) / iterations
     if world.is_main:
         print(json.dumps({"flag_allreduce_us": per_call * 1e6}))
@@ -97,7 +99,7 @@ def main() -> None:
     p.add_argument("--flag-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.flag_worker:
-        flag_allreduce_worker(a.flag_iterations)
+        flag_allreduce_worker(a.flag_iterations, a.device)
         return
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
         folder = Path(tmp)
@@ -108,7 +110,7 @@ def main() -> None:
         t1, tn = _median_step(folder / "one", a.skip), _median_step(folder / "many", a.skip)
         flags = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
-            + [__file__, "--flag-worker", "--flag-iterations", str(a.flag_iterations)],
+            + [__file__, "--flag-worker", "--flag-iterations", str(a.flag_iterations), "--device", a.device],
             check=True,
             capture_output=True,
             text=True,

@@ -89,7 +89,7 @@ def test_single_process_world_needs_no_torch_distributed(monkeypatch):
     flags = TrainerSignals()
     flags.checkpoint = True
     # No process group: the loop gets the live flags themselves, as a single trainer always did.
-    assert share_flags(world, flags, "cpu") is flags
+    assert share_flags(world, flags) is flags
     assert flags.checkpoint and flags.stop is None
 
 
@@ -100,12 +100,12 @@ def _share_flags_rank(rank: int, store: str, out: str) -> None:
     world, received = World(rank, 2), TrainerSignals()
     if rank == 1:
         received.checkpoint = True  # SIGUSR1 to rank 1 alone
-    first = share_flags(world, received, "cpu")
+    first = share_flags(world, received)
     consumed = received.checkpoint
     if rank == 0:
         received.stop = "SIGTERM"  # lands after the all-reduce (during the checkpoint): the next step's
     result = [first.stop, first.checkpoint, consumed]
-    second = share_flags(world, received, "cpu")
+    second = share_flags(world, received)
     result += [second.stop, second.checkpoint]
     dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
