@@ -222,7 +222,8 @@ class Trainer:
             raise CheckpointError(self.run.url, "no valid checkpoint to resume (all were refused)")
         else:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
-        self.data.resume(self.start_step)
+        with distributed.main_first(self.world):  # rank 0 may set an unloadable .state.json aside
+            self.data.resume(self.start_step)
         self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
         if not self.world.is_main:
             self.auditor = self.checkpointer = self.loss_log = _RankZeroOnly()

@@ -322,3 +322,20 @@ def test_pivot_of_a_two_rank_trainer(tmp_path):
     resumed = [e for e in entries if e["segment"] == entries[-1]["segment"]]
     assert [e["step"] for e in resumed] == list(range(boundary + 1, 61))
     assert {e["arm"] for e in resumed} > {"stdlib-code"}  # the new policy's arms are drawn
+
+
+@pytest.mark.slow
+def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
+    """A resume under a policy the .state.json does not belong to: rank 0 moves the state aside (one
+    file in archive/), every rank starts the same fresh bandit, no rank writes or trips over the move."""
+    from andrea_core.pivot import install_policy
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    config = _config(tmp_path, 20, 10)
+    _train(config, run, 2, "--max-steps", "10")
+    install_policy(RunDir(str(run)), (Path(TINY).parent / "policies" / "default.yaml").read_text())
+    _train(config, run, 2)
+    assert len(list((run / "archive").glob("unloaded_state_step_000010_*.json"))) == 1
+    assert sorted(_losses(run)) == list(range(1, 21))
+    assert json.loads((run / ".state.json").read_text())["step"] == 20
