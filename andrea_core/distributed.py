@@ -61,8 +61,8 @@ def world_from_env() -> World:
 
 
 def rank_device(world: World, device: str) -> str:
-    """One GPU per rank: `cuda` (or auto on a CUDA machine) becomes cuda:LOCAL_RANK."""
-    if world.distributed and device == "cuda":
+    """One GPU per rank: `cuda` (auto on a CUDA machine, or any cuda:N) becomes cuda:LOCAL_RANK."""
+    if world.distributed and device.startswith("cuda"):
         return f"cuda:{world.local_rank}"
     return device
 

@@ -202,8 +202,16 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         self.model = GPT(self.cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
-        self.checkpointer = Checkpointer(
-            self.run, self.model, self.optimizer, asynchronous=self.cfg.train.async_checkpoint, log=self.log
+        self.checkpointer = (
+            Checkpointer(
+                self.run,
+                self.model,
+                self.optimizer,
+                asynchronous=self.cfg.train.async_checkpoint,
+                log=self.log,
+            )
+            if self.world.is_main
+            else _RankZeroOnly()  # and no 12-bytes-a-parameter snapshot buffer on the other ranks
         )
         with distributed.main_first(self.world):  # rank 0 tokenizes the arms into the cache first
             self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
@@ -226,7 +234,7 @@ class Trainer:
             self.data.resume(self.start_step)
         self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
         if not self.world.is_main:
-            self.auditor = self.checkpointer = self.loss_log = _RankZeroOnly()
+            self.auditor = self.loss_log = _RankZeroOnly()
         if ckpt is None:
             self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
         if self.world.is_main:
