@@ -30,6 +30,15 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
+        from andrea_core.distributed import torchrun_argv
+
+        train_args = ["--run-dir", args.run_dir, "--device", args.device, "--pace", str(args.pace)]
+        for flag, value in (("--config", args.config), ("--max-steps", args.max_steps)):
+            train_args += [flag, str(value)] if value is not None else []
+        argv = torchrun_argv(args.nproc_per_node, train_args)
+        os.execv(argv[0], argv)
     flags = signals.install()  # normally done already, before the first import (main)
     _hold_start_up_for_tests(flags)
     from andrea_core.config import load_run_config
@@ -276,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-steps", type=int, help="train up to this step (default: the config's)")
     t.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     t.add_argument("--pace", type=float, default=0.0, help="minimum seconds per step (demos, tests)")
+    t.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="data-parallel ranks on this machine: runs torchrun (--standalone) for you; batch_size "
+        "stays the global batch (multi-node: run torchrun -m andrea_core train yourself)",
+    )
     t.set_defaults(fn=cmd_train)
 
     i = sub.add_parser("inspect", help="check a checkpoint file and summarise its regions")

@@ -86,9 +86,15 @@ class TrainerIdentity:
     pid_ns: str | None = None  # None: a lock written before pid namespaces were recorded
     nonce: str | None = None  # the trainer process's ANDREA_TRAINER_NONCE (None: cannot be signalled)
     generation: int = 1  # 1 for a fresh lock, one more at each takeover
+    # Under torchrun: the job's world size, and the agent whose SIGTERM reaches every rank (`pid` is
+    # rank 0, which shares a signal sent to it alone with every rank at the next step).
+    world_size: int = 1
+    agent_pid: int | None = None
 
     @classmethod
-    def of_this_process(cls, run_dir: str) -> TrainerIdentity:
+    def of_this_process(
+        cls, run_dir: str, world_size: int = 1, agent_pid: int | None = None
+    ) -> TrainerIdentity:
         pid = os.getpid()
         return cls(
             pid,
@@ -99,6 +105,8 @@ class TrainerIdentity:
             run_dir,
             _pid_namespace(),
             trainer_nonce(),
+            world_size=world_size,
+            agent_pid=agent_pid,
         )
 
     def encode(self) -> bytes:
@@ -235,10 +243,12 @@ def live_trainer(run: RunDir) -> TrainerIdentity | None:
     return ident if ident is not None and ident.is_alive() else None
 
 
-def acquire(run: RunDir, log=print, attempts: int = 5) -> TrainerIdentity:
+def acquire(
+    run: RunDir, log=print, attempts: int = 5, world_size: int = 1, agent_pid: int | None = None
+) -> TrainerIdentity:
     """Take the lock for this process, exclusively: refuse a live holder or one that cannot be checked
     from here, take over a dead one's (only if it is still that same lock when replaced)."""
-    me = TrainerIdentity.of_this_process(run.url)
+    me = TrainerIdentity.of_this_process(run.url, world_size, agent_pid)
     for _ in range(attempts):
         try:
             run.create_exclusive(LOCK, me.encode())

@@ -52,9 +52,13 @@ def trainer_command(
     device: str = "auto",
     pace: float = 0.0,
     python: str = sys.executable,
+    nproc_per_node: int = 1,
 ) -> list[str]:
-    """argv of `python -m andrea_core train ...`, behind the parent-death guard (andrea_core.pdeathsig)."""
+    """argv of `python -m andrea_core train ...`, behind the parent-death guard (andrea_core.pdeathsig).
+    With nproc_per_node > 1 the trainer execs the torchrun agent (same pid) and that starts the ranks."""
     argv = [python, "-m", "andrea_core", "train", "--run-dir", run_dir, "--device", device]
+    if nproc_per_node > 1:
+        argv += ["--nproc-per-node", str(nproc_per_node)]
     if config:
         argv += ["--config", config]
     if max_steps is not None:
@@ -127,10 +131,16 @@ class TrainerProcess:
         max_steps: int | None = None,
         device: str = "auto",
         pace: float = 0.0,
+        nproc_per_node: int = 1,
     ):
         self.run = RunDir(run_dir)
         self.argv = trainer_command(
-            self.run.url, config=config, max_steps=max_steps, device=device, pace=pace
+            self.run.url,
+            config=config,
+            max_steps=max_steps,
+            device=device,
+            pace=pace,
+            nproc_per_node=nproc_per_node,
         )
         self.proc: subprocess.Popen | None = None
         self.step: int | None = None
@@ -410,6 +420,15 @@ def wait_for_first_entry_after(
 
 
 # --- which GPU a trainer occupies -----------------------------------------------------------------
+
+
+def gpu_slot_names(slot: str | None, device: str, nproc_per_node: int = 1) -> list[str]:
+    """The slots of every GPU a trainer uses: under "auto" with N ranks on CUDA, gpu-0 .. gpu-(N-1)
+    (rank r runs on cuda:r); otherwise the one slot of gpu_slot_name (or none)."""
+    name = gpu_slot_name(slot, device)
+    if nproc_per_node > 1 and slot == "auto" and name is not None:
+        return [f"gpu-{rank}" for rank in range(nproc_per_node)]
+    return [name] if name is not None else []
 
 
 def gpu_slot_name(slot: str | None, device: str) -> str | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from andrea_core import lock, signals
+from andrea_core import distributed, lock, signals
 from andrea_core.audit import Auditor
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.checkpointer import Checkpointer
@@ -96,6 +96,16 @@ class _BatchPrefetch:
         self._pool.shutdown(wait=True)
 
 
+class _RankZeroOnly:
+    """Stands in, on ranks above 0, for what writes to the run directory (loss log, checkpointer,
+    auditor): rank 0 owns the run directory, the other ranks hold the same state and write nothing."""
+
+    records: list = []
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
 def pick_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,14 +161,20 @@ class Trainer:
         keep_signal_handlers: bool = False,
     ):
         self.run = RunDir(run_url)
-        self.device = pick_device(device)
-        self.cfg = prepare_run(self.run, cfg)
+        self.world = distributed.world_from_env()
+        self.device = distributed.rank_device(self.world, pick_device(device))
+        distributed.init(self.world, self.device)
+        with distributed.main_first(self.world):  # rank 0 creates the run; the others read it
+            self.cfg = prepare_run(self.run, cfg)
+        distributed.check_batch(self.world, self.cfg.train.batch_size, self.cfg.train.grad_accum_steps)
         self.max_steps = max_steps or self.cfg.train.max_steps
         self.pace = pace
         # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
         self.keep_signal_handlers = keep_signal_handlers
-        self.progress = Progress(self.max_steps, self.cfg.train.log_every)
-        self.log = log or self.progress.message
+        # Rank 0 speaks for the job: one progress stream, one set of messages, as one trainer would.
+        quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
+        self.progress = Progress(self.max_steps, self.cfg.train.log_every, stream=quiet)
+        self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -187,28 +203,44 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         self.model = GPT(self.cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, self.cfg.train, self.device)
-        self.checkpointer = Checkpointer(
-            self.run, self.model, self.optimizer, asynchronous=self.cfg.train.async_checkpoint, log=self.log
+        self.checkpointer = (
+            Checkpointer(
+                self.run,
+                self.model,
+                self.optimizer,
+                asynchronous=self.cfg.train.async_checkpoint,
+                log=self.log,
+            )
+            if self.world.is_main
+            else _RankZeroOnly()  # and no 12-bytes-a-parameter snapshot buffer on the other ranks
         )
-        self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
+        with distributed.main_first(self.world):  # rank 0 tokenizes the arms into the cache first
+            self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
         self.start_step = 0
-        self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
-        ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
+        with distributed.main_first(self.world):  # rank 0 tidies the run directory; the others read it
+            if self.world.is_main:
+                self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is dead
+            ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
         require_fork_point(self.run, ckpt)  # a half-built fork branch must not train from scratch
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
             self.start_step = ckpt.step
-            self._set_aside_refused(newer_than=ckpt.step)
+            if self.world.is_main:
+                self._set_aside_refused(newer_than=ckpt.step)
             self.log(f"resuming {self.run.url} from {checkpoint_name(ckpt.step)}")
         elif self.run.checkpoint_steps():
             raise CheckpointError(self.run.url, "no valid checkpoint to resume (all were refused)")
         else:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
-        self.data.resume(self.start_step)
+        with distributed.main_first(self.world):  # rank 0 may set an unloadable .state.json aside
+            self.data.resume(self.start_step)
         self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
+        if not self.world.is_main:
+            self.auditor = self.loss_log = _RankZeroOnly()
         if ckpt is None:
             self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
-        self.loss_log = LossWriter(self.run)
+        if self.world.is_main:
+            self.loss_log = LossWriter(self.run)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.startswith("cuda")
@@ -216,6 +248,13 @@ class Trainer:
         )
         # Compile the model, not the step: backward and the fused AdamW stay eager, as in a plain loop.
         self.forward = torch.compile(self.model) if self.cfg.train.compile else self.model
+        if self.world.distributed:
+            # Every rank starts from the same weights (the same seed or checkpoint): DDP's broadcast of
+            # rank 0's changes nothing, its gradient all-reduce averages the ranks' shares of the batch.
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.forward,
+                device_ids=[torch.device(self.device)] if self.device.startswith("cuda") else None,
+            )
         self.batches = _BatchPrefetch(self._build_batch, self.device)
 
     def _set_aside_refused(self, newer_than: int) -> None:
@@ -245,17 +284,25 @@ class Trainer:
         the mean of their losses, still on the device."""
         n = self.cfg.train.grad_accum_steps
         total = None
-        for xm, ym in zip(x.chunk(n), y.chunk(n), strict=True) if n > 1 else [(x, y)]:
-            with self.autocast, attention_kernels(self.device):
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True) if n > 1 else [(x, y)]):
+            # Under torchrun each rank trains on its own rows of the micro-batch; DDP averages the
+            # gradients once, at the last micro-batch (no_sync before it).
+            xm, ym = distributed.my_rows(self.world, xm), distributed.my_rows(self.world, ym)
+            sync = i == n - 1 or not self.world.distributed
+            with self.autocast, attention_kernels(self.device), self._no_sync(not sync):
                 _, loss = self.forward(xm, ym)
-            # Each micro-batch's mean scaled by 1/n: the gradients add up to the global batch's mean.
-            (loss / n if n > 1 else loss).backward()
+                # Each micro-batch's mean scaled by 1/n: the gradients add up to the global batch's mean.
+                (loss / n if n > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
+        total = distributed.global_mean(self.world, total)  # the logged loss: the mean over all ranks
         if self.cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total / n if n > 1 else total
+
+    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
+        return self.forward.no_sync() if skip else contextlib.nullcontext()
 
     def _send_home(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start bringing a step's loss to the host. On CUDA the copy to pinned memory is queued right
@@ -273,6 +320,8 @@ class Trainer:
         The bandit state is written before the checkpoint, so every checkpoint has its bandit
         (data/state.py); the writer makes the loss log durable before the checkpoint's bytes, so every
         checkpoint has its history; the audit comes after, so every checkpoint has its audit."""
+        if not self.world.is_main:
+            return checkpoint_name(step)  # rank 0 owns the run directory; every rank has the same state
         self.loss_log.flush()
         self.data.save_state(step)
         name = self.checkpointer.save(
@@ -336,6 +385,8 @@ class Trainer:
     def _finish(self, step: int, reason: str, last_saved: str | None) -> TrainResult:
         """Exit paths wait for the write in flight. A failed final write has no later boundary to retry
         it, so it is retried here once; failing again, the exit says so (status 1, not 0)."""
+        if not self.world.is_main:
+            return TrainResult(step, reason, last_saved)
         record = self.checkpointer.wait()
         if record is not None and record.error is not None:
             self.save(step)
@@ -354,7 +405,11 @@ class Trainer:
         return TrainResult(step, reason, last_saved)
 
     def train(self) -> TrainResult:
-        me = lock.acquire(self.run, log=self.log)
+        me = None
+        if self.world.is_main:
+            me = lock.acquire(
+                self.run, log=self.log, world_size=self.world.world_size, agent_pid=self.world.agent_pid
+            )
         flags = signals.install()
         try:
             self._check_environment()
@@ -367,7 +422,9 @@ class Trainer:
                 self.checkpointer.wait()  # an error must not leave a write running past the lock
             if hasattr(self, "loss_log"):
                 self.loss_log.close()
-            lock.release(self.run, me)
+            if me is not None:
+                lock.release(self.run, me)
+            distributed.shutdown(self.world)
             if not self.keep_signal_handlers:
                 signals.uninstall()
 
@@ -379,6 +436,8 @@ class Trainer:
             return TrainResult(step, "already-complete", None)
         self.log(f"training steps {step + 1}..{self.max_steps} (pid {os.getpid()})")
         previous = self._start_loss()  # the step whose loss the mixer has yet to hear of
+        # Under torchrun `flags` is what all ranks agreed on (an all-reduce of `received`, every step).
+        received, flags = flags, distributed.share_flags(self.world, flags, consume=False)
         while step < self.max_steps:
             if flags.stop and step == self.start_step:
                 self.log(f"{flags.stop} before the first step: nothing to checkpoint, exiting")
@@ -394,6 +453,7 @@ class Trainer:
             if previous is not None:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
             previous = current
+            flags = distributed.share_flags(self.world, received)  # every rank, this step
             on_grid = step % t.checkpoint_every == 0
             audit = step % t.audit_every == 0 or flags.checkpoint or step == self.max_steps
             if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:

@@ -12,7 +12,7 @@ from prefect.states import Completed, Failed, State
 
 from andrea_core.rundir import RunDir
 from tasks.artifacts import run_name
-from tasks.gpu import holding_gpu_slot
+from tasks.gpu import holding_gpu_slots
 from tasks.trainer import run_trainer
 
 
@@ -29,16 +29,19 @@ def train(
     pace: float = 0.0,
     gpu_slot: str | None = "auto",
     slot_timeout_s: float | None = None,
+    nproc_per_node: int = 1,
 ) -> State:
     """Train `run_dir` up to `max_steps` (default: the run config's).
 
     config: a config name or YAML path, only to create a new run; a resume reads the frozen run.yaml.
     gpu_slot: the one-trainer-per-GPU concurrency slot to hold ("auto": gpu-N for CUDA device N,
         none on the CPU; or an explicit name). slot_timeout_s: how long to wait for it (None: forever).
+    nproc_per_node: data-parallel ranks on this machine (torchrun; one GPU each, and the slots of all
+        of them: gpu-0 .. gpu-N-1); batch_size stays the global batch. The UI shows the job as one run.
     """
     run_dir = RunDir(run_dir).url
-    with holding_gpu_slot(gpu_slot, device, slot_timeout_s):
-        outcome = run_trainer(run_dir, config, max_steps, device, pace)
+    with holding_gpu_slots(gpu_slot, device, slot_timeout_s, nproc_per_node):
+        outcome = run_trainer(run_dir, config, max_steps, device, pace, nproc_per_node=nproc_per_node)
     final = Completed if outcome["ok"] else Failed
     return final(message=outcome["summary"], data=outcome)
 
@@ -52,5 +55,6 @@ if __name__ == "__main__":
     p.add_argument("--max-steps", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--nproc-per-node", type=int, default=1)
     a = p.parse_args()
-    train(a.run_dir, a.config, a.max_steps, a.device, a.pace)
+    train(a.run_dir, a.config, a.max_steps, a.device, a.pace, nproc_per_node=a.nproc_per_node)

@@ -18,7 +18,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from andrea_core.supervise import gpu_slot_name
+from andrea_core.supervise import gpu_slot_name, gpu_slot_names
 
 LEASE_S = 60.0
 
@@ -68,3 +68,16 @@ def holding_gpu_slot(slot: str | None, device: str, timeout_s: float | None) -> 
             ) from None
         logger.info(f"holding concurrency slot {name!r}")
         yield name
+
+
+@contextlib.contextmanager
+def holding_gpu_slots(
+    slot: str | None, device: str, timeout_s: float | None, nproc_per_node: int = 1
+) -> Iterator[list[str]]:
+    """Hold the slot of every GPU a trainer of `nproc_per_node` ranks uses (gpu-0 .. gpu-N-1 under
+    "auto" on CUDA), always in the same order, so that two jobs never each hold a part and wait."""
+    names = gpu_slot_names(slot, device, nproc_per_node)
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(holding_gpu_slot(name, device, timeout_s))  # an explicit name: as given
+        yield names

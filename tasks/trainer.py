@@ -37,6 +37,7 @@ def run_trainer(
     device: str = "auto",
     pace: float = 0.0,
     stop_grace_s: float = 25.0,
+    nproc_per_node: int = 1,
 ) -> dict:
     """Start a trainer for `run_dir` in this flow run's process group and follow it to its end: each
     of its lines goes to the Prefect log, its step/total to a progress artifact.
@@ -45,7 +46,9 @@ def run_trainer(
     trainer gets that SIGTERM itself and checkpoints the step in flight; this task waits for it (well
     inside the worker's 30 s before SIGKILL), then lets the cancellation go on."""
     logger = get_run_logger()
-    trainer = TrainerProcess(run_dir, config=config, max_steps=max_steps, device=device, pace=pace)
+    trainer = TrainerProcess(
+        run_dir, config=config, max_steps=max_steps, device=device, pace=pace, nproc_per_node=nproc_per_node
+    )
     # The progress artifact before the start: if creating it fails, there is no trainer to clean up.
     progress = TrainingProgress(trainer.run.url, max_steps)
     trainer.start()

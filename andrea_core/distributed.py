@@ -1,0 +1,205 @@
+"""Data-parallel training under torchrun: who this process is, and the few collectives the trainer needs.
+
+The contract (DESIGN.md "Distributed"): `batch_size` is the global batch. Every rank builds the same
+batch of a step (batch selection is a pure function of seed, step and mixer state, and the mixer hears
+the same all-reduced loss on every rank), then trains on its own rows of it; DDP averages the gradients.
+Rank 0 alone owns the run directory: lock, sidecars, checkpoints. Every rank holds the full model, so a
+checkpoint is the same file at any world size. The signal flags are all-reduced (MAX) after every step,
+so a signal that reached one rank only stops or checkpoints every rank at the same step.
+
+Without torchrun's environment (no WORLD_SIZE, or 1) nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from andrea_core.config import ConfigError
+from andrea_core.signals import TrainerSignals
+
+# The stop flag travels as a number so that MAX picks one signal for every rank; SIGTERM outranks SIGINT.
+_STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}
+_STOP_NAMES = {code: name for name, code in _STOP_CODES.items()}
+_flag_group = None  # the gloo group of the flags under NCCL (None: the default group, gloo on the CPU)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    agent_pid: int | None = None  # the torchrun agent that launched this rank (its parent), if any
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def world_from_env() -> World:
+    """This process's place in a torchrun job, from the variables torchrun sets (none: a single process)."""
+    size = int(os.environ.get("WORLD_SIZE") or 1)
+    if size <= 1:
+        return World()
+    launched = "TORCHELASTIC_RUN_ID" in os.environ  # torchrun's agent is our parent
+    return World(
+        rank=int(os.environ["RANK"]),
+        world_size=size,
+        local_rank=int(os.environ.get("LOCAL_RANK") or 0),
+        agent_pid=os.getppid() if launched else None,
+    )
+
+
+def rank_device(world: World, device: str) -> str:
+    """One GPU per rank: `cuda` (auto on a CUDA machine, or any cuda:N) becomes cuda:LOCAL_RANK."""
+    if world.distributed and device.startswith("cuda"):
+        return f"cuda:{world.local_rank}"
+    return device
+
+
+def init(world: World, device: str) -> None:
+    """Join the job's process group: NCCL for CUDA ranks, gloo on the CPU."""
+    if not world.distributed or torch.distributed.is_initialized():
+        return
+    global _flag_group
+    if device.startswith("cuda"):
+        torch.distributed.init_process_group("nccl", device_id=torch.device(device))
+        # The flags go through gloo on the host: an NCCL all-reduce would queue behind the step on the
+        # GPU, and reading its result would make the loop wait for the step (the loop never waits for
+        # the device except to read the previous step's loss).
+        _flag_group = torch.distributed.new_group(backend="gloo")
+    else:
+        torch.distributed.init_process_group("gloo")
+
+
+def shutdown(world: World) -> None:
+    global _flag_group
+    if world.distributed and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _flag_group = None
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def main_first(world: World) -> Iterator[None]:
+    """Rank 0 runs the block first (creating the run, tokenizing the arms into the cache), the others
+    after it, so that they only ever read what rank 0 has finished writing."""
+    if world.is_main:
+        yield
+        barrier(world)
+    else:
+        barrier(world)
+        yield
+
+
+def check_batch(world: World, batch_size: int, grad_accum_steps: int) -> None:
+    if batch_size % (grad_accum_steps * world.world_size):
+        raise ConfigError(
+            f"train.batch_size {batch_size} is the global batch: it must divide into "
+            f"train.grad_accum_steps ({grad_accum_steps}) x world size ({world.world_size}) equal parts"
+        )
+
+
+def my_rows(world: World, micro_batch: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a (micro-)batch that every rank built whole: contiguous, equal shares."""
+    if not world.distributed:
+        return micro_batch
+    return micro_batch.chunk(world.world_size)[world.rank]
+
+
+def global_mean(world: World, value: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar over the ranks (each rank's loss is the mean of an equal share of rows)."""
+    if not world.distributed:
+        return value
+    total = value.detach().clone()
+    torch.distributed.all_reduce(total)
+    return total / world.world_size
+
+
+def share_flags(world: World, received: TrainerSignals, consume: bool = True) -> TrainerSignals:
+    """The flags every rank acts on at this step: `received` (what this process's handlers set) all-
+    reduced (MAX) over the ranks, so that a signal any rank received acts on every rank at the same step.
+
+    The answer is a snapshot: a signal that lands after the all-reduce (during this step's checkpoint)
+    stays in `received` for the next step's all-reduce, instead of making this rank alone act on it now.
+    With `consume`, a checkpoint request is taken out of `received` into the snapshot. A single process
+    gets `received` itself back: its loop reads the live flags, as it always has."""
+    if not world.distributed:
+        return received
+    stop, checkpoint = received.stop, received.checkpoint
+    if consume:
+        received.checkpoint = False
+    mine = torch.tensor([_STOP_CODES[stop], int(checkpoint)], dtype=torch.int32)  # on the host, always
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX, group=_flag_group)
+    agreed = TrainerSignals()
+    agreed.stop = _STOP_NAMES[int(mine[0])]
+    agreed.checkpoint = bool(mine[1])
+    return agreed
+
+
+# --- the agent: `andrea train --nproc-per-node N` ---------------------------------------------------
+
+
+def torchrun_argv(nproc_per_node: int, train_args: list[str]) -> list[str]:
+    """argv of the torchrun agent for one machine: a free rendezvous port of its own (--standalone)."""
+    return [
+        sys.executable,
+        "-m",
+        "andrea_core.distributed",
+        "--standalone",
+        f"--nproc-per-node={nproc_per_node}",
+        "-m",
+        "andrea_core",
+        "train",
+        *train_args,
+    ]
+
+
+def run_agent(argv: list[str]) -> int:
+    """torchrun's agent in this process, with one difference: a SIGTERM (or SIGINT) to the agent, which
+    it forwards to every rank, ends in exit 0 when every rank then exited 0 (each checkpointed the same
+    step), as a single trainer's SIGTERM does. Plain torchrun reports its own signal as a failure."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    contexts = []
+    start_processes = local_elastic_agent.start_processes
+
+    def recording(*args, **kwargs):
+        context = start_processes(*args, **kwargs)
+        contexts.append(context)
+        return context
+
+    local_elastic_agent.start_processes = recording
+    try:
+        torchrun.main(argv)
+    except SignalException as e:
+        if e.sigval not in (signal.SIGTERM, signal.SIGINT) or not contexts:
+            raise
+        # By now the agent has passed the signal to every rank and waited for them to exit.
+        handlers = getattr(contexts[-1], "subprocess_handlers", {})
+        codes = [h.proc.returncode for h in handlers.values()]
+        print(
+            f"andrea: torchrun agent got {e.sigval.name}; ranks exited {codes}", file=sys.stderr, flush=True
+        )
+        return 0 if codes and all(c == 0 for c in codes) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(sys.argv[1:]))

@@ -1,0 +1,341 @@
+"""Data-parallel training on torchrun (issue 13): CPU, gloo, 2 ranks of andrea-tiny.
+
+The contract under test: batch_size is the global batch, so N ranks compute what one process does (to
+float32 rounding: the gradient of 8 rows summed as 4 + 4); rank 0 alone writes the run directory; a
+signal to the agent or to one rank stops or checkpoints every rank at the same step; a checkpoint
+resumes at any world size; a resume at the same world size is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.distributed import World, share_flags, world_from_env
+from andrea_core.lock import read_lock
+from andrea_core.rundir import RunDir
+from andrea_core.signals import TrainerSignals
+from tests.conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from tests.tiny import tiny_config
+
+CPU = ("--device", "cpu")
+
+
+def _config(tmp_path: Path, steps: int, every: int, **overrides) -> str:
+    return tiny_config(tmp_path, train__max_steps=steps, train__checkpoint_every=every, **overrides)
+
+
+def _train(config: str, run: Path, nproc: int = 1, *extra: str) -> None:
+    args = ["train", "--config", config, "--run-dir", str(run), *CPU, *extra]
+    andrea(*args, *(["--nproc-per-node", str(nproc)] if nproc > 1 else []), timeout=300)
+
+
+def _losses(run: Path) -> dict[int, tuple[float, str]]:
+    """The canonical history: each step's entry of the newest segment."""
+    out = {}
+    for line in (run / ".loss.json").read_text().splitlines():
+        e = json.loads(line)
+        out[e["step"]] = (e["loss"], e["arm"])
+    return out
+
+
+def _regions(path: Path) -> np.ndarray:
+    data = path.read_bytes()
+    return np.frombuffer(data[8:], dtype="<f4").reshape(3, -1)  # weights, m, v
+
+
+def _ranks_of(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the workers a torchrun agent started (its children, by their RANK variable)."""
+    ranks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != agent_pid:
+                continue
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        for var in env:
+            if var.startswith(b"RANK="):
+                ranks[int(var[5:])] = int(entry)
+    return ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- fast: the pieces without processes ------------------------------------------------------------
+
+
+def test_single_process_world_needs_no_torch_distributed(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    world = world_from_env()
+    assert (world.rank, world.world_size, world.is_main, world.distributed) == (0, 1, True, False)
+    flags = TrainerSignals()
+    flags.checkpoint = True
+    # No process group: the loop gets the live flags themselves, as a single trainer always did.
+    assert share_flags(world, flags) is flags
+    assert flags.checkpoint and flags.stop is None
+
+
+def _share_flags_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    world, received = World(rank, 2), TrainerSignals()
+    if rank == 1:
+        received.checkpoint = True  # SIGUSR1 to rank 1 alone
+    first = share_flags(world, received)
+    consumed = received.checkpoint
+    if rank == 0:
+        received.stop = "SIGTERM"  # lands after the all-reduce (during the checkpoint): the next step's
+    result = [first.stop, first.checkpoint, consumed]
+    second = share_flags(world, received)
+    result += [second.stop, second.checkpoint]
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_flags_are_all_reduced_into_a_snapshot_every_rank_shares(tmp_path):
+    """A checkpoint sent to rank 1 reaches both ranks at the same step; a stop sent to rank 0 after that
+    step's all-reduce acts at the next one, on every rank (the race a pivot hit: a
+    SIGTERM during the SIGUSR1 checkpoint made rank 0 alone stop one step early)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_share_flags_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results == [[None, True, False, "SIGTERM", False]] * 2
+
+
+def test_batch_that_does_not_split_evenly_is_refused_naming_the_fields():
+    from andrea_core.config import ConfigError
+    from andrea_core.distributed import check_batch
+
+    check_batch(World(0, 2), 8, 2)
+    with pytest.raises(
+        ConfigError, match=r"train.batch_size 8 .* train.grad_accum_steps \(2\) x world size \(3\)"
+    ):
+        check_batch(World(0, 3), 8, 2)
+
+
+# --- slow: real torchrun jobs ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", [1, 2])
+def test_two_ranks_compute_what_one_process_does(tmp_path, accum):
+    """Same global batch, same maths: the same arm at every step, losses and the final weights, m and v
+    equal to float32 rounding (measured: loss within 1 ulp, 4.8e-7; weights within 1.2e-7)."""
+    config = _config(tmp_path, 30, 10, train__grad_accum_steps=accum)
+    one, two = tmp_path / "one", tmp_path / "two"
+    _train(config, one)
+    _train(config, two, 2)
+    a, b = _losses(one), _losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 31))
+    assert [a[s][1] for s in a] == [b[s][1] for s in a]  # one mixer decision per step, on every rank
+    assert max(abs(a[s][0] - b[s][0]) for s in a) < 2e-6
+    wa, wb = _regions(one / checkpoint_name(30)), _regions(two / checkpoint_name(30))
+    for region in range(3):
+        assert np.abs(wa[region] - wb[region]).max() < 1e-5, f"region {region}"
+    # Rank 0 alone wrote: one checkpoint per grid step, one segment of losses, no stray files.
+    assert sorted(p.name for p in two.glob("step_*.bin")) == [checkpoint_name(s) for s in (10, 20, 30)]
+    assert len((two / ".loss.json").read_text().splitlines()) == 30
+    assert not (two / ".trainer.json").exists()  # released at exit
+
+
+@pytest.mark.slow
+def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path):
+    """SIGTERM to the agent; resume; SIGUSR1, then SIGTERM, to rank 0 only; resume; SIGKILL of rank 1;
+    resume: the final checkpoint is byte-identical to that of an uninterrupted 2-rank run."""
+    steps = 60
+    config = _config(tmp_path, steps, 20)
+    reference = tmp_path / "reference"
+    _train(config, reference, 2)
+
+    run = tmp_path / "run"
+    rd = RunDir(str(run))
+    train = ["--run-dir", str(run), *CPU, "--pace", "0.15", "--nproc-per-node", "2"]
+
+    # 1. SIGTERM to the torchrun agent (the pid `andrea train` execs into): every rank stops after the
+    #    same step, one checkpoint of it, exit 0.
+    agent = start_trainer("--config", config, *train, log=tmp_path / "first.log")
+    wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
+    held = read_lock(rd)
+    ranks = _ranks_of(agent.pid)
+    assert (held.world_size, held.agent_pid, held.pid) == (2, agent.pid, ranks[0])
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(120) == 0, (tmp_path / "first.log").read_text()
+    stopped = last_logged_step(rd)
+    assert stopped < 20 and rd.checkpoint_steps() == [stopped]
+
+    # 2. SIGUSR1 to rank 0 only: every rank checkpoints the same step and trains on.
+    agent = start_trainer(*train, log=tmp_path / "second.log")
+    wait_for(lambda: last_logged_step(rd) >= stopped + 3, 180, "the resumed trainer to train")
+    rank0 = read_lock(rd).pid
+    os.kill(rank0, signal.SIGUSR1)
+    wait_for(lambda: len(rd.checkpoint_steps()) == 2, 120, "the SIGUSR1 checkpoint")
+    usr1 = rd.checkpoint_steps()[-1]
+    assert usr1 % 20 != 0
+    # 3. SIGTERM to rank 0 only (as the pivot sends it): rank 1 hears of it through the flag
+    #    all-reduce, both stop after the same step, one checkpoint, the agent exits 0.
+    wait_for(lambda: last_logged_step(rd) >= usr1 + 3, 120, "training past the SIGUSR1 checkpoint")
+    os.kill(rank0, signal.SIGTERM)
+    assert agent.wait(120) == 0, (tmp_path / "second.log").read_text()
+    log = (tmp_path / "second.log").read_text()
+    assert f"SIGUSR1: checkpoint of step {usr1} requested" in log
+    term = last_logged_step(rd)
+    assert rd.checkpoint_steps()[-1] == term and f"SIGTERM: checkpointing step {term}, then exiting" in log
+
+    # 4. SIGKILL of rank 1, mid-run: torchrun tears the job down (exit non-zero); nothing is lost beyond
+    #    the steps since the newest checkpoint.
+    agent = start_trainer(*train, log=tmp_path / "third.log")
+    wait_for(lambda: last_logged_step(rd) >= term + 5, 180, "the third start to train")
+    os.kill(_ranks_of(agent.pid)[1], signal.SIGKILL)
+    assert agent.wait(120) != 0
+    assert read_lock(rd) is None or not read_lock(rd).is_alive()
+
+    # 5. Resume once more, to the end.
+    andrea("train", "--run-dir", str(run), *CPU, "--nproc-per-node", "2", timeout=300)
+    final = checkpoint_name(steps)
+    assert (run / final).read_bytes() == (reference / final).read_bytes()
+    a, b = _losses(reference), _losses(run)
+    assert all(a[s] == b[s] for s in a)  # the canonical history too, bit for bit
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_at_another_world_size(tmp_path):
+    """2 ranks -> 1 and 1 -> 2: the file holds the full weights, m and v; the loss runs on as in an
+    uninterrupted run (to float32 rounding: the world size changes how a gradient is summed)."""
+    config = _config(tmp_path, 30, 10)
+    straight = tmp_path / "straight"
+    _train(config, straight)
+    ref = _losses(straight)
+    for first, then in ((2, 1), (1, 2)):
+        run = tmp_path / f"from{first}to{then}"
+        _train(config, run, first, "--max-steps", "20")
+        _train(config, run, then)
+        got = _losses(run)
+        assert sorted(got) == list(range(1, 31))
+        assert [got[s][1] for s in got] == [ref[s][1] for s in got], (first, then)
+        assert max(abs(got[s][0] - ref[s][0]) for s in got) < 1e-5, (first, then)
+
+
+@pytest.mark.slow
+def test_two_node_stand_in(tmp_path):
+    """Two torchrun agents with --nnodes 2 on 127.0.0.1 (c10d rendezvous, gloo), one rank each: the
+    same checkpoint, byte for byte, as one agent with two ranks."""
+    config = _config(tmp_path, 20, 10)
+    single = tmp_path / "single"
+    _train(config, single, 2)
+    run = tmp_path / "two-nodes"
+    port = _free_port()
+    agents = []
+    for node in range(2):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "andrea"]
+        argv += ["-m", "andrea_core", "train", "--config", config, "--run-dir", str(run), *CPU]
+        log = open(tmp_path / f"node{node}.log", "wb")  # noqa: SIM115
+        agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO))
+    for node, agent in enumerate(agents):
+        assert agent.wait(300) == 0, (tmp_path / f"node{node}.log").read_text()
+    final = checkpoint_name(20)
+    assert (run / final).read_bytes() == (single / final).read_bytes()
+    assert sorted(p.name for p in run.glob("step_*.bin")) == [checkpoint_name(10), final]
+
+
+# --- what Prefect's train flow runs: TrainerProcess over an agent of 2 ranks -------------------------
+
+
+def test_train_flow_and_trainer_command_take_nproc_per_node():
+    from andrea_core.supervise import gpu_slot_names, trainer_command
+    from flows.train import train
+
+    argv = trainer_command("/runs/x", device="cpu", nproc_per_node=2)
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert "--nproc-per-node" not in trainer_command("/runs/x", device="cpu")
+    assert "nproc_per_node" in train.parameters.properties  # so the deployment takes it too
+    assert gpu_slot_names("auto", "cpu", 2) == []  # no GPU, no slot
+    assert gpu_slot_names("gpu-7", "cpu", 2) == ["gpu-7"]  # an explicit slot is held as named
+
+
+@pytest.mark.slow
+def test_trainer_process_of_two_ranks_follows_and_stops_like_one(tmp_path):
+    """The run-trainer task's view: one process (the agent), rank 0's lines, and a SIGTERM to it (a
+    Prefect cancellation) that ends in a checkpoint of the step in flight and exit 0."""
+    from andrea_core.supervise import TrainerProcess
+
+    run = RunDir(str(tmp_path / "run"))
+    config = _config(tmp_path, 100_000, 1000)
+    trainer = TrainerProcess(run.url, config=config, device="cpu", pace=0.05, nproc_per_node=2).start()
+    for _ in trainer.lines():
+        if trainer.step is not None and trainer.step >= 10:
+            break
+    assert read_lock(run).agent_pid == trainer.pid
+    outcome = trainer.stop(timeout=120)
+    assert (outcome.reason, outcome.returncode, outcome.ok) == ("SIGTERM", 0, True), outcome.describe()
+    assert outcome.step == last_logged_step(run) >= 10
+    assert run.checkpoint_steps() == [outcome.step]
+
+
+@pytest.mark.slow
+def test_pivot_of_a_two_rank_trainer(tmp_path):
+    """The pivot sequence's steps against a 2-rank job, through what the pivot tasks use: SIGUSR1 to
+    the lock's pid (rank 0) for the pivot checkpoint, SIGTERM to it to stop the job, the run directory's
+    steps 3-5, and a 2-rank restart from the boundary under the new policy with a fresh bandit."""
+    from andrea_core.lock import live_trainer
+    from andrea_core.pivot import pivot_run_directory
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    rd = RunDir(str(run))
+    config = _config(tmp_path, 60, 100)
+    train = ["--run-dir", str(run), *CPU, "--nproc-per-node", "2"]
+    agent = start_trainer("--config", config, *train, "--pace", "0.1", log=tmp_path / "before.log")
+    wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
+    live_trainer(rd).signal(signal.SIGUSR1)
+    boundary = wait_for(lambda: rd.checkpoint_steps(), 120, "the pivot checkpoint")[0]
+    live_trainer(rd).stop()
+    assert agent.wait(120) == 0, (tmp_path / "before.log").read_text()
+    stopped = rd.checkpoint_steps()[-1]
+    assert stopped >= boundary and live_trainer(rd) is None
+    pivot_run_directory(rd, boundary, (Path(TINY).parent / "policies" / "default.yaml").read_text())
+    assert rd.checkpoint_steps() == [boundary]  # the closed phase's tail is archived
+
+    out = andrea("train", *train, timeout=300).stdout
+    assert f"resuming {rd.url} from {checkpoint_name(boundary)}" in out
+    entries = [json.loads(line) for line in (run / ".loss.json").read_text().splitlines()]
+    resumed = [e for e in entries if e["segment"] == entries[-1]["segment"]]
+    assert [e["step"] for e in resumed] == list(range(boundary + 1, 61))
+    assert {e["arm"] for e in resumed} > {"stdlib-code"}  # the new policy's arms are drawn
+
+
+@pytest.mark.slow
+def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
+    """A resume under a policy the .state.json does not belong to: rank 0 moves the state aside (one
+    file in archive/), every rank starts the same fresh bandit, no rank writes or trips over the move."""
+    from andrea_core.pivot import install_policy
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    config = _config(tmp_path, 20, 10)
+    _train(config, run, 2, "--max-steps", "10")
+    install_policy(RunDir(str(run)), (Path(TINY).parent / "policies" / "default.yaml").read_text())
+    _train(config, run, 2)
+    assert len(list((run / "archive").glob("unloaded_state_step_000010_*.json"))) == 1
+    assert sorted(_losses(run)) == list(range(1, 21))
+    assert json.loads((run / ".state.json").read_text())["step"] == 20
