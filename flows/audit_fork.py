@@ -19,6 +19,8 @@ from andrea_core.compare import default_report_dir
 from andrea_core.rundir import RunDir
 from tasks.artifacts import publish_fork_report, run_name
 from tasks.fork import (
+    Branch,
+    branch_specs,
     check_audit_parameters,
     compare_branches,
     copy_checkpoint_into_branches,
@@ -37,7 +39,7 @@ def _flow_run_name() -> str:
 @flow(name="audit-fork", flow_run_name=_flow_run_name)
 def audit_fork(
     run_dir: str,
-    branches: list[dict],
+    branches: list[Branch],
     steps: int = 200,
     step: int | None = None,
     device: str = "auto",
@@ -47,15 +49,17 @@ def audit_fork(
     val_sequences: int = 32,
     report_dir: str | None = None,
 ) -> State:
-    """Fork `run_dir` at `step` (default: its newest valid checkpoint) into `branches`, e.g.
-    [{"name": "base"}, {"name": "low-lr", "overrides": {"train.lr": 3e-4}}], train each `steps` steps
+    """Fork `run_dir` at `step` (default: its newest valid checkpoint) into `branches` (tasks.fork.Branch),
+    e.g. [{"name": "base"}, {"name": "low-lr", "overrides": {"train.lr": 3e-4}}], train each `steps` steps
     and publish the comparison (markdown report with the plot, and the plot) as artifacts and files
     in `report_dir` (default: beside the parent, "<run>-fork<step>-report")."""
     parent = RunDir(run_dir)
-    # A malformed parameter fails here, before anything is written.
-    check_audit_parameters(parent.url, branches, steps, val_sequences, report_dir)
+    # A malformed parameter fails here, before anything is written (a misspelled key or a bad branch
+    # name earlier still: Prefect validates `branches` against Branch before the flow starts).
+    specs = branch_specs(branches)
+    check_audit_parameters(parent.url, specs, steps, val_sequences, report_dir)
     with holding_gpu_slot(gpu_slot, device, slot_timeout_s):
-        forked = copy_checkpoint_into_branches(parent.url, branches, step)
+        forked = copy_checkpoint_into_branches(parent.url, specs, step)
         target = forked["step"] + steps
         report_dir = report_dir or default_report_dir(parent.url, forked["step"])
         short = [u for u in forked["branches"] if (trained_to(u) or 0) < target]

@@ -82,10 +82,6 @@ def pivot(
         "none" leaves the run stopped under its new policy.
     max_steps, device, pace, gpu_slot: passed to the resumed `train` run.
     """
-    if at not in ("boundary", "now") or restart not in ("deployment", "subflow", "none"):
-        raise ValueError(
-            f"at={at!r} restart={restart!r}: expected at boundary|now, restart deployment|subflow|none"
-        )
     run = RunDir(run_dir)
     # Every parameter, the policy and its data are checked here, before anything is touched.
     new_policy = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)

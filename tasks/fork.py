@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from andrea_core import compare, fork
 from andrea_core.checkpoint import CheckpointError
@@ -11,42 +14,58 @@ from andrea_core.config import ConfigError
 from andrea_core.rundir import RunDir
 
 
-def branch_specs(branches: list[dict]) -> list[fork.BranchSpec]:
-    """Deployment parameters ([{"name": ..., "overrides": {...}, "url": ...}]) as BranchSpecs."""
-    if not isinstance(branches, list) or len(branches) < 2:
+class Branch(BaseModel):
+    """One branch of an audit fork, as the `audit-fork` flow takes it: Prefect validates a run's
+    parameters against this model when the run is submitted (a deployment run) or called, and the UI
+    renders it as a form."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled key is an error, not a silently default branch
+
+    # The pattern travels in the parameter schema (the server checks it at submission); the validator
+    # gives a direct call fork.check_branch_name's own words. One rule: fork.BRANCH_NAME_RE.
+    name: str = Field(
+        json_schema_extra={"pattern": fork.BRANCH_NAME_RE.pattern},
+        description="letters, digits, '-', '_' and '.' (not first), at most 100 characters: it becomes "
+        "part of the branch's path",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description='dotted run-config keys, e.g. {"train.lr": 3e-4}'
+    )
+    url: str | None = Field(default=None, description='default: beside the parent, "<run>-fork<step>-<name>"')
+
+    @field_validator("name")
+    @classmethod
+    def _allowed_name(cls, name: str) -> str:
+        return fork.check_branch_name(name)
+
+
+def branch_specs(branches: list[Branch]) -> list[fork.BranchSpec]:
+    """The flow's validated branches as andrea_core's BranchSpecs (the one conversion, at the flow)."""
+    if len(branches) < 2:
         raise ConfigError(f"branches: an audit fork needs two or more branches, got {branches!r}")
-    specs = []
     for i, b in enumerate(branches):
-        if not isinstance(b, dict) or not isinstance(b.get("name"), str) or not b["name"]:
-            raise ConfigError(f"branches[{i}]: expected {{name: ..., overrides: {{...}}}}, got {b!r}")
-        fork.check_branch_name(b["name"], f"branches[{i}]")
-        unknown = set(b) - {"name", "overrides", "url"}
-        if unknown:
-            raise ConfigError(f"branches[{i}] ({b['name']}): unknown key(s) {', '.join(sorted(unknown))}")
-        if not isinstance(b.get("overrides") or {}, dict):
-            raise ConfigError(f"branches[{i}] ({b['name']}).overrides: expected a mapping of dotted keys")
-        if b.get("url") is not None:
-            fork.check_destination(b["url"], f"branches[{i}] ({b['name']}).url")
-        specs.append(fork.BranchSpec(b["name"], dict(b.get("overrides") or {}), b.get("url")))
-    return specs
+        if b.url is not None:
+            fork.check_destination(b.url, f"branches[{i}] ({b.name}).url")
+    return [fork.BranchSpec(b.name, dict(b.overrides), b.url) for b in branches]
 
 
 @task(name="check-audit-parameters", cache_policy=NO_CACHE)
 def check_audit_parameters(
-    run_dir: str, branches: list[dict], steps: int, val_sequences: int, report_dir: str | None
+    run_dir: str, branches: list[fork.BranchSpec], steps: int, val_sequences: int, report_dir: str | None
 ) -> None:
     """Refuse bad parameters before anything is written (compare.check_audit)."""
-    compare.check_audit(run_dir, branch_specs(branches), steps, val_sequences, report_dir)
+    compare.check_audit(run_dir, branches, steps, val_sequences, report_dir)
 
 
 @task(name="copy-checkpoint-into-branches", cache_policy=NO_CACHE)
-def copy_checkpoint_into_branches(run_dir: str, branches: list[dict], step: int | None = None) -> dict:
+def copy_checkpoint_into_branches(
+    run_dir: str, specs: list[fork.BranchSpec], step: int | None = None
+) -> dict:
     """One branch run directory per spec from the parent's checkpoint at `step` (default: the newest
     valid one), lineage in each run.yaml. The parent only gains a line in forks.jsonl. A fork that was
     already made (same step, same branch names) is not made twice: whatever it left unfinished is
     completed (fork.fork), and `already` says so."""
     logger = get_run_logger()
-    specs = branch_specs(branches)
     parent = RunDir(run_dir)
     if step is None:
         newest = parent.newest_valid_checkpoint(warn=logger.warning)

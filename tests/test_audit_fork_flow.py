@@ -84,7 +84,6 @@ def test_a_rerun_after_a_failed_report_writes_the_report_without_retraining(tmp_
             {"branches": [{"name": "a"}, {"name": "b", "overrides": {"data.val_fraction": 0.01}}]},
             r"branch 'b': data\.val_fraction 0\.01 \(the parent's is 0\.05\)",
         ),
-        ({"branches": [{"name": "a"}, {"name": "q/../../escaped"}]}, r"branches\[1\]: name 'q/\.\./\.\./esc"),
     ],
 )
 def test_bad_parameters_are_refused_before_anything_is_written(tmp_path, bad, error):
@@ -96,3 +95,35 @@ def test_bad_parameters_are_refused_before_anything_is_written(tmp_path, bad, er
     with pytest.raises(ConfigError, match=error):
         audit_fork(parent.url, **params)
     assert not parent.exists(FORKS) and sorted(p.name for p in (tmp_path / "runs").iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "bad_branch,error",
+    [
+        (
+            {"name": "b", "overide": {"train.lr": 1e-4}},
+            r"\n - branches\.1\.overide: Extra inputs are not permitted",
+        ),
+        (
+            {"name": "q/../../escaped"},
+            r"\n - branches\.1\.name: Value error, branch: name 'q/\.\./\.\./escaped' is not",
+        ),
+        (
+            {"name": "b", "overrides": [1e-4]},
+            r"\n - branches\.1\.overrides: Input should be a valid dictionary",
+        ),
+    ],
+)
+def test_a_misspelled_branch_key_or_a_bad_name_is_refused_before_the_flow_starts(tmp_path, bad_branch, error):
+    """A direct call is validated against tasks.fork.Branch as a deployment run is at submission
+    (test_prefect_flows.py): the flow's body never runs, so nothing is written."""
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.audit_fork import audit_fork
+
+    parent = fabricated_run(str(tmp_path / "runs" / "parent"), [100])
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "runs").rglob("*")) if p.is_file()}
+    with pytest.raises(ParameterTypeError, match=error):
+        audit_fork(parent.url, [{"name": "a"}, bad_branch], steps=3, device="cpu", gpu_slot=None)
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "runs").rglob("*")) if p.is_file()} == before
+    assert not parent.exists(FORKS)

@@ -193,3 +193,23 @@ def test_at_now_right_after_a_crash_resume_waits_for_the_new_segments_checkpoint
             trainer.send_signal(signal.SIGTERM)
         trainer.wait(120)
     assert andrea("loss", run.url).returncode == 0 and checkpoint_name(ckpt.step) in run.listdir()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ephemeral_prefect")
+def test_an_unknown_at_or_restart_is_refused_before_the_pivot_starts(tmp_path):
+    """The flow has no check of its own: Prefect validates the Literal parameters of a direct call before
+    the body runs (a deployment run is refused at submission: test_prefect_flows.py), so nothing moves."""
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.pivot import pivot
+
+    run = fabricated_run(str(tmp_path / "run"), [100])
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    expected = (
+        r"\n - at: Input should be 'boundary' or 'now'\n"
+        r" - restart: Input should be 'deployment', 'subflow' or 'none'"
+    )
+    with pytest.raises(ParameterTypeError, match=expected):
+        pivot(run.url, "tiny-mix", at="later", restart="never")
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before

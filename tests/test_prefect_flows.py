@@ -31,6 +31,7 @@ from andrea_core.config import ConfigError
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
 from andrea_core.data.tokens import run_tokenizer
+from andrea_core.fork import BRANCH_NAME_RE
 from andrea_core.lock import live_trainer
 from andrea_core.loss_log import parse_lines, read_history
 from andrea_core.model import GPT
@@ -414,6 +415,59 @@ def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
     assert "GpuBusy: concurrency slot 'test-gpu' stayed taken for 5s" in run.state.message
     assert live_run.read_bytes(FORKS) == forks_before
     assert not list(Path(live_run.url).parent.glob("live-fork*-a"))
+
+
+def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tmp_path):
+    """`branches` is a list of tasks.fork.Branch: the deployment's parameter schema describes its fields
+    (the UI's form), and the server refuses a misspelled key or a bad branch name at submission, naming
+    the field; no flow run is created. So does a pivot `at` outside its Literal."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with client() as c:
+        schema = c.read_deployment_by_name("audit-fork/audit-fork").parameter_openapi_schema
+    branches = schema["properties"]["branches"]
+    assert branches["type"] == "array"
+    branch = schema["definitions"][branches["items"]["$ref"].rsplit("/", 1)[1]]
+    assert branch["type"] == "object" and branch["additionalProperties"] is False
+    assert set(branch["properties"]) == {"name", "overrides", "url"} and branch["required"] == ["name"]
+    assert branch["properties"]["name"]["pattern"] == BRANCH_NAME_RE.pattern
+    assert branch["properties"]["overrides"]["type"] == "object"
+
+    def runs_of(deployment: str) -> int:
+        with client() as c:
+            where = DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
+            return len(c.read_flow_runs(deployment_filter=where))
+
+    run_dir = str(tmp_path / "never-written")
+    refused = {
+        (
+            "audit-fork/audit-fork",
+            "branches",
+            '[{"name": "a"}, {"name": "b", "overide": {"train.lr": 1e-3}}]',
+        ): (
+            "Validation failed for field 'branches[1]'. Failure reason: Additional properties are not "
+            "allowed ('overide' was unexpected)"
+        ),
+        ("audit-fork/audit-fork", "branches", '[{"name": "a"}, {"name": "q/../../escaped"}]'): (
+            "Validation failed for field 'branches[1].name'. Failure reason: 'q/../../escaped' does not "
+            f"match '{BRANCH_NAME_RE.pattern}'"
+        ),
+        ("pivot/pivot", "at", "later"): (
+            "Validation failed for field 'at'. Failure reason: 'later' is not one of ['boundary', 'now']"
+        ),
+    }
+    before = {name: runs_of(name.split("/")[1]) for name in ("audit-fork/audit-fork", "pivot/pivot")}
+    for (deployment, param, value), error in refused.items():
+        extra = ["--param", "policy=polish"] if deployment == "pivot/pivot" else []
+        proc = stack.cli(
+            "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *extra,
+            "--param", f"{param}={value}", check=False,
+        )  # fmt: skip
+        output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
+        assert proc.returncode == 1, output
+        assert f"Error creating flow run: {error}" in output
+    assert {name: runs_of(name.split("/")[1]) for name in before} == before
+    assert not (tmp_path / "never-written").exists()
 
 
 def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
