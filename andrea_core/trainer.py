@@ -333,10 +333,15 @@ class Trainer:
         self.log(f"warning: .loss.json has no step {self.start_step}: the mixer will not hear of its loss")
         return None
 
+    def _check_lease(self) -> None:
+        if self.lease.lost is not None:
+            raise lock.LeaseLost(self.lease.lost)
+
     def _finish(self, step: int, reason: str, last_saved: str | None) -> TrainResult:
         """Exit paths wait for the write in flight. A failed final write has no later boundary to retry
         it, so it is retried here once; failing again, the exit says so (status 1, not 0)."""
         record = self.checkpointer.wait()
+        self._check_lease()  # a write refused by the fence is not retried: the run is someone else's
         if record is not None and record.error is not None:
             self.save(step)
             record = self.checkpointer.wait()
@@ -354,7 +359,8 @@ class Trainer:
         return TrainResult(step, reason, last_saved)
 
     def train(self) -> TrainResult:
-        me = lock.acquire(self.run, log=self.log)
+        # The lock as a lease: renewed on its own thread, checked before every publish (lock.Lease).
+        self.lease = lock.Lease.take(self.run, log=self.log)
         flags = signals.install()
         try:
             self._check_environment()
@@ -366,8 +372,10 @@ class Trainer:
             if hasattr(self, "checkpointer"):
                 self.checkpointer.wait()  # an error must not leave a write running past the lock
             if hasattr(self, "loss_log"):
-                self.loss_log.close()
-            lock.release(self.run, me)
+                # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
+                with contextlib.suppress(lock.LeaseLost):
+                    self.loss_log.close()
+            self.lease.release()
             if not self.keep_signal_handlers:
                 signals.uninstall()
 
@@ -383,6 +391,7 @@ class Trainer:
             if flags.stop and step == self.start_step:
                 self.log(f"{flags.stop} before the first step: nothing to checkpoint, exiting")
                 return TrainResult(step, flags.stop, None)
+            self._check_lease()  # taken over while paused: stop before anything else is written
             step += 1
             t0 = time.perf_counter()
             lr = lr_at(step, t)
