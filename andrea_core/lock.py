@@ -492,8 +492,8 @@ class Lease:
             return
         try:
             self.renew()
-        except LeaseLost:
-            raise
+        except LeaseLost as e:
+            raise LeaseLost(f"not writing {what}: {e}" if what else str(e)) from None
         except Exception as e:  # cannot confirm (a partitioned network): do not write, try again later
             raise LeaseLost(
                 f"not writing {what}: the lease on {self.run.url} could not be confirmed "
