@@ -189,3 +189,30 @@ def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_
                 p.send_signal(signal.SIGCONT)
                 p.kill()
                 p.wait()
+
+
+def test_a_store_without_conditional_puts_compares_the_lock_after_each_write(tmp_path):
+    """memory:// has no If-Match: a publish made while the lease was being taken over is detected by
+    reading the lock back, and the lease is lost from then on."""
+    run = RunDir(f"memory://{tmp_path.name}/run")
+    lease = lock.Lease.take(run, log=lambda m: None)
+    try:
+        run.write_json("sidecar.json", {"n": 1})
+        taker = replace_lock(run, lease.me, host="host-b", generation=2)
+        with pytest.raises(LeaseLost, match="sidecar.json was written while the lease was being lost"):
+            run.write_json("sidecar.json", {"n": 2})
+        assert lease.lost is not None
+        with pytest.raises(LeaseLost):
+            run.write_json("other.json", {"n": 3})
+        assert not run.exists("other.json") and read_lock(run) == taker
+    finally:
+        lease.release()
+    assert read_lock(run) == taker, "a lost lease is never released over its taker's lock"
+
+
+def replace_lock(run: RunDir, held: lock.TrainerIdentity, **changes) -> lock.TrainerIdentity:
+    from dataclasses import replace
+
+    taker = replace(held, **changes)
+    run.replace_if_unchanged(LOCK, taker.encode(), run.read_versioned(LOCK)[1])
+    return taker
