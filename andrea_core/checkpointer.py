@@ -8,6 +8,8 @@ waits for it, because the buffer that write reads is the buffer the next snapsho
 exactly what the synchronous writer (`asynchronous=False`) produces: the same header, the same buffer.
 
 Ordering guarantee of a save of step S (what sidecar writers can rely on):
+  0. If the run is fenced (a trainer's lease, lock.Lease), the lease is renewed first, conditionally
+     over its own version; a lost lease fails the save (LeaseLost) before anything is written.
   1. `before_write(S)` runs before any byte of step_S.bin is written; if it raises, nothing is written.
      The trainer makes .loss.json durable here, so that every checkpoint has its history.
   2. step_S.bin appears under its final name whole: fsynced, renamed, directory entry fsynced.
@@ -127,6 +129,10 @@ class Checkpointer:
         try:
             if copied is not None:
                 copied.synchronize()
+            if self.run.fence is not None:
+                # Fencing: a conditional renewal of the lease right before the bytes; a trainer whose
+                # lease was taken over (a paused VM) writes nothing.
+                self.run.fence.confirm(record.name)
             if before_write is not None:
                 before_write(record.step)
             flat = self._buffer.numpy()

@@ -16,6 +16,15 @@ namespace is checked by its pid all the same).
 Before a pid is signalled, it must also be this user's process, an andrea trainer of this very run
 (its command line), and show the lock's secret nonce in its environment (andrea_core.signals): a
 forged or copied lock can never get another process signalled.
+
+The lock is also a lease (`Lease`), for run directories that several machines share (an object store):
+its holder renews it every ANDREA_LEASE_RENEW_S seconds by replacing its own version (conditionally), and
+a trainer on another machine, which cannot check the holder's pid, takes it over once it has watched the
+same version stay unchanged for the holder's `lease_ttl_s` (its own monotonic clock: no clock of another
+machine is trusted), raising `generation`. Every publish of the holder goes through `Lease.check`
+(RunDir.fence): a holder that has not confirmed its lease within ttl - renew seconds confirms it first by
+a conditional renewal, and one that finds the lock changed is fenced: it writes nothing more. A clean
+exit leaves the lock `released` (never deleted), so that `generation` only ever grows.
 """
 
 from __future__ import annotations
@@ -24,19 +33,27 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import math
 import os
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from andrea_core.objstore import ConcurrentWriteError
+from andrea_core.config import ConfigError
+from andrea_core.objstore import ConcurrentWriteError, Version
 from andrea_core.rundir import LOCK, RunDir
 from andrea_core.signals import NONCE_ENV, environ_of, trainer_nonce
 
 
 class LockError(RuntimeError):
     """Another trainer holds the run directory."""
+
+
+class LeaseLost(LockError):
+    """This trainer's lease was taken over (or cannot be confirmed): it must not write to the run."""
 
 
 class NotOurTrainer(PermissionError):
@@ -46,12 +63,53 @@ class NotOurTrainer(PermissionError):
 ALIVE, DEAD, UNKNOWN = "alive", "dead", "cannot be checked"
 
 
+# Tests only: ANDREA_TEST_HOST makes this process a machine of that name (its host name, and a boot id
+# of its own), so that two trainers of one test machine see each other as two hosts.
+TEST_HOST_ENV = "ANDREA_TEST_HOST"
+
+LEASE_RENEW_ENV = "ANDREA_LEASE_RENEW_S"
+LEASE_TTL_ENV = "ANDREA_LEASE_TTL_S"
+LEASE_WAIT_ENV = "ANDREA_LEASE_WAIT_S"
+DEFAULT_LEASE_RENEW_S, DEFAULT_LEASE_TTL_S = 10.0, 30.0
+
+
+def _host() -> str:
+    return os.environ.get(TEST_HOST_ENV) or socket.gethostname()
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            boot = f.read().strip()
     except OSError:
-        return ""
+        boot = ""
+    test_host = os.environ.get(TEST_HOST_ENV)
+    return f"{boot}/{test_host}" if test_host else boot
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name}={raw!r}: expected a finite number of seconds >= 0")
+    return value
+
+
+def lease_timing() -> tuple[float, float]:
+    """(renew_s, ttl_s) from ANDREA_LEASE_RENEW_S (default 10) and ANDREA_LEASE_TTL_S (default 30)."""
+    renew = _seconds(LEASE_RENEW_ENV, DEFAULT_LEASE_RENEW_S)
+    ttl = _seconds(LEASE_TTL_ENV, DEFAULT_LEASE_TTL_S)
+    if renew <= 0 or ttl < 2 * renew:
+        raise ConfigError(
+            f"{LEASE_RENEW_ENV}={renew:g}, {LEASE_TTL_ENV}={ttl:g}: the renewal must be > 0 and the expiry "
+            "at least twice the renewal (a lease must survive one late renewal)"
+        )
+    return renew, ttl
 
 
 def _pid_namespace() -> str | None:
@@ -85,7 +143,15 @@ class TrainerIdentity:
     run_dir: str
     pid_ns: str | None = None  # None: a lock written before pid namespaces were recorded
     nonce: str | None = None  # the trainer process's ANDREA_TRAINER_NONCE (None: cannot be signalled)
-    generation: int = 1  # 1 for a fresh lock, one more at each takeover
+    generation: int = 1  # 1 for a fresh lock, one more at each takeover (and at each new holder)
+    # The lease (None: a lock written before leases, never taken over from another machine).
+    lease_ttl_s: float | None = None  # another machine may take over after watching it this long unchanged
+    lease_renew_s: float | None = None
+    # Each renewal is a new version of the lock, even within one clock tick; renewed_at is the holder's
+    # wall clock, for people (no expiry is computed from it). Neither makes it another holder.
+    renewals: int = dataclasses.field(default=0, compare=False)
+    renewed_at: float | None = dataclasses.field(default=None, compare=False)
+    released: bool = False  # a clean exit: the lock is kept (its generation with it), held by nobody
     # Under torchrun: the job's world size, and the agent whose SIGTERM reaches every rank (`pid` is
     # rank 0, which shares a signal sent to it alone with every rank at the next step).
     world_size: int = 1
@@ -96,18 +162,33 @@ class TrainerIdentity:
         cls, run_dir: str, world_size: int = 1, agent_pid: int | None = None
     ) -> TrainerIdentity:
         pid = os.getpid()
+        renew, ttl = lease_timing()
+        now = time.time()
         return cls(
             pid,
-            socket.gethostname(),
+            _host(),
             _boot_id(),
             process_start_ticks(pid),
-            time.time(),
+            now,
             run_dir,
             _pid_namespace(),
             trainer_nonce(),
             world_size=world_size,
             agent_pid=agent_pid,
+            lease_ttl_s=ttl,
+            lease_renew_s=renew,
+            renewed_at=now,
         )
+
+    def holds_same_lease(self, other: TrainerIdentity | None) -> bool:
+        """The same holder's same tenure (renewals and released aside)."""
+        return other is not None and (
+            other.pid,
+            other.boot_id,
+            other.proc_start,
+            other.nonce,
+            other.generation,
+        ) == (self.pid, self.boot_id, self.proc_start, self.nonce, self.generation)
 
     def encode(self) -> bytes:
         return (json.dumps(asdict(self), indent=1, sort_keys=True) + "\n").encode()
@@ -115,12 +196,14 @@ class TrainerIdentity:
     def liveness(self) -> tuple[str, str]:
         """(ALIVE | DEAD | UNKNOWN, why). Only a lock of this kernel and this pid namespace can be
         checked by its pid; the same host name with another boot id is this machine rebooted."""
+        if self.released:
+            return DEAD, "it was released at a clean exit"
         if self.boot_id != _boot_id():
-            if self.host == socket.gethostname():
+            if self.host == _host():
                 return DEAD, "this machine has rebooted since"
             return UNKNOWN, f"it runs on host {self.host}, another machine"
         if self.pid_ns is None:  # an older lock: only the host name says whether it is this machine's
-            if self.host != socket.gethostname():
+            if self.host != _host():
                 return UNKNOWN, f"it runs on host {self.host}"
         elif self.pid_ns != _pid_namespace():
             return UNKNOWN, f"it runs in another pid namespace ({self.pid_ns}) of this machine"
@@ -247,17 +330,24 @@ def acquire(
     run: RunDir, log=print, attempts: int = 5, world_size: int = 1, agent_pid: int | None = None
 ) -> TrainerIdentity:
     """Take the lock for this process, exclusively: refuse a live holder or one that cannot be checked
-    from here, take over a dead one's (only if it is still that same lock when replaced)."""
+    from here, take over a dead one's or a released one (only if it is still that same lock when
+    replaced), and a lease of another machine once it has expired (`_watch_lease`)."""
+    return acquire_lease(run, log, attempts, world_size, agent_pid)[0]
+
+
+def acquire_lease(
+    run: RunDir, log=print, attempts: int = 5, world_size: int = 1, agent_pid: int | None = None
+) -> tuple[TrainerIdentity, Version]:
+    """`acquire`, also returning the version of the lock it wrote: what the lease renews over."""
     me = TrainerIdentity.of_this_process(run.url, world_size, agent_pid)
     for _ in range(attempts):
         try:
-            run.create_exclusive(LOCK, me.encode())
-            return me
+            return me, run.create_exclusive(LOCK, me.encode())
         except FileExistsError:
             pass
         data, version = run.read_versioned(LOCK)
         if not version.exists:
-            continue  # released meanwhile: try to create it again
+            continue  # deleted meanwhile (a lock from before leases): try to create it again
         held = _parse(run, data)
         state, why = held.liveness()
         if state == ALIVE:
@@ -266,21 +356,201 @@ def acquire(
                 f"(started {time.ctime(held.started_at)}); stop it first (SIGTERM writes a checkpoint)"
             )
         if state == UNKNOWN:
-            raise LockError(
-                f"{run.url} is locked by a trainer on host {held.host} (pid {held.pid}) that cannot be "
-                f"checked from here: {why}; if it is gone, remove {run.path(LOCK)}"
-            )
+            if held.lease_ttl_s is None:
+                raise LockError(
+                    f"{run.url} is locked by a trainer on host {held.host} (pid {held.pid}) that cannot be "
+                    f"checked from here: {why}; if it is gone, remove {run.path(LOCK)}"
+                )
+            version = _watch_lease(run, held, version, log)
+            if version is None:
+                continue  # it changed hands (or was released) while we watched: look again
+            why = f"its lease was not renewed for {held.lease_ttl_s:g}s"
         me = dataclasses.replace(me, generation=held.generation + 1)
         try:
-            run.replace_if_unchanged(LOCK, me.encode(), version)
+            written = run.replace_if_unchanged(LOCK, me.encode(), version)
         except ConcurrentWriteError:
             continue  # another process took it over first: look at who holds it now
-        log(f"taking over the stale lock of dead trainer pid {held.pid} ({why}; {run.path(LOCK)})")
-        return me
+        if held.released:
+            log(f"taking the released lock of {run.url} (generation {me.generation})")
+        else:
+            log(
+                f"taking over the stale lock of dead trainer pid {held.pid} on {held.host} ({why}; "
+                f"{run.path(LOCK)}, generation {me.generation})"
+            )
+        return me, written
     raise LockError(f"{run.url}: the trainer lock kept changing while this process tried to take it")
 
 
+def _watch_lease(run: RunDir, held: TrainerIdentity, version: Version, log) -> Version | None:
+    """Watch another machine's lease until it has stayed this same version for its ttl (by this
+    machine's monotonic clock): then it has expired, and its version is returned to be replaced. A
+    renewal seen means its holder lives: refused, unless ANDREA_LEASE_WAIT_S (default 0) says to wait
+    that long for it to expire. None if it was released or changed hands meanwhile."""
+    ttl = held.lease_ttl_s
+    wait_s = _seconds(LEASE_WAIT_ENV, 0.0)
+    started = seen_at = time.monotonic()
+    log(
+        f"{run.url} is leased by a trainer on host {held.host} (pid {held.pid}, generation "
+        f"{held.generation}); watching whether it renews within its {ttl:g}s lease"
+    )
+    poll = min(1.0, ttl / 10)
+    while True:
+        time.sleep(poll)
+        data, now_version = run.read_versioned(LOCK)
+        if not now_version.exists:
+            return None
+        if now_version.etag != version.etag or now_version.size != version.size:
+            now = _parse(run, data)
+            if not held.holds_same_lease(now) or now.released:
+                return None
+            if time.monotonic() - started >= wait_s:
+                raise LockError(
+                    f"{run.url} is in use by trainer pid {held.pid} on {held.host}: its lease (generation "
+                    f"{held.generation}) was renewed {time.monotonic() - seen_at:.1f}s after this process "
+                    f"first saw it; it is taken over only once unrenewed for {ttl:g}s. Stop that trainer "
+                    f"first, or set {LEASE_WAIT_ENV} to wait for its lease to expire"
+                )
+            held, version, seen_at = now, now_version, time.monotonic()
+            continue
+        if time.monotonic() - seen_at >= ttl:
+            return version
+
+
+class Lease:
+    """The lock this trainer holds, renewed on a background thread, and the fence its publishes pass.
+
+    `check` is called before every publish (RunDir.fence): free while the last confirmed renewal is
+    younger than ttl - renew (a taker waits a whole ttl from when it first sees that version, so the
+    holder keeps at least one renewal period of margin); older, it renews first, synchronously. A renewal
+    is a conditional replace over the version this lease last wrote (S3 If-Match; local disk flock and
+    compare), so it fails exactly when someone else wrote the lock: then the lease is lost for good,
+    every later `check` raises LeaseLost, and the trainer stops at its next step without writing."""
+
+    def __init__(
+        self, run: RunDir, me: TrainerIdentity, version: Version, log: Callable[[str], None] = print
+    ):
+        self.run = run
+        self.me = me
+        self.version = version
+        self.log = log
+        self.renew_s = me.lease_renew_s or DEFAULT_LEASE_RENEW_S
+        self.ttl_s = me.lease_ttl_s or DEFAULT_LEASE_TTL_S
+        self.confirmed_at = time.monotonic()  # taken before the write that made it ours
+        self.lost: str | None = None
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def take(
+        cls,
+        run: RunDir,
+        log: Callable[[str], None] = print,
+        world_size: int = 1,
+        agent_pid: int | None = None,
+    ) -> Lease:
+        """Acquire the lock as a lease, fence `run`'s publishes on it and start renewing it."""
+        t0 = time.monotonic()
+        me, version = acquire_lease(run, log=log, world_size=world_size, agent_pid=agent_pid)
+        lease = cls(run, me, version, log)
+        lease.confirmed_at = t0
+        run.fence = lease
+        lease.start()
+        return lease
+
+    @property
+    def generation(self) -> int:
+        return self.me.generation
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._renew_forever, name="andrea-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_forever(self) -> None:
+        while not self._stop.wait(self.renew_s):
+            try:
+                self.renew()
+            except LeaseLost:
+                return
+            except Exception as e:  # a network error: the next renewal (or the next publish) tries again
+                self.log(f"warning: lease renewal of {self.run.path(LOCK)} failed: {type(e).__name__}: {e}")
+
+    def renew(self) -> None:
+        """Replace the lock with a renewed copy, only over the version this lease last wrote."""
+        with self._mutex:
+            if self.lost is not None:
+                raise LeaseLost(self.lost)
+            t0 = time.monotonic()
+            renewed = dataclasses.replace(self.me, renewals=self.me.renewals + 1, renewed_at=time.time())
+            try:
+                self.version = self.run.replace_if_unchanged(LOCK, renewed.encode(), self.version)
+            except ConcurrentWriteError:
+                self.lost = self._why_lost()
+                self.log(f"ERROR: {self.lost}")
+                raise LeaseLost(self.lost) from None
+            self.me, self.confirmed_at = renewed, t0
+
+    def _why_lost(self) -> str:
+        try:
+            now = read_lock(self.run)
+        except Exception as e:
+            now, detail = None, f"unreadable now ({e})"
+        else:
+            detail = "gone" if now is None else f"generation {now.generation}, pid {now.pid} on {now.host}"
+        return (
+            f"this trainer (pid {self.me.pid} on {self.me.host}) lost its lease on {self.run.url} "
+            f"(generation {self.me.generation}; the lock is {detail}): it writes nothing more and stops"
+        )
+
+    def check(self, what: str = "") -> None:
+        """The fence before a publish: raise LeaseLost unless the lease is (re)confirmed as ours."""
+        if self.lost is not None:
+            raise LeaseLost(f"not writing {what}: {self.lost}" if what else self.lost)
+        if time.monotonic() - self.confirmed_at < self.ttl_s - self.renew_s:
+            return
+        try:
+            self.renew()
+        except LeaseLost as e:
+            raise LeaseLost(f"not writing {what}: {e}" if what else str(e)) from None
+        except Exception as e:  # cannot confirm (a partitioned network): do not write, try again later
+            raise LeaseLost(
+                f"not writing {what}: the lease on {self.run.url} could not be confirmed "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+    def confirm(self, what: str = "") -> None:
+        """The fence before a checkpoint: renew now (a conditional write over our own version)."""
+        try:
+            self.renew()
+        except LeaseLost as e:
+            raise LeaseLost(f"not writing {what}: {e}" if what else str(e)) from None
+
+    def verify(self, what: str = "") -> None:
+        """Compare-after-write, for stores without conditional puts: the lock must still be ours."""
+        if not self.me.holds_same_lease(read_lock(self.run)):
+            with self._mutex:
+                self.lost = self._why_lost()
+            raise LeaseLost(f"{what} was written while the lease was being lost: {self.lost}")
+
+    def release(self) -> None:
+        """Stop renewing; unless lost, leave the lock released (its generation kept for the next one)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.run.fence is self:
+            self.run.fence = None
+        with self._mutex, contextlib.suppress(OSError, LockError):
+            if self.lost is None:
+                done = dataclasses.replace(self.me, released=True, renewed_at=time.time())
+                self.version = self.run.replace_if_unchanged(LOCK, done.encode(), self.version)
+                self.lost = "released"
+
+
 def release(run: RunDir, me: TrainerIdentity) -> None:
+    """Release a lock taken with `acquire` (no lease thread): it is left released, its generation kept."""
     with contextlib.suppress(OSError, LockError):
-        if read_lock(run) == me:
-            run.remove(LOCK)
+        data, version = run.read_versioned(LOCK)
+        held = _parse(run, data) if version.exists else None
+        if me.holds_same_lease(held) and not held.released:
+            done = dataclasses.replace(held, released=True, renewed_at=time.time())
+            run.replace_if_unchanged(LOCK, done.encode(), version)

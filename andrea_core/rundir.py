@@ -124,6 +124,13 @@ class RunDir:
         self.is_s3 = bool(_protocols(self.fs) & S3_PROTOCOLS)
         # The canonical address: what lineage, forks.jsonl and Prefect parameters record.
         self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
+        # The holder's lease (lock.Lease) while a trainer holds the run: every publish, move and delete
+        # but the lock's own passes its check first (fencing); None for everyone else.
+        self.fence: Any = None
+
+    def _fenced(self, name: str) -> None:
+        if self.fence is not None and name != LOCK:
+            self.fence.check(name)
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -190,7 +197,7 @@ class RunDir:
     def open_append(self, name: str) -> AppendFile | MirroredAppendFile:
         if not self.is_local:
             return MirroredAppendFile(self, name)
-        return AppendFile(self.path(name))
+        return AppendFile(self.path(name), fenced=lambda: self._fenced(name))
 
     def append(self, name: str, data: bytes, durable: bool = False, attempts: int = 5) -> None:
         for attempt in range(attempts):
@@ -205,6 +212,7 @@ class RunDir:
                     raise
 
     def move(self, src: str, dst: str) -> None:
+        self._fenced(dst)
         self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
         self.fs.mv(self.path(src), self.path(dst))
         if self.is_local:
@@ -212,6 +220,7 @@ class RunDir:
             _fsync_dir(posixpath.dirname(self.path(src)))
 
     def remove(self, name: str) -> None:
+        self._fenced(name)
         self.fs.rm_file(self.path(name))
 
     def discard_incomplete_writes(self, log: Callable[[str], None] = print) -> list[str]:
@@ -287,6 +296,7 @@ class RunDir:
         """Publish `name` atomically; with `expect`, only over that version of it (else raise
         ConcurrentWriteError). Returns the version published."""
         final = self.path(name)
+        self._fenced(name)
         views = _byte_views(parts)
         if self.is_local:
             return Version(_write_local(final, views))
@@ -296,6 +306,8 @@ class RunDir:
             self._check_unchanged(name, expect)
         data = b"".join(views)
         self.fs.pipe_file(final, data)
+        if self.fence is not None and name != LOCK:
+            self.fence.verify(name)  # no conditional puts here: compare after the write
         return Version(len(data))
 
     def _read_versioned(self, name: str) -> tuple[bytes, Version]:
@@ -373,8 +385,9 @@ class RunDir:
 class AppendFile:
     """An append-only local file: `write` never seeks, and `durable` fsyncs before returning."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fenced: Callable[[], None] | None = None):
         self.path = path
+        self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
         self._f = open(path, "ab")
 
     def read(self) -> bytes:
@@ -382,6 +395,8 @@ class AppendFile:
             return f.read()
 
     def write(self, data: bytes, durable: bool = False) -> None:
+        if self._fenced is not None:
+            self._fenced()
         self._f.write(data)
         self._f.flush()
         if durable:

@@ -108,6 +108,8 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
     except LockError as e:
         lock = None
         st.problems.append(str(e))
+    if lock is not None and lock.released:
+        lock = None  # left at a clean exit (it keeps the lease's generation): nobody holds the run
     live = lock is not None and lock.is_alive()
     if live:
         st.trainer = _identity(lock)

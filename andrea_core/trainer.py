@@ -382,12 +382,17 @@ class Trainer:
         self.log(f"warning: .loss.json has no step {self.start_step}: the mixer will not hear of its loss")
         return None
 
+    def _check_lease(self) -> None:
+        if self.lease is not None and self.lease.lost is not None:
+            raise lock.LeaseLost(self.lease.lost)
+
     def _finish(self, step: int, reason: str, last_saved: str | None) -> TrainResult:
         """Exit paths wait for the write in flight. A failed final write has no later boundary to retry
         it, so it is retried here once; failing again, the exit says so (status 1, not 0)."""
         if not self.world.is_main:
             return TrainResult(step, reason, last_saved)
         record = self.checkpointer.wait()
+        self._check_lease()  # a write refused by the fence is not retried: the run is someone else's
         if record is not None and record.error is not None:
             self.save(step)
             record = self.checkpointer.wait()
@@ -405,11 +410,15 @@ class Trainer:
         return TrainResult(step, reason, last_saved)
 
     def train(self) -> TrainResult:
-        me = None
-        if self.world.is_main:
-            me = lock.acquire(
+        # The lock as a lease: renewed on its own thread, checked before every publish (lock.Lease).
+        # Under torchrun rank 0 holds it for the job: the other ranks never write the run directory.
+        self.lease = (
+            lock.Lease.take(
                 self.run, log=self.log, world_size=self.world.world_size, agent_pid=self.world.agent_pid
             )
+            if self.world.is_main
+            else None
+        )
         flags = signals.install()
         try:
             self._check_environment()
@@ -421,9 +430,11 @@ class Trainer:
             if hasattr(self, "checkpointer"):
                 self.checkpointer.wait()  # an error must not leave a write running past the lock
             if hasattr(self, "loss_log"):
-                self.loss_log.close()
-            if me is not None:
-                lock.release(self.run, me)
+                # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
+                with contextlib.suppress(lock.LeaseLost):
+                    self.loss_log.close()
+            if self.lease is not None:
+                self.lease.release()
             distributed.shutdown(self.world)
             if not self.keep_signal_handlers:
                 signals.uninstall()
@@ -442,6 +453,7 @@ class Trainer:
             if flags.stop and step == self.start_step:
                 self.log(f"{flags.stop} before the first step: nothing to checkpoint, exiting")
                 return TrainResult(step, flags.stop, None)
+            self._check_lease()  # taken over while paused: stop before anything else is written
             step += 1
             t0 = time.perf_counter()
             lr = lr_at(step, t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -40,6 +41,12 @@ def last_logged_step(run: RunDir | Path | str) -> int:
     """The newest step of a run's canonical loss history (0 before the first): a trainer's progress."""
     history = read_history(run if isinstance(run, RunDir) else RunDir(str(run)))
     return history[-1].step if history else 0
+
+
+def lock_released(run: Path | str) -> bool:
+    """No trainer holds the run: its lock is absent, or left `released` by a clean exit (lock.py)."""
+    lock = Path(run) / ".trainer.json"
+    return not lock.exists() or json.loads(lock.read_text()).get("released") is True
 
 
 def andrea(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:

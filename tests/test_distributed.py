@@ -24,7 +24,7 @@ from andrea_core.distributed import World, share_flags, world_from_env
 from andrea_core.lock import read_lock
 from andrea_core.rundir import RunDir
 from andrea_core.signals import TrainerSignals
-from tests.conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from tests.conftest import REPO, _env, andrea, last_logged_step, lock_released, start_trainer, wait_for
 from tests.tiny import tiny_config
 
 CPU = ("--device", "cpu")
@@ -155,7 +155,7 @@ def test_two_ranks_compute_what_one_process_does(tmp_path, accum):
     # Rank 0 alone wrote: one checkpoint per grid step, one segment of losses, no stray files.
     assert sorted(p.name for p in two.glob("step_*.bin")) == [checkpoint_name(s) for s in (10, 20, 30)]
     assert len((two / ".loss.json").read_text().splitlines()) == 30
-    assert not (two / ".trainer.json").exists()  # released at exit
+    assert lock_released(two)
 
 
 @pytest.mark.slow

@@ -43,7 +43,8 @@ def test_lock_of_a_dead_trainer_is_taken_over(tmp_path):
 
     proc = andrea("train", "--run-dir", str(run), "--max-steps", "20")
     assert f"taking over the stale lock of dead trainer pid {dead.pid}" in proc.stdout
-    assert (run / "step_000020.bin").exists() and not (run / ".trainer.json").exists()
+    assert (run / "step_000020.bin").exists()
+    assert json.loads((run / ".trainer.json").read_text())["released"], "left released at the clean exit"
 
 
 def test_recycled_pid_is_not_our_trainer():

@@ -115,7 +115,8 @@ def test_a_lock_create_whose_reply_is_lost_is_still_ours(s3_bucket, monkeypatch)
     assert len(answers) == 1 and "pre-conditions" in answers[0]  # the retry was refused: ours committed
     assert read_lock(run) == me and me.generation == 1
     lock.release(run, me)
-    assert read_lock(run) is None
+    released = read_lock(run)  # left released, not deleted: the generation lives on for the next holder
+    assert released.released and released.generation == 1 and not released.is_alive()
 
 
 # --- 14.3: identity across pid namespaces and host names ---------------------------------------------
@@ -130,21 +131,25 @@ def test_a_lock_held_in_another_pid_namespace_is_refused_not_taken_over(tmp_path
     run = RunDir(str(tmp_path / "run"))
     holder_code = (
         "from andrea_core import lock; from andrea_core.rundir import RunDir; import time; "
-        f"me = lock.acquire(RunDir({run.url!r})); print(me.pid, me.pid_ns, flush=True); time.sleep(600)"
+        # A live trainer there renews its lease: that, not its pid, is what this namespace can see.
+        f"me = lock.Lease.take(RunDir({run.url!r})).me; print(me.pid, me.pid_ns, flush=True); time.sleep(600)"
     )
     holder = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c", holder_code],
         stdout=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=_env() | {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "3"},
     )
     try:
         pid_inside, ns_inside = holder.stdout.readline().split()
         assert ns_inside != os.readlink("/proc/self/ns/pid")
-        before = Path(run.path(LOCK)).read_bytes()
-        with pytest.raises(LockError, match="cannot be checked from here: it runs in another pid namespace"):
-            lock.acquire(run, log=lambda m: None)
-        assert Path(run.path(LOCK)).read_bytes() == before  # not taken over
+        before = read_lock(run)
+        logged: list[str] = []
+        renewed = r"in use by trainer pid \d+ .*its lease \(generation 1\) was renewed"
+        with pytest.raises(LockError, match=renewed):
+            lock.acquire(run, log=logged.append)
+        assert "watching whether it renews within its 3s lease" in logged[0]
+        assert read_lock(run) == before and before.generation == 1  # not taken over
         assert live_trainer(run) is None  # nothing from here signals pid {pid_inside} of that namespace
         assert holder.poll() is None
     finally:
@@ -170,8 +175,10 @@ def test_a_renamed_host_on_the_same_kernel_and_namespace_is_checked_by_its_pid(t
     logged: list[str] = []
     taken = lock.acquire(run, log=logged.append)
     assert "taking over the stale lock of dead trainer" in logged[0] and taken.generation == 2
-    # Another machine (another boot id under another name) still cannot be checked from here.
-    run.write_atomic(LOCK, replace(live, boot_id="another-kernel", host="pod-b").encode())
+    # Another machine (another boot id under another name) still cannot be checked from here; a lock
+    # without a lease (written before leases) is never taken over from it.
+    other = replace(live, boot_id="another-kernel", host="pod-b", lease_ttl_s=None, lease_renew_s=None)
+    run.write_atomic(LOCK, other.encode())
     with pytest.raises(LockError, match="cannot be checked from here: it runs on host pod-b"):
         lock.acquire(run, log=lambda m: None)
 

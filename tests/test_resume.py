@@ -9,7 +9,7 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import TINY, andrea, last_logged_step, start_trainer, wait_for
+from conftest import TINY, andrea, last_logged_step, lock_released, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name, encode
 from andrea_core.config import load_run_config
@@ -150,4 +150,4 @@ def test_sigint_mid_run_is_sigterm(tmp_path):
     name = checkpoint_name(stopped)
     assert stopped % 100 != 0 and RunDir(str(run)).checkpoint_steps() == [stopped]
     assert f"andrea: SIGINT: stopped at step {stopped}, checkpoint {name}" in log.read_text()
-    assert RunDir(str(run)).read_checkpoint(stopped).step == stopped and not (run / ".trainer.json").exists()
+    assert RunDir(str(run)).read_checkpoint(stopped).step == stopped and lock_released(run)

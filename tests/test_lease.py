@@ -1,0 +1,218 @@
+"""The lock as a lease on shared storage (issue 12.3): renewed by its holder, taken over by another host
+once it has gone unrenewed for its ttl, and fencing every publish of a holder that lost it.
+
+Two "hosts" on this one machine: ANDREA_TEST_HOST gives a process a host name and a boot id of its own
+(tests only), so that neither can check the other's pid and only the lease decides."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _env, wait_for
+
+from andrea_core import lock
+from andrea_core.lock import LeaseLost, LockError, read_lock
+from andrea_core.rundir import LOCK, RunDir
+from tests.tiny import tiny_config
+
+FAST_LEASE = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "3"}
+
+
+def test_a_released_lock_keeps_its_generation(tmp_path):
+    """Fencing needs a counter that only grows: a clean exit leaves the lock released, not deleted."""
+    run = RunDir(str(tmp_path / "run"))
+    first = lock.acquire(run, log=lambda m: None)
+    lock.release(run, first)
+    left = read_lock(run)
+    assert left.released and left.generation == 1 and not left.is_alive()
+    logged: list[str] = []
+    second = lock.acquire(run, log=logged.append)
+    assert second.generation == 2 and "taking the released lock" in logged[0]
+    lease = lock.Lease(run, second, run.read_versioned(LOCK)[1], log=lambda m: None)
+    lease.release()
+    assert read_lock(run).generation == 2 and read_lock(run).released
+
+
+def test_lease_timing_is_checked():
+    env = {**os.environ, "ANDREA_LEASE_RENEW_S": "10", "ANDREA_LEASE_TTL_S": "15"}
+    code = "from andrea_core import lock; lock.lease_timing()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    assert "ANDREA_LEASE_RENEW_S=10, ANDREA_LEASE_TTL_S=15" in proc.stderr
+    assert "at least twice the renewal" in proc.stderr
+
+
+def test_a_lease_is_refused_while_renewed_taken_over_once_expired_and_the_loser_is_fenced(
+    s3_bucket, monkeypatch
+):
+    """In one process, on the moto S3 server: host-a holds a lease, host-b watches it."""
+    for k, v in FAST_LEASE.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("ANDREA_TEST_HOST", "host-a")
+    run_a = RunDir(f"{s3_bucket}/run")
+    a = lock.Lease.take(run_a, log=lambda m: None)
+    run_a.write_json("sidecar.json", {"by": "a"})  # the holder publishes through its fence
+
+    monkeypatch.setenv("ANDREA_TEST_HOST", "host-b")
+    run_b = RunDir(f"{s3_bucket}/run")
+    t0 = time.monotonic()
+    with pytest.raises(LockError, match=r"in use by trainer pid \d+ on host-a: its lease \(generation 1\)"):
+        lock.acquire(run_b, log=lambda m: None)  # a renewal is seen within one renewal period
+    assert time.monotonic() - t0 < 3, "refused as soon as a renewal was seen, not after a whole ttl"
+
+    # host-a stops renewing (a paused VM): host-b takes over after watching it unrenewed for its ttl.
+    a._stop.set()
+    a._thread.join()
+    logged: list[str] = []
+    t0 = time.monotonic()
+    b = lock.Lease.take(run_b, log=logged.append)
+    waited = time.monotonic() - t0
+    assert b.generation == 2 and 3 <= waited < 10, waited
+    assert "its lease was not renewed for 3s" in logged[-1] and "generation 2" in logged[-1]
+
+    # host-a wakes up: its lease is older than ttl - renew, so its next publish renews first, which fails.
+    before = run_a.read_bytes("sidecar.json")
+    with pytest.raises(LeaseLost, match=r"not writing sidecar.json: .*lost its lease .*generation 2"):
+        run_a.write_json("sidecar.json", {"by": "a, after losing its lease"})
+    with pytest.raises(LeaseLost):
+        run_a.remove("sidecar.json")
+    assert run_a.read_bytes("sidecar.json") == before
+    a.release()  # a lost lease is not released over its taker's
+    assert read_lock(run_b) == b.me
+    b.release()
+    assert read_lock(run_b).released and read_lock(run_b).generation == 2
+
+
+# --- two real trainers on one s3:// run ------------------------------------------------------------
+
+
+def host_env(host: str, **extra: str) -> dict[str, str]:
+    return _env() | FAST_LEASE | {"ANDREA_TEST_HOST": host} | extra
+
+
+def trainer(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "andrea_core", "train", *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def published(run: RunDir) -> dict[str, tuple[int, str]]:
+    """Every object of the run as the store holds it: name -> (size, ETag)."""
+    found = run.fs.find(run.root, detail=True)
+    return {p.removeprefix(run.root + "/"): (d["size"], d.get("ETag")) for p, d in found.items()}
+
+
+@pytest.mark.slow
+def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_paused_first_writes_nothing(
+    s3_bucket, tmp_path
+):
+    url = f"{s3_bucket}/run"
+    run = RunDir(url)
+    cfg = tiny_config(tmp_path, train__checkpoint_every=50, train__log_every=1000)
+    args = ["--run-dir", url, "--device", "cpu", "--pace", "0.05"]
+    a = trainer(["--config", cfg, *args, "--max-steps", "100000"], host_env("host-a"), tmp_path / "a.log")
+    b_wait = None
+    try:
+        wait_for(lambda: run.checkpoint_steps(), timeout=300, what="host-a's first checkpoint")
+        held = read_lock(run)
+        assert held.host == "host-a" and held.generation == 1
+
+        # While host-a's lease lives, host-b refuses at once...
+        refused = subprocess.run(
+            [sys.executable, "-m", "andrea_core", "train", *args, "--max-steps", "100000"],
+            env=host_env("host-b"),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "on host-a: its lease (generation 1) was renewed" in refused.stderr
+        # ... or, told to wait, waits (host-a renews all the while) ...
+        b_wait = trainer([*args, "--max-steps", "1"], host_env("host-b", ANDREA_LEASE_WAIT_S="600"),
+                         tmp_path / "b.log")  # fmt: skip
+        wait_for(lambda: "watching whether it renews" in (tmp_path / "b.log").read_text(), timeout=300)
+        renewals = read_lock(run).renewals
+        wait_for(lambda: read_lock(run).renewals >= renewals + 3, timeout=60, what="three renewals by host-a")
+        assert b_wait.poll() is None and read_lock(run).generation == 1 and read_lock(run).host == "host-a"
+
+        # ... until host-a is paused past its lease, between two checkpoints (a paused VM).
+        newest = run.checkpoint_steps()[-1]
+        wait_for(lambda: run.checkpoint_steps()[-1] > newest, timeout=120, what="host-a's next checkpoint")
+        time.sleep(0.5)  # its publishes of that boundary are done; the next is 50 steps of >= 50 ms away
+        a.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        taken = wait_for(lambda: read_lock(run).generation == 2, timeout=120, what="host-b's takeover")
+        took_s = time.monotonic() - stopped
+        assert taken and read_lock(run).host == "host-b"
+        # host-b (max_steps 1: nothing to train) took the lease with no manual step, and released it.
+        assert b_wait.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()
+        b_log = (tmp_path / "b.log").read_text()
+        assert "taking over the stale lock of dead trainer" in b_log and "not renewed for 3s" in b_log
+        assert read_lock(run).released and read_lock(run).generation == 2
+        before = published(run)
+
+        a.send_signal(signal.SIGCONT)
+        assert a.wait(timeout=300) == 2, (tmp_path / "a.log").read_text()
+        a_log = (tmp_path / "a.log").read_text()
+        assert "lost its lease" in a_log and "generation 2" in a_log
+        assert published(run) == before, "the paused trainer published nothing after the takeover"
+        print(f"takeover {took_s:.1f}s after host-a was paused (renew 1 s, ttl 3 s)")
+
+        # The run goes on from host-a's newest checkpoint under generation 3: the counter only grows.
+        newest = run.checkpoint_steps()[-1]
+        done = subprocess.run(
+            [sys.executable, "-m", "andrea_core", "train", *args, "--max-steps", str(newest + 10)],
+            env=host_env("host-b"),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert run.checkpoint_steps()[-1] == newest + 10
+        left = json.loads(run.read_bytes(LOCK))
+        assert left["released"] and left["generation"] == 3
+    finally:
+        for p in (a, b_wait):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+
+
+def test_a_store_without_conditional_puts_compares_the_lock_after_each_write(tmp_path):
+    """memory:// has no If-Match: a publish made while the lease was being taken over is detected by
+    reading the lock back, and the lease is lost from then on."""
+    run = RunDir(f"memory://{tmp_path.name}/run")
+    lease = lock.Lease.take(run, log=lambda m: None)
+    try:
+        run.write_json("sidecar.json", {"n": 1})
+        taker = replace_lock(run, lease.me, host="host-b", generation=2)
+        with pytest.raises(LeaseLost, match="sidecar.json was written while the lease was being lost"):
+            run.write_json("sidecar.json", {"n": 2})
+        assert lease.lost is not None
+        with pytest.raises(LeaseLost):
+            run.write_json("other.json", {"n": 3})
+        assert not run.exists("other.json") and read_lock(run) == taker
+    finally:
+        lease.release()
+    assert read_lock(run) == taker, "a lost lease is never released over its taker's lock"
+
+
+def replace_lock(run: RunDir, held: lock.TrainerIdentity, **changes) -> lock.TrainerIdentity:
+    from dataclasses import replace
+
+    taker = replace(held, **changes)
+    run.replace_if_unchanged(LOCK, taker.encode(), run.read_versioned(LOCK)[1])
+    return taker
