@@ -33,7 +33,8 @@ class LossEntry(NamedTuple):
 
 # A malformed line of any kind (torn by a crash, junk, nested past the parser's recursion limit) is
 # skipped and counted, never raised: one bad line must not break every reader of an append-only file.
-JSON_LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
+JSON_LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)
+LARGEST_COUNT = 2**63  # a step, segment or token count past this is no trainer's: the line is malformed
 
 
 @contextlib.contextmanager
@@ -111,6 +112,8 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
                     # orjson reads an integer past 64 bits as a float; json.loads keeps it whole.
                     obj = json.loads(line)
                     step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
+                    if max(abs(step), abs(segment), abs(tokens)) > LARGEST_COUNT:
+                        raise ValueError("a count past 64 bits")
                 loss, lr, arm, t = obj["loss"], obj.get("lr", nan), obj.get("arm"), obj.get("time", 0.0)
                 append(LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t)))
             except JSON_LINE_ERRORS:

@@ -143,10 +143,17 @@ class RunDir:
         return self.fs.cat_file(self.path(name))
 
     def read_text(self, name: str) -> str:
-        return self.read_bytes(name).decode()
+        try:
+            return self.read_bytes(name).decode()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{self.path(name)}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
     def read_json(self, name: str) -> Any:
-        return json.loads(self.read_bounded(name))
+        """The parsed file; ValueError (callers name the file) for bad JSON of any kind."""
+        try:
+            return json.loads(self.read_bounded(name))
+        except RecursionError:
+            raise ValueError("JSON nested deeper than the parser's recursion limit") from None
 
     def read_bounded(self, name: str, bound: str = "ANDREA_MAX_SIDECAR_BYTES") -> bytes:
         """A run file's bytes, refused unread (ConfigError naming the file, its size and the bound)
