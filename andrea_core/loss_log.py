@@ -103,17 +103,18 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
             if not line.strip():
                 continue
             try:
+                exact = False
                 try:
                     obj = loads(line)
                 except orjson_error:
-                    obj = json.loads(line)
+                    obj, exact = json.loads(line), True
                 step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
                 if type(step) is float or type(segment) is float or type(tokens) is float:
                     # orjson reads an integer past 64 bits as a float; json.loads keeps it whole.
-                    obj = json.loads(line)
+                    obj, exact = json.loads(line), True
                     step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
-                    if max(abs(step), abs(segment), abs(tokens)) > LARGEST_COUNT:
-                        raise ValueError("a count past 64 bits")
+                if exact and any(type(v) is int and abs(v) > LARGEST_COUNT for v in (step, segment, tokens)):
+                    raise ValueError("a count past 64 bits")  # no trainer's; float() of it would overflow
                 loss, lr, arm, t = obj["loss"], obj.get("lr", nan), obj.get("arm"), obj.get("time", 0.0)
                 append(LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t)))
             except JSON_LINE_ERRORS:

@@ -272,7 +272,17 @@ class Trainer:
         (data/state.py); the writer makes the loss log durable before the checkpoint's bytes, so every
         checkpoint has its history; the audit comes after, so every checkpoint has its audit."""
         self.loss_log.flush()
-        self.data.save_state(step)
+        try:
+            self.data.save_state(step)
+        except OSError as e:
+            # A full disk, a store refusing puts: a checkpoint without its bandit would resume another
+            # mixer, so none is written; training goes on and the next boundary tries again.
+            self.checkpointer.refuse(
+                step, OSError(f"its bandit state could not be written: {type(e).__name__}: {e}")
+            )
+            if audit:
+                self._audit(step)
+            return checkpoint_name(step)
         name = self.checkpointer.save(
             step,
             before_write=lambda _: self.loss_log.sync(),
@@ -282,8 +292,14 @@ class Trainer:
             ),
         )
         if audit:
-            self.auditor.record(step)
+            self._audit(step)
         return name
+
+    def _audit(self, step: int) -> None:
+        try:
+            self.auditor.record(step)
+        except OSError as e:  # the audit's file, not training, is what a full disk or a refusing store stops
+            self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
 
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
@@ -393,7 +409,7 @@ class Trainer:
                 self._read(current)  # logged before its checkpoint; the mixer still hears of it later
                 last_saved = self.save(step, audit)
             elif audit:
-                self.auditor.record(step)
+                self._audit(step)
             if flags.stop:
                 return self._finish(step, flags.stop, last_saved)
             if step < self.max_steps:

@@ -8,7 +8,9 @@ the test is skipped, saying why.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import uuid
@@ -59,7 +61,10 @@ def fill(disk: Path, leave: int) -> Path:
 
 
 def loss_lines_whole_but_last(run: Path) -> None:
-    data = (run / ".loss.json").read_bytes()
+    loss_lines_whole_but_last_of((run / ".loss.json").read_bytes())
+
+
+def loss_lines_whole_but_last_of(data: bytes) -> None:
     _, bad = json_lines(data)
     last = data.rstrip(b"\n").count(b"\n") + 1
     assert all(n == last for n in bad), (
@@ -89,15 +94,19 @@ def test_a_full_disk_stops_checkpoints_not_training_and_they_resume_when_space_i
     try:
         wait_for(lambda: len(valid_checkpoints(run)) >= 2, timeout=300, what="two checkpoints")
         filler = fill(small_disk, ROOM_LEFT)
-        errors = lambda: log.read_text().count("was NOT written")  # noqa: E731
-        wait_for(lambda: errors() >= 1, timeout=300, what="a checkpoint refused by the full disk")
+        errors = lambda: log.read_text().count("ERROR: checkpoint ")  # noqa: E731
+        wait_for(
+            lambda: errors() >= 1 or trainer.poll() is not None, timeout=300, what="a refused checkpoint"
+        )
         full_at = last_logged_step(run)
         kept = valid_checkpoints(run)
         assert kept, "no valid checkpoint left after the disk filled"
         newest_kept = max(kept)
 
         # Two more boundaries pass on the full disk: training goes on, nothing new is published.
-        wait_for(lambda: errors() >= 3, timeout=300, what="two more refused checkpoints")
+        wait_for(
+            lambda: errors() >= 3 or trainer.poll() is not None, timeout=300, what="more refused checkpoints"
+        )
         assert trainer.poll() is None, f"the trainer exited on a full disk:\n{log.read_text()[-3000:]}"
         assert last_logged_step(run) >= full_at + 2 * EVERY - 1
         assert "No space left on device" in log.read_text()
@@ -123,3 +132,109 @@ def test_a_full_disk_stops_checkpoints_not_training_and_they_resume_when_space_i
     loss_lines_whole_but_last(run)
     history = [e.step for e in read_history(RunDir(str(run)))]
     assert history == list(range(1, history[-1] + 1)), "the loss history has a gap"
+
+
+# --- an object store that refuses puts for a while ---------------------------------------------------
+
+DENY_PUTS = {
+    "Version": "2012-10-17",
+    "Statement": [{"Effect": "Deny", "Action": "s3:PutObject", "Resource": "*"}],
+}
+ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+
+
+@pytest.fixture
+def s3_with_iam(monkeypatch):
+    """A moto server of its own that checks IAM policies (from its fourth request on), a user allowed
+    everything, its keys in this process and in the trainers it starts, and a bucket. A policy denying
+    s3:PutObject then makes the store refuse every put (single and multipart) for real, with 403."""
+    import boto3
+    import fsspec.config
+    from s3_server import CREDENTIALS, start_s3_server
+
+    server = start_s3_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+    try:
+        boot = dict(endpoint_url=server.endpoint, region_name="us-east-1")
+        root = {"aws_access_key_id": "root", "aws_secret_access_key": "root"}
+        iam = boto3.client("iam", **boot, **root)
+        iam.create_user(UserName="trainer")  # requests 1..3 are unauthenticated
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument=json.dumps(ALLOW_ALL))
+        creds = {"aws_access_key_id": key["AccessKeyId"], "aws_secret_access_key": key["SecretAccessKey"]}
+        env = {
+            **CREDENTIALS,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "FSSPEC_S3_ENDPOINT_URL": server.endpoint,
+        }
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        # Its own s3fs instances here: the options are part of fsspec's instance cache key.
+        monkeypatch.setitem(
+            fsspec.config.conf,
+            "s3",
+            {"endpoint_url": server.endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]},
+        )
+        boto3.client("s3", **boot, **creds).create_bucket(Bucket="refusing")
+        yield boto3.client("iam", **boot, **creds), boto3.client("s3", **boot, **creds)
+    finally:
+        server.stop()
+
+
+def progress_step(log: Path) -> int:
+    """The newest step the trainer reported training (its progress lines), 0 before the first."""
+    steps = re.findall(r"step (\d+)/", log.read_text())
+    return int(steps[-1]) if steps else 0
+
+
+@pytest.mark.slow
+def test_a_store_refusing_puts_stops_checkpoints_not_training_and_they_resume(s3_with_iam, tmp_path):
+    iam, s3 = s3_with_iam
+    url = "s3://refusing/run"
+    run = RunDir(url)
+    cfg = tiny_config(tmp_path, train__checkpoint_every=EVERY, train__max_steps=100_000, train__log_every=5)
+    log = tmp_path / "trainer.log"
+    trainer = start_trainer("--config", cfg, "--run-dir", url, "--device", "cpu", log=log)
+
+    def valid() -> dict[int, bytes]:
+        out = {}
+        for step in run.checkpoint_steps():
+            try:
+                run.read_checkpoint(step)
+                out[step] = run.read_bytes(f"step_{step:06d}.bin")
+            except (CheckpointError, FileNotFoundError):
+                pass
+        return out
+
+    try:
+        wait_for(lambda: len(valid()) >= 2, timeout=300, what="two checkpoints on the store")
+        iam.put_user_policy(UserName="trainer", PolicyName="deny-puts", PolicyDocument=json.dumps(DENY_PUTS))
+        errors = lambda: log.read_text().count("ERROR: checkpoint ")  # noqa: E731
+        wait_for(
+            lambda: errors() >= 1 or trainer.poll() is not None, timeout=300, what="a refused checkpoint"
+        )
+        refused_at = progress_step(log)
+        kept = valid()
+        wait_for(
+            lambda: errors() >= 3 or trainer.poll() is not None, timeout=300, what="more refused checkpoints"
+        )
+        assert trainer.poll() is None, (
+            f"the trainer exited when puts were refused:\n{log.read_text()[-3000:]}"
+        )
+        assert progress_step(log) >= refused_at + 2 * EVERY - 5, "training did not go on"
+        assert "PermissionError: Access Denied" in log.read_text()
+        assert valid() == kept, "the last good checkpoints changed while puts were refused"
+        assert not s3.list_multipart_uploads(Bucket="refusing").get("Uploads"), "an upload was left open"
+
+        stuck_at = progress_step(log)
+        iam.delete_user_policy(UserName="trainer", PolicyName="deny-puts")
+        wait_for(lambda: max(valid(), default=0) > stuck_at, timeout=300, what="a checkpoint once puts work")
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    loss_lines_whole_but_last_of(run.read_bytes(".loss.json"))
+    history = [e.step for e in read_history(run)]
+    assert history == list(range(1, history[-1] + 1)), "the loss history on the store has a gap"
