@@ -12,7 +12,7 @@ import time
 import fsspec
 
 from andrea_core import signals
-from andrea_core.checkpoint import region_stats
+from andrea_core.checkpoint import CheckpointError, region_stats
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.sources import SourceUnavailable
 from andrea_core.lock import LockError
@@ -313,6 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, LockError, FileNotFoundError, SourceUnavailable) as e:
+    except (ConfigError, CheckpointError, LockError, FileNotFoundError, SourceUnavailable) as e:
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2

@@ -192,14 +192,24 @@ class Trainer:
         self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
         self.start_step = 0
         self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is a dead one's
-        ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
+        refusals: list[str] = []
+        ckpt = self.run.newest_valid_checkpoint(
+            self.model.n_params, warn=lambda m: (refusals.append(m), self.log(m))
+        )
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
             self.start_step = ckpt.step
             self._set_aside_refused(newer_than=ckpt.step)
             self.log(f"resuming {self.run.url} from {checkpoint_name(ckpt.step)}")
         elif self.run.checkpoint_steps():
-            raise CheckpointError(self.run.url, "no valid checkpoint to resume (all were refused)")
+            # Every one refused: often not the files but the model they are checked against (run.yaml's).
+            newest = refusals[0] if refusals else "none could be read"
+            raise CheckpointError(
+                self.run.url,
+                f"no valid checkpoint to resume: all were refused, the newest as "
+                f"{newest.removeprefix('refusing checkpoint ').removesuffix('; trying the previous one')}; "
+                f"the model they must fit is the one in {RUN_YAML}",
+            )
         else:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
         self.data.resume(self.start_step)

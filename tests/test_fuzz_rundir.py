@@ -64,6 +64,7 @@ KINDS = {
     **{f: [*GENERIC_KINDS, "nested", "nan-inf", "wrong-type", "huge-number"] for f in JSONL_FILES},
     **{f: [*GENERIC_KINDS, "nested", "nan-inf", "wrong-type", "yaml-tag", "alias-bomb"] for f in YAML_FILES},
 }
+KINDS["run.yaml"].append("other-model")  # valid YAML, a valid config, a model the checkpoints do not fit
 CASES = [(f, k) for f in FILES for k in KINDS[f]]
 
 # A resume may rewrite these (a state or audit it accepted; a stale lock it took over) ...
@@ -244,6 +245,11 @@ def corrupt(name: str, data: bytes, kind: str, rng: random.Random) -> bytes:
         bomb = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
         bomb += [f"a{j}: &a{j} [{', '.join([f'*a{j - 1}'] * 9)}]" for j in range(1, 9)]
         return data + b"\n" + "\n".join(bomb).encode() + b"\n"
+    if kind == "other-model":
+        doc = yaml.safe_load(data)
+        field, value = rng.choice([("n_embd", 32), ("n_layer", 1), ("block_size", 32), ("n_head", 4)])
+        doc["model"][field] = value
+        return yaml.safe_dump(doc, sort_keys=False).encode()
     return _mutate_structured(name, data, kind, rng)
 
 
@@ -374,6 +380,7 @@ def run_case(base: Path, name: str, kind: str, seed: int, readers: bool = True) 
 @example(case=("run.yaml", "bitflip"), seed=0)  # UnicodeDecodeError reading run.yaml
 @example(case=("run.yaml", "nested"), seed=0)  # RecursionError from yaml.safe_load
 @example(case=("policy.yaml", "nested"), seed=1)  # RecursionError from yaml.safe_load
+@example(case=("run.yaml", "other-model"), seed=1)  # CheckpointError traceback from `andrea train`
 def test_every_corrupted_run_file_resumes_or_is_refused_by_name(base, case, seed):
     name, kind = case
     outcome = run_case(base, name, kind, seed)
