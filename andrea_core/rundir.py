@@ -313,21 +313,30 @@ class RunDir:
 
 
 class AppendFile:
-    """An append-only local file: `write` never seeks, and `durable` fsyncs before returning."""
+    """An append-only local file: `write` never seeks, and `durable` fsyncs before returning.
+
+    Unbuffered, so that this object knows exactly which bytes reached the file: on a full disk a write
+    raises with the bytes that did not fit kept here, in order, and the next write sends them first.
+    The file then only ever ends in a torn line (readers skip it), which the next write completes."""
 
     def __init__(self, path: str):
         self.path = path
-        self._f = open(path, "ab")
+        self._f = open(path, "ab", buffering=0)
+        self._pending = b""  # bytes accepted by write() that have not reached the file yet
+        self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
 
     def read(self) -> bytes:
         with open(self.path, "rb") as f:
             return f.read()
 
     def write(self, data: bytes, durable: bool = False) -> None:
-        self._f.write(data)
-        self._f.flush()
-        if durable:
-            os.fsync(self._f.fileno())
+        with self._lock:
+            self._pending += data
+            while self._pending:
+                written = self._f.write(self._pending) or 0  # raises OSError (ENOSPC) with nothing written
+                self._pending = self._pending[written:]
+            if durable:
+                os.fsync(self._f.fileno())
 
     def close(self) -> None:
         self._f.close()

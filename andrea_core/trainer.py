@@ -216,7 +216,7 @@ class Trainer:
         self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
         if ckpt is None:
             self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
-        self.loss_log = LossWriter(self.run)
+        self.loss_log = LossWriter(self.run, warn=self.log)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.startswith("cuda")
