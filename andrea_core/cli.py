@@ -17,7 +17,7 @@ from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.sources import SourceUnavailable
 from andrea_core.lock import LockError
 from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
-from andrea_core.rundir import RunDir
+from andrea_core.rundir import SAMPLES, RunDir
 
 
 def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
@@ -169,7 +169,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         which = f"at step {args.step}" if args.step is not None else "yet"
         print(f"{run.url}: no sample audit {which}", file=sys.stderr)
         return 1
-    print(json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1]))
+    try:
+        text = json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return _refuse(ConfigError(f"{run.path(SAMPLES)}: a malformed audit ({type(e).__name__}: {e})"))
+    print(text)
     return 0
 
 

@@ -34,7 +34,6 @@ class LossEntry(NamedTuple):
 # A malformed line of any kind (torn by a crash, junk, nested past the parser's recursion limit) is
 # skipped and counted, never raised: one bad line must not break every reader of an append-only file.
 JSON_LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)
-LARGEST_COUNT = 2**63  # a step, segment or token count past this is no trainer's: the line is malformed
 
 
 @contextlib.contextmanager
@@ -103,18 +102,15 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
             if not line.strip():
                 continue
             try:
-                exact = False
                 try:
                     obj = loads(line)
                 except orjson_error:
-                    obj, exact = json.loads(line), True
+                    obj = json.loads(line)
                 step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
                 if type(step) is float or type(segment) is float or type(tokens) is float:
                     # orjson reads an integer past 64 bits as a float; json.loads keeps it whole.
-                    obj, exact = json.loads(line), True
+                    obj = json.loads(line)
                     step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
-                if exact and any(type(v) is int and abs(v) > LARGEST_COUNT for v in (step, segment, tokens)):
-                    raise ValueError("a count past 64 bits")  # no trainer's; float() of it would overflow
                 loss, lr, arm, t = obj["loss"], obj.get("lr", nan), obj.get("arm"), obj.get("time", 0.0)
                 append(LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t)))
             except JSON_LINE_ERRORS:

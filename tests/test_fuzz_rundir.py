@@ -13,7 +13,7 @@ Every outcome must be a correct resume (step 21 checkpointed and logged) or exit
 evidence overwritten (a file changes only as the contract lets it: .loss.json grows by appending, a
 sidecar the resume accepted is rewritten, a refused file is moved intact into refused/ or archive/).
 
-ANDREA_FUZZ_EXAMPLES sets the number of generated examples (default 30, besides the 10 explicit ones that
+ANDREA_FUZZ_EXAMPLES sets the number of generated examples (default 30, besides the 13 explicit ones that
 found defects; about a minute on a loaded 2-core machine). Generation is derandomized, so a run is
 reproducible. A few seeded cases also go through a real trainer process (marked slow).
 """
@@ -375,12 +375,14 @@ def run_case(base: Path, name: str, kind: str, seed: int, readers: bool = True) 
 @example(case=(".state.json", "nan-inf"), seed=0)  # OverflowError: int(inf) in the state check
 @example(case=(".loss.json", "nan-inf"), seed=164)  # OverflowError: int(inf) in parse_entries
 @example(case=(".loss.json", "huge-number"), seed=1)  # OverflowError in `andrea status`' throughput
-@example(case=(".loss.json", "huge-number"), seed=2)  # OverflowError in `andrea status`' ETA
+@example(case=(".loss.json", "huge-number"), seed=2)  # OverflowError in `andrea status`' percent
 @example(case=("forks.jsonl", "non-utf8"), seed=0)  # UnicodeEncodeError: a lone surrogate in a URL
 @example(case=("run.yaml", "bitflip"), seed=0)  # UnicodeDecodeError reading run.yaml
 @example(case=("run.yaml", "nested"), seed=0)  # RecursionError from yaml.safe_load
 @example(case=("policy.yaml", "nested"), seed=1)  # RecursionError from yaml.safe_load
 @example(case=("run.yaml", "other-model"), seed=1)  # CheckpointError traceback from `andrea train`
+@example(case=(".samples.json", "nan-inf"), seed=6)  # TypeError in `andrea audit`'s table
+@example(case=("run.yaml", "wrong-type"), seed=5)  # AttributeError: run.yaml's environment not a mapping
 def test_every_corrupted_run_file_resumes_or_is_refused_by_name(base, case, seed):
     name, kind = case
     outcome = run_case(base, name, kind, seed)
