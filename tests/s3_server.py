@@ -69,16 +69,14 @@ class S3Server:
             self.proc.wait()
 
 
-def start_s3_server(timeout: float = 60, env: dict[str, str] | None = None) -> S3Server:
-    """Start `moto.server` on a free 127.0.0.1 port and wait until it answers. `env`: more environment
-    for the server (INITIAL_NO_AUTH_ACTION_COUNT turns on its IAM checks after that many requests)."""
+def start_s3_server(timeout: float = 60) -> S3Server:
+    """Start `moto.server` on a free 127.0.0.1 port and wait until it answers."""
     for _ in range(3):  # the port is free when picked; another process may take it before moto binds
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:

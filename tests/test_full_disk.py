@@ -161,7 +161,9 @@ def s3_with_iam(monkeypatch):
     import fsspec.config
     from s3_server import CREDENTIALS, start_s3_server
 
-    server = start_s3_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+    with monkeypatch.context() as server_env:  # the server's environment only, not the trainers'
+        server_env.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "3")
+        server = start_s3_server()
     try:
         boot = dict(endpoint_url=server.endpoint, region_name="us-east-1")
         root = {"aws_access_key_id": "root", "aws_secret_access_key": "root"}
