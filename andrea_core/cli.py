@@ -12,12 +12,12 @@ import time
 import fsspec
 
 from andrea_core import signals
-from andrea_core.checkpoint import CheckpointError, region_stats
+from andrea_core.checkpoint import region_stats
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.sources import SourceUnavailable
 from andrea_core.lock import LockError
 from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
-from andrea_core.rundir import SAMPLES, RunDir
+from andrea_core.rundir import RunDir
 
 
 def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
@@ -172,6 +172,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     try:
         text = json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
+        from andrea_core.config import ConfigError
+        from andrea_core.rundir import SAMPLES
+
         return _refuse(ConfigError(f"{run.path(SAMPLES)}: a malformed audit ({type(e).__name__}: {e})"))
     print(text)
     return 0
@@ -313,10 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _checkpoint_error() -> type[Exception]:
+    from andrea_core.checkpoint import CheckpointError  # `andrea train` with every checkpoint refused
+
+    return CheckpointError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, LockError, FileNotFoundError, SourceUnavailable) as e:
+    except (ConfigError, LockError, FileNotFoundError, SourceUnavailable, _checkpoint_error()) as e:
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2
