@@ -110,6 +110,18 @@ class Checkpointer:
         record.stall_s = time.perf_counter() - t0
         return record.name
 
+    def refuse(self, step: int, error: Exception) -> SaveRecord:
+        """Record a save of `step` that was given up before its write (its sidecars could not be
+        published): the caller sees it as a failed write, and the next boundary (or an exit) retries."""
+        self.wait()
+        record = SaveRecord(step, checkpoint_name(step), write_s=0.0, error=error)
+        self.records.append(record)
+        self.log(
+            f"ERROR: checkpoint {record.name} was NOT written: {error}. "
+            "Earlier checkpoints are untouched; the next checkpoint boundary tries again."
+        )
+        return record
+
     def wait(self) -> SaveRecord | None:
         """Block until the write in flight (if any) is over; the newest save's record (error set if it
         failed), or None before the first save."""

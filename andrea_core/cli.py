@@ -194,7 +194,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         which = f"at step {args.step}" if args.step is not None else "yet"
         print(f"{run.url}: no sample audit {which}", file=sys.stderr)
         return 1
-    print(json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1]))
+    try:
+        text = json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        from andrea_core.config import ConfigError
+        from andrea_core.rundir import SAMPLES
+
+        return _refuse(ConfigError(f"{run.path(SAMPLES)}: a malformed audit ({type(e).__name__}: {e})"))
+    print(text)
     return 0
 
 
@@ -376,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _operator_errors() -> tuple[type[Exception], ...]:
     """What a command reports as a plain error (exit 2) rather than a traceback."""
+    from andrea_core.checkpoint import CheckpointError  # `andrea train` with every checkpoint refused
     from andrea_core.config import ConfigError
     from andrea_core.data.corpora import CorpusError
     from andrea_core.data.sources import SourceUnavailable
     from andrea_core.lock import LockError
 
-    return (ConfigError, LockError, FileNotFoundError, SourceUnavailable, CorpusError)
+    return (ConfigError, LockError, FileNotFoundError, SourceUnavailable, CorpusError, CheckpointError)

@@ -266,6 +266,8 @@ def load_yaml(text: str, source: str) -> Any:
     never quotes the text: a credentials file given by mistake must not reach logs and UI messages."""
     try:
         return yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested deeper than the parser allows") from None
     except yaml.YAMLError as e:
         if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (a binary file)
             raise ConfigError(f"{source}: not valid YAML at character {e.position}: {e.reason}") from None

@@ -235,8 +235,12 @@ def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list
 
 
 def _is_fork_record(record: Any) -> bool:
+    def text(v: Any) -> bool:
+        # JSON can escape a lone surrogate (\ud800), which no path or URL can hold.
+        return isinstance(v, str) and not any("\ud800" <= c <= "\udfff" for c in v)
+
     def strings(value: Any) -> bool:
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+        return isinstance(value, list) and all(text(v) for v in value)
 
     return (
         isinstance(record, dict)

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import orjson
@@ -33,7 +33,7 @@ class LossEntry(NamedTuple):
 
 # A malformed line of any kind (torn by a crash, junk, nested past the parser's recursion limit) is
 # skipped and counted, never raised: one bad line must not break every reader of an append-only file.
-JSON_LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
+JSON_LINE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError)
 
 
 @contextlib.contextmanager
@@ -160,8 +160,10 @@ def ema(values: list[float], alpha: float = 0.05) -> float:
 class LossWriter:
     """Appends one line per step; opened once per trainer start, which opens a new segment."""
 
-    def __init__(self, run: RunDir):
+    def __init__(self, run: RunDir, warn: Callable[[str], None] = print):
         self.run = run
+        self.warn = warn
+        self._failing = False  # the last append failed (a full disk): its lines wait in memory
         if run.exists(LOSS_LOG):  # checked before the whole file is read (or, on a store, downloaded)
             size = run.size(LOSS_LOG)
             check_limit(size, "ANDREA_MAX_LOSS_LOG_BYTES", f"{run.path(LOSS_LOG)}: {size} bytes")
@@ -198,7 +200,24 @@ class LossWriter:
         fsyncs it, or on an object store publishes it: what a crash may lose ends there."""
         if self._buffer or durable:
             data, self._buffer = b"".join(self._buffer), []
-            self._file.write(data, durable=durable)
+            try:
+                self._file.write(data, durable=durable)
+            except OSError as e:
+                if durable:  # a checkpoint's history must be on disk: this stops the checkpoint
+                    raise
+                # A full disk stops the log's appends, not training: the file keeps what it has (a torn
+                # last line at most) and the lines not written yet are written, in order, once space is
+                # freed. A crash meanwhile loses them, as it loses any step since the last checkpoint.
+                if not self._failing:
+                    self.warn(
+                        f"ERROR: {self.run.path(LOSS_LOG)} could not be appended to ({e}); its lines are "
+                        "kept in memory and written once there is space"
+                    )
+                self._failing = True
+                return
+            if self._failing:
+                self.warn(f"{self.run.path(LOSS_LOG)}: appending again, no line was lost")
+                self._failing = False
 
     def sync(self) -> None:
         """fsync what was flushed; safe from the checkpoint writer's thread while logging goes on."""

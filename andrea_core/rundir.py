@@ -153,10 +153,17 @@ class RunDir:
         return self.fs.cat_file(self.path(name))
 
     def read_text(self, name: str) -> str:
-        return self.read_bytes(name).decode()
+        try:
+            return self.read_bytes(name).decode()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{self.path(name)}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
     def read_json(self, name: str) -> Any:
-        return json.loads(self.read_bounded(name))
+        """The parsed file; ValueError (callers name the file) for bad JSON of any kind."""
+        try:
+            return json.loads(self.read_bounded(name))
+        except RecursionError:
+            raise ValueError("JSON nested deeper than the parser's recursion limit") from None
 
     def read_bounded(self, name: str, bound: str = "ANDREA_MAX_SIDECAR_BYTES") -> bytes:
         """A run file's bytes, refused unread (ConfigError naming the file, its size and the bound)
@@ -383,12 +390,18 @@ class RunDir:
 
 
 class AppendFile:
-    """An append-only local file: `write` never seeks, and `durable` fsyncs before returning."""
+    """An append-only local file: `write` never seeks, and `durable` fsyncs before returning.
+
+    Unbuffered, so that this object knows exactly which bytes reached the file: on a full disk a write
+    raises with the bytes that did not fit kept here, in order, and the next write sends them first.
+    The file then only ever ends in a torn line (readers skip it), which the next write completes."""
 
     def __init__(self, path: str, fenced: Callable[[], None] | None = None):
         self.path = path
         self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
-        self._f = open(path, "ab")
+        self._f = open(path, "ab", buffering=0)
+        self._pending = b""  # bytes accepted by write() that have not reached the file yet
+        self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
 
     def read(self) -> bytes:
         with open(self.path, "rb") as f:
@@ -397,10 +410,13 @@ class AppendFile:
     def write(self, data: bytes, durable: bool = False) -> None:
         if self._fenced is not None:
             self._fenced()
-        self._f.write(data)
-        self._f.flush()
-        if durable:
-            os.fsync(self._f.fileno())
+        with self._lock:
+            self._pending += data
+            while self._pending:
+                written = self._f.write(self._pending) or 0  # raises OSError (ENOSPC) with nothing written
+                self._pending = self._pending[written:]
+            if durable:
+                os.fsync(self._f.fileno())
 
     def close(self) -> None:
         self._f.close()

@@ -59,6 +59,9 @@ def read_run(run: RunDir) -> RunRecord:
         raise ConfigError(f"{source}: not a mapping")
     lineage = raw.pop("lineage", None) or {}
     env = raw.pop("environment", None) or {}
+    for key, value in (("lineage", lineage), ("environment", env)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {type(value).__name__}")
     return RunRecord(parse_run_config(raw, source), lineage, env)
 
 

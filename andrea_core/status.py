@@ -119,7 +119,9 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
     elif lock is not None:
         st.stale_lock = _identity(lock)
 
-    history = read_history(run)
+    # The readers keep a line's integers whole, however large; this report does float arithmetic on
+    # them (rates, ETA, percent), where a step or token count past 2**53 is no trainer's anyway.
+    history = [e for e in read_history(run) if max(abs(e.step), abs(e.tokens)) < 2**53]
     if history:
         st.step, st.last_logged_at = history[-1].step, history[-1].time
     rates = throughput(history)

@@ -217,10 +217,13 @@ class Trainer:
         with distributed.main_first(self.world):  # rank 0 tokenizes the arms into the cache first
             self.data = DataPipeline.for_run(self.run, self.cfg, warn=self.log)
         self.start_step = 0
+        refusals: list[str] = []
         with distributed.main_first(self.world):  # rank 0 tidies the run directory; the others read it
             if self.world.is_main:
                 self.run.discard_incomplete_writes(self.log)  # we hold the lock: any write in flight is dead
-            ckpt = self.run.newest_valid_checkpoint(self.model.n_params, warn=self.log)
+            ckpt = self.run.newest_valid_checkpoint(
+                self.model.n_params, warn=lambda m: (refusals.append(m), self.log(m))
+            )
         require_fork_point(self.run, ckpt)  # a half-built fork branch must not train from scratch
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
@@ -229,7 +232,14 @@ class Trainer:
                 self._set_aside_refused(newer_than=ckpt.step)
             self.log(f"resuming {self.run.url} from {checkpoint_name(ckpt.step)}")
         elif self.run.checkpoint_steps():
-            raise CheckpointError(self.run.url, "no valid checkpoint to resume (all were refused)")
+            # Every one refused: often not the files but the model they are checked against (run.yaml's).
+            newest = refusals[0] if refusals else "none could be read"
+            raise CheckpointError(
+                self.run.url,
+                f"no valid checkpoint to resume: all were refused, the newest as "
+                f"{newest.removeprefix('refusing checkpoint ').removesuffix('; trying the previous one')}; "
+                f"the model they must fit is the one in {RUN_YAML}",
+            )
         else:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
         with distributed.main_first(self.world):  # rank 0 may set an unloadable .state.json aside
@@ -240,7 +250,7 @@ class Trainer:
         if ckpt is None:
             self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
         if self.world.is_main:
-            self.loss_log = LossWriter(self.run)
+            self.loss_log = LossWriter(self.run, warn=self.log)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.startswith("cuda")
@@ -323,7 +333,17 @@ class Trainer:
         if not self.world.is_main:
             return checkpoint_name(step)  # rank 0 owns the run directory; every rank has the same state
         self.loss_log.flush()
-        self.data.save_state(step)
+        try:
+            self.data.save_state(step)
+        except OSError as e:
+            # A full disk, a store refusing puts: a checkpoint without its bandit would resume another
+            # mixer, so none is written; training goes on and the next boundary tries again.
+            self.checkpointer.refuse(
+                step, OSError(f"its bandit state could not be written: {type(e).__name__}: {e}")
+            )
+            if audit:
+                self._audit(step)
+            return checkpoint_name(step)
         name = self.checkpointer.save(
             step,
             before_write=lambda _: self.loss_log.sync(),
@@ -331,7 +351,7 @@ class Trainer:
             after_publish=self._retain,
         )
         if audit:
-            self.auditor.record(step)
+            self._audit(step)
         return name
 
     def _retain(self, step: int) -> None:
@@ -345,6 +365,12 @@ class Trainer:
                 f"ERROR: retention after {checkpoint_name(step)} failed: {type(e).__name__}: {e}. "
                 "The checkpoint is written and kept; retention runs again at the next checkpoint."
             )
+
+    def _audit(self, step: int) -> None:
+        try:
+            self.auditor.record(step)
+        except OSError as e:  # the audit's file, not training, is what a full disk or a refusing store stops
+            self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
 
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
@@ -477,7 +503,7 @@ class Trainer:
                 self._read(current)  # logged before its checkpoint; the mixer still hears of it later
                 last_saved = self.save(step, audit)
             elif audit:
-                self.auditor.record(step)
+                self._audit(step)
                 if flags.stop:  # it came during the audit: this step is still the one in flight
                     self.log(f"{flags.stop}: checkpointing step {step}, then exiting")
                     self._read(current)

@@ -111,7 +111,7 @@ class BanditStore:
             doc = self.run.read_json(STATE)
             for e in [doc, *doc.get("previous", [])]:
                 int(e["step"]), dict(e["arms"]), int(e["phase"]["number"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
             raise ConfigError(
                 f"{where}: not a bandit state this trainer can read ({type(e).__name__}: {e}); "
                 f"move it aside to start a fresh bandit"
