@@ -3,7 +3,6 @@ and follow one, signal the trainer of a run directory, wait for its checkpoints 
 
 from __future__ import annotations
 
-import signal
 import time
 
 from prefect import get_run_logger, task
@@ -128,17 +127,11 @@ def signal_trainer(run_dir: str, signal_name: str) -> dict:
     Returns what the run looked like just before, for waiting on the signal's effect."""
     if signal_name not in CONTRACT_SIGNALS:
         raise ValueError(f"signal {signal_name!r}: a trainer understands only {', '.join(CONTRACT_SIGNALS)}")
+    from andrea_core.pivoting import signal_live_trainer
+
     run = RunDir(run_dir)
-    trainer = supervise.require_live_trainer(run)
-    receipt = {
-        "pid": trainer.pid,
-        "signal": signal_name,
-        "logged_step": supervise.logged_step(run),
-        "checkpoints": run.checkpoint_steps(),
-        "time": time.time(),
-    }
-    trainer.signal(signal.Signals[signal_name])
-    get_run_logger().info(f"sent {signal_name} to trainer pid {trainer.pid} of {run.url}")
+    receipt = {**signal_live_trainer(run, signal_name), "time": time.time()}
+    get_run_logger().info(f"sent {signal_name} to trainer pid {receipt['pid']} of {run.url}")
     return receipt
 
 
