@@ -94,8 +94,12 @@ def check_pivot(
         from andrea_core.trainer import pick_device  # imports torch and the trainer: only here
 
         resolved = pick_device(device)
-        steps = run.checkpoint_steps()
-        require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
+        journal = read_pivot(run) or {}
+        if journal.get("boundary") is not None:  # a rerun: the resumed trainer may be past it already
+            require_steps_after(target, journal["boundary"], "the pivot point of the pivot under way")
+        else:
+            steps = run.checkpoint_steps()
+            require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
     return PivotCheck(parsed, text, policy, target, resolved)
 
 

@@ -267,6 +267,8 @@ def archive(run: RunDir, journal: dict, log: Log = print) -> dict:
         _record(run, journal, "archived")
         log(f"archived {', '.join(archived.moved) or 'nothing left to move'} into {archived.folder}")
         _kill_point("archived")
+    if _reached(journal, "installed"):
+        return {"folder": run.path(journal["archive"])}  # the new phase may be training already
     left = [name for name in (SAMPLES, STATE) if run.exists(name)]
     if left:
         raise SupervisionError(f"{run.url}: {', '.join(left)} still present after archiving")
@@ -282,7 +284,10 @@ def keep_loss_log(run: RunDir, journal: dict) -> dict:
     """Step 4: .loss.json stays exactly where and as it is: checked byte for byte against its state
     when the trainer stopped."""
     snapshot = loss_at_stop(journal)
-    snapshot.check_unchanged(run)
+    if _reached(journal, "installed"):
+        snapshot.check_prefix_of(run)  # a rerun: the resumed trainer may have appended already
+    else:
+        snapshot.check_unchanged(run)
     if not _reached(journal, "loss-kept"):
         _record(run, journal, "loss-kept")
         _kill_point("loss-kept")

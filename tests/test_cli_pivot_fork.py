@@ -118,11 +118,13 @@ KILL_POINTS = [
 def end_state(run: Path, base_log: bytes) -> dict:
     """What an uninterrupted pivot leaves: the file set, the bytes of every sidecar, checkpoint and
     policy (times aside), and the first steps after the boundary with their losses."""
-    skip = ("trainer.log", f"{ARCHIVE_1}/phase.json", LOSS_LOG, ".samples.json", ".state.json")
+    skip = ("trainer.log", f"{ARCHIVE_1}/phase.json", LOSS_LOG, "data.jsonl")  # these hold times
     entries = new_entries(run, base_log)
+    events = [json.loads(line) for line in (run / "data.jsonl").read_text().splitlines()]
     return {
         "files": sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()),
         "bytes": files_of(run, skip),
+        "data_events": [{k: v for k, v in e.items() if k != "time"} for e in events],
         "new_steps": [(e["step"], e["loss"], e["segment"]) for e in entries],
     }
 
@@ -142,7 +144,8 @@ def test_a_pivot_killed_after_any_step_completes_exactly_once_when_rerun(trained
         assert (reference / ARCHIVE_1 / name).read_bytes() == (trained / name).read_bytes()
     assert not (reference / PIVOT_JSON).exists()
 
-    for point in KILL_POINTS:
+    # ANDREA_TEST_KILL_POINTS=a,b: only those (when debugging one).
+    for point in os.environ.get("ANDREA_TEST_KILL_POINTS", ",".join(KILL_POINTS)).split(","):
         run = copy_run(trained, tmp_path / point)
         killed = subprocess.run(
             [sys.executable, "-m", "andrea_core", "pivot", str(run), *pivot],
