@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import posixpath
+import re
 import sys
 import time
 
@@ -302,6 +303,9 @@ def cmd_pivot(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXPONENT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 class _BranchAction(argparse.Action):
     """--branch NAME starts a branch; each --set key=value after it belongs to that branch."""
 
@@ -318,7 +322,11 @@ class _BranchAction(argparse.Action):
             import yaml
 
             try:
-                branches[-1]["overrides"][key.strip()] = yaml.safe_load(raw)
+                parsed = yaml.safe_load(raw)
+                # YAML 1.1 (PyYAML) reads 1e-3 as a string; an operator means the number.
+                if isinstance(parsed, str) and _EXPONENT_RE.match(parsed):
+                    parsed = float(parsed)
+                branches[-1]["overrides"][key.strip()] = parsed
             except yaml.YAMLError as e:
                 parser.error(f"--set {value!r}: the value is not a YAML scalar ({type(e).__name__})")
         namespace.branches = branches
