@@ -225,7 +225,8 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
     """Step 2: SIGTERM the trainer (identity-checked) and wait for its exit: by then it has checkpointed
     the step in flight. Records .loss.json as it is now: every later step checks it byte for byte."""
     if _reached(journal, "stopped"):
-        return {"stopped": True, "pid": journal.get("stopped_pid"), "seconds": 0.0}
+        pid = journal.get("stopped_pid")
+        return {"stopped": pid is not None, "pid": pid, "step": journal.get("stopped_step"), "seconds": 0.0}
     trainer = live_trainer(run)
     waited = 0.0
     if trainer is not None:
@@ -239,9 +240,12 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
         before.check_prefix_of(run, "the stopped trainer's .loss.json")
     at_stop = LossLogSnapshot.take(run)
     pid = trainer.pid if trainer is not None else None
-    _record(run, journal, "stopped", loss_at_stop=_snapshot_doc(at_stop), stopped_pid=pid)
+    newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past the boundary
+    _record(
+        run, journal, "stopped", loss_at_stop=_snapshot_doc(at_stop), stopped_pid=pid, stopped_step=newest
+    )
     _kill_point("stopped")
-    return {"stopped": trainer is not None, "pid": pid, "seconds": waited}
+    return {"stopped": trainer is not None, "pid": pid, "step": newest, "seconds": waited}
 
 
 def loss_at_stop(journal: dict) -> LossLogSnapshot:
