@@ -227,24 +227,37 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
     if _reached(journal, "stopped"):
         pid = journal.get("stopped_pid")
         return {"stopped": pid is not None, "pid": pid, "step": journal.get("stopped_step"), "seconds": 0.0}
+    stopped = stop_live_trainer(run, timeout_s, log)
+    before = _snapshot(journal.get("loss_before"))
+    if before is not None:
+        before.check_prefix_of(run, "the stopped trainer's .loss.json")
+    at_stop = LossLogSnapshot.take(run)
+    _record(
+        run,
+        journal,
+        "stopped",
+        loss_at_stop=_snapshot_doc(at_stop),
+        stopped_pid=stopped["pid"],
+        stopped_step=stopped["step"],
+    )
+    _kill_point("stopped")
+    return stopped
+
+
+def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
+    """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
+    checkpointed the step in flight. A run with no live trainer is left alone."""
     trainer = live_trainer(run)
     waited = 0.0
     if trainer is not None:
         trainer.stop()
         waited = supervise.wait_for_exit(trainer, timeout_s)
-        log(f"trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM")
-    else:
+    newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
+    if trainer is None:
         log(f"{run.url}: no live trainer to stop")
-    before = _snapshot(journal.get("loss_before"))
-    if before is not None:
-        before.check_prefix_of(run, "the stopped trainer's .loss.json")
-    at_stop = LossLogSnapshot.take(run)
+    else:
+        log(f"trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {newest}")
     pid = trainer.pid if trainer is not None else None
-    newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past the boundary
-    _record(
-        run, journal, "stopped", loss_at_stop=_snapshot_doc(at_stop), stopped_pid=pid, stopped_step=newest
-    )
-    _kill_point("stopped")
     return {"stopped": trainer is not None, "pid": pid, "step": newest, "seconds": waited}
 
 
