@@ -121,8 +121,8 @@ def pivot(
         "gpu_slot": gpu_slot,
     }
     background = None
-    if live_trainer(run) is not None:
-        ended = None  # a rerun: the resumed trainer was started before the crash
+    if live_trainer(run) is not None or journal.get("step") == "restarted":
+        ended = None  # a rerun: the resumed trainer was started (and confirmed) before the crash
     elif restart == "deployment":
         result["resumed_by"] = restart_trainer(train_deployment, params)
         ended = flow_run_ended(result["resumed_by"]["flow_run_id"])
