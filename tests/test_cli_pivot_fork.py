@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from prefect_ephemeral import ephemeral_prefect  # noqa: F401
 from test_pivot_checks import half_policy
 from test_retention import fabricated_run
 
@@ -335,3 +336,33 @@ def test_fork_and_compare_from_the_shell_and_a_fork_killed_mid_copy(trained, tmp
         assert read_run(RunDir(str(branch))).lineage["parent_step"] == 200
         assert (branch / "step_000200.bin").read_bytes() == (parent / "step_000200.bin").read_bytes()
         assert (branch / LOSS_LOG).read_bytes() == (parent / LOSS_LOG).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ephemeral_prefect")
+def test_the_pivot_flow_completes_a_pivot_the_shell_left_half_done(tmp_path):
+    """One journal for both front ends: `andrea pivot` killed between the two moves of step 3, then the
+    Prefect flow with the same policy finishes it into the same phase folder."""
+    from flows.pivot import pivot
+
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    sidecars = {".samples.json": b'{"samples": 1}\n', ".state.json": b'{"state": 2}\n'}
+    for name, data in sidecars.items():
+        RunDir(run.url).write_atomic(name, data)
+    old_policy = (tmp_path / "run" / "policy.yaml").read_bytes()
+    killed = subprocess.run(
+        [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
+        env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"},
+        cwd=REPO,
+        capture_output=True,
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    result = pivot(run.url, "tiny-mix", restart="none")
+    folder = tmp_path / "run" / ARCHIVE_1
+    assert result["boundary"] == 200 and os.listdir(tmp_path / "run" / "archive") == [folder.name]
+    for name, data in sidecars.items():
+        assert (folder / name).read_bytes() == data and not (tmp_path / "run" / name).exists()
+    assert (folder / "policy.yaml").read_bytes() == old_policy
+    assert (tmp_path / "run" / "policy.yaml").read_text() == load_policy("tiny-mix")[1]
+    assert not (tmp_path / "run" / PIVOT_JSON).exists()
