@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import posixpath
+import re
 import sys
 import time
 
@@ -272,6 +273,119 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pivot(args: argparse.Namespace) -> int:
+    from andrea_core import pivoting
+    from andrea_core.checkpoint import CheckpointError
+    from andrea_core.pivot import check_pivot
+    from andrea_core.rundir import RunDir
+    from andrea_core.supervise import SupervisionError
+
+    run = RunDir(args.run_dir)
+    log = lambda msg: print(f"andrea: {msg}", flush=True)  # noqa: E731
+    try:
+        if args.abandon:
+            if args.policy:
+                raise ValueError("--abandon takes no --policy")
+            pivoting.abandon(run, log)
+            return 0
+        if not args.policy:
+            raise ValueError("--policy is required (the policy to pivot to), or --abandon")
+        # Every check before anything is touched: a bad policy never half-pivots a run.
+        checked = check_pivot(
+            run, args.policy, max_steps=args.max_steps, device=args.device, restart=args.restart, warn=_warn
+        )
+        result = pivoting.run_pivot(
+            run,
+            checked,
+            at=args.at,
+            restart=args.restart,
+            device=args.device,
+            timeout_s=args.timeout,
+            log=log,
+        )
+    except (CheckpointError, ValueError) as e:
+        return _refuse(e)
+    except SupervisionError as e:
+        print(f"andrea: error: {e}", file=sys.stderr)
+        return 1
+    line = f"pivoted {run.url} at step {result['boundary']} to policy {result['policy']!r}"
+    if "resumed" in result:
+        pid = result["resumed"]["pid"]
+        line += f"; resumed at step {result['resumed']['first_step']}, trainer pid {pid}"
+        line += f" (output in {pivoting.trainer_log_path(run)})"
+    else:
+        line += "; trainer left stopped"
+    print(line)
+    return 0
+
+
+_EXPONENT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+class _BranchAction(argparse.Action):
+    """--branch NAME starts a branch; each --set key=value after it belongs to that branch."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        branches = getattr(namespace, "branches", None) or []
+        if option_string == "--branch":
+            branches.append({"name": value, "overrides": {}})
+        else:
+            if not branches:
+                parser.error(f"--set {value}: name its branch first (--branch NAME --set {value})")
+            key, eq, raw = value.partition("=")
+            if not eq or not key.strip():
+                parser.error(f"--set {value!r}: expected key=value, e.g. train.lr=3e-4")
+            import yaml
+
+            try:
+                parsed = yaml.safe_load(raw)
+                # YAML 1.1 (PyYAML) reads 1e-3 as a string; an operator means the number.
+                if isinstance(parsed, str) and _EXPONENT_RE.match(parsed):
+                    parsed = float(parsed)
+                branches[-1]["overrides"][key.strip()] = parsed
+            except yaml.YAMLError as e:
+                parser.error(f"--set {value!r}: the value is not a YAML scalar ({type(e).__name__})")
+        namespace.branches = branches
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from andrea_core.checkpoint import CheckpointError
+    from andrea_core.fork import BranchSpec, fork
+
+    if not args.branches:
+        return _refuse(ValueError("fork: name one or more branches (--branch NAME [--set key=value ...])"))
+    specs = [BranchSpec(b["name"], b["overrides"]) for b in args.branches]
+    try:
+        urls = fork(args.run_dir, specs, args.step)
+    except CheckpointError as e:
+        return _refuse(e)
+    for spec, url in zip(specs, urls, strict=True):
+        print(f"{spec.name}: {url}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from andrea_core.checkpoint import CheckpointError
+    from andrea_core.compare import compare_branches, default_report_dir, forked_from, write_report
+
+    try:
+        parent, step = forked_from(args.branch_dirs)
+        comparison = compare_branches(
+            parent, args.branch_dirs, step, val_sequences=args.val_sequences, warn=_warn
+        )
+    except CheckpointError as e:
+        return _refuse(e)
+    paths = write_report(comparison, args.out or default_report_dir(parent, step))
+    summary = comparison.to_dict()
+    if args.json:
+        print(json.dumps({**summary, **paths}, indent=1, default=str))
+    else:
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+        print(f"{comparison.verdict}\nmargin {fmt(comparison.margin)}, noise {fmt(comparison.noise)}")
+        print(f"report {paths['report']}, plot {paths['plot']}")
+    return 0
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from andrea_core.data.prepare import format_stats, prepare, resolve_target
 
@@ -354,6 +468,50 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest valid)")
     ex.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ex.set_defaults(fn=cmd_export)
+
+    pv = sub.add_parser("pivot", help="change a run's data policy mid-run (the six pivot steps)")
+    pv.add_argument("run_dir")
+    pv.add_argument("--policy", help="policy name under configs/policies/ or a YAML path")
+    pv.add_argument(
+        "--at",
+        choices=("boundary", "now"),
+        default="boundary",
+        help="the next checkpoint on the grid (default), or one written now (SIGUSR1)",
+    )
+    pv.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the resumed trainer detached, output to RUN/trainer.log (default); "
+        "--no-restart leaves it stopped (systemd starts it)",
+    )
+    pv.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for each step (1800)")
+    pv.add_argument("--max-steps", type=int, help="the resumed trainer trains to this step")
+    pv.add_argument("--device", default="auto", help="the resumed trainer's device (default auto)")
+    pv.add_argument(
+        "--abandon", action="store_true", help="undo a pivot that stopped part-way: restore the old phase"
+    )
+    pv.set_defaults(fn=cmd_pivot)
+
+    fo = sub.add_parser("fork", help="copy a checkpoint into branch runs with their own config overrides")
+    fo.add_argument("run_dir")
+    fo.add_argument("--step", type=int, help="the checkpoint to fork (default: the newest valid)")
+    fo.add_argument("--branch", action=_BranchAction, dest="branches", metavar="NAME", help="a branch")
+    fo.add_argument(
+        "--set",
+        action=_BranchAction,
+        dest="branches",
+        metavar="KEY=VALUE",
+        help="a run-config override of the branch named before it (value: a YAML scalar)",
+    )
+    fo.set_defaults(fn=cmd_fork, branches=[])
+
+    co = sub.add_parser("compare", help="score fork branches on the same held-out data: the verdict")
+    co.add_argument("branch_dirs", nargs="+", metavar="branch_dir")
+    co.add_argument("--out", help="report folder (default: beside the parent, <run>-fork<step>-report)")
+    co.add_argument("--val-sequences", type=int, default=32, help="held-out sequences per arm (32)")
+    co.add_argument("--json", action="store_true")
+    co.set_defaults(fn=cmd_compare)
 
     da = sub.add_parser("data", help="build token caches ahead of a run; per-arm statistics")
     da_sub = da.add_subparsers(dest="data_command", required=True)

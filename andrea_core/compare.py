@@ -421,3 +421,34 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
     lines += ["Branch run directories (lineage in each `run.yaml`):", ""]
     lines += [f"- {markdown_code(b.name)}: {markdown_code(b.url)}" for b in c.branches]
     return "\n".join(lines) + "\n"
+
+
+def write_report(c: Comparison, report_dir: str, png: bytes | None = None) -> dict[str, str]:
+    """report.md (with the plot beside it) and plot.png in `report_dir`: what `andrea compare` and the
+    audit-fork flow both leave on disk. Returns their paths."""
+    check_destination(report_dir, "report folder")
+    out = RunDir(report_dir)
+    out.makedirs()
+    out.write_atomic("plot.png", png if png is not None else plot_comparison(c))
+    out.write_text("report.md", report_markdown(c, "plot.png"))
+    return {"report": out.path("report.md"), "plot": out.path("plot.png")}
+
+
+def forked_from(branch_urls: list[str]) -> tuple[str, int]:
+    """(parent URL, fork step) shared by every branch, read from their run.yaml lineage; branches of
+    different forks, or a run that is no branch, are refused naming it."""
+    if len(branch_urls) < 1:
+        raise ConfigError("compare: name one or more branch run directories")
+    points = {}
+    for url in branch_urls:
+        run = RunDir(url)
+        if not run.exists("run.yaml"):
+            raise ConfigError(f"{run.url}: no run here (no run.yaml): not a branch to compare")
+        lineage = read_run(run).lineage
+        if lineage.get("parent") is None or type(lineage.get("parent_step")) is not int:
+            raise ConfigError(f"{run.path('run.yaml')}: no lineage.parent/parent_step: not a fork branch")
+        points[run.url] = (lineage["parent"], lineage["parent_step"])
+    if len(set(points.values())) > 1:
+        found = ", ".join(f"{u} (from {p} at step {s})" for u, (p, s) in points.items())
+        raise ConfigError(f"compare: the branches are not of one fork: {found}")
+    return next(iter(points.values()))

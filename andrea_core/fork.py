@@ -18,7 +18,9 @@ trains from scratch:
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,6 +168,7 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
     branch, step = plan.branch, ckpt.step
     branch.makedirs()
     branch.write_atomic(checkpoint_name(step), encode(step, ckpt.flat))
+    _kill_point(f"{plan.spec.name}/{checkpoint_name(step)}")
     # Each file is published whole, so one an earlier attempt left is complete; and a branch's own
     # .loss.json is append-only: never replaced.
     # The branch's history is the parent's up to the fork point, never what the parent logged after it.
@@ -185,6 +188,13 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
     # The weights only mean something with the parent's frozen tokenizer.
     tokenizer = parent.read_bytes(TOKENIZER_JSON) if parent.exists(TOKENIZER_JSON) else None
     create_run(branch, plan.cfg, plan.policy_text, lineage, tokenizer)
+
+
+def _kill_point(name: str) -> None:
+    """ANDREA_TEST_FORK_KILL_AFTER=<branch>/<file>: the fork's process dies right after writing that
+    file, as a worker killed mid-copy would (tests only). Unset: no effect."""
+    if os.environ.get("ANDREA_TEST_FORK_KILL_AFTER") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def history_up_to(data: bytes, step: int) -> bytes:

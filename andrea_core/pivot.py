@@ -24,7 +24,20 @@ from andrea_core.rundir import ARCHIVE, POLICY_YAML, RUN_YAML, SAMPLES, STATE, R
 PHASE_RE = re.compile(r"^phase_(\d{3,})_step_(\d{6,})$")
 PIVOT_JSON = "pivot.json"  # a pivot under way (record_pivot); absent when none is
 PIVOT_FORMAT = 1
-PIVOT_STEPS = ("intent", "checkpointed", "stopped", "archived", "installed")
+# The journal's steps, in order (andrea_core.pivoting): each is written once it is reached.
+PIVOT_STEPS = (
+    "intent",
+    "checkpointed",
+    "stopped",
+    "archiving",
+    "archived",
+    "loss-kept",
+    "installed",
+    "restarted",
+)
+# Between these the trainer is stopped and the run directory is neither the old phase nor the new one:
+# a trainer refuses to start (require_no_half_pivot) until the pivot is rerun or abandoned.
+HALF_DONE_STEPS = ("stopped", "archiving", "archived", "loss-kept")
 
 
 def boundary_after(step: int, every: int) -> int:
@@ -81,8 +94,12 @@ def check_pivot(
         from andrea_core.trainer import pick_device  # imports torch and the trainer: only here
 
         resolved = pick_device(device)
-        steps = run.checkpoint_steps()
-        require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
+        journal = read_pivot(run) or {}
+        if journal.get("boundary") is not None:  # a rerun: the resumed trainer may be past it already
+            require_steps_after(target, journal["boundary"], "the pivot point of the pivot under way")
+        else:
+            steps = run.checkpoint_steps()
+            require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
     return PivotCheck(parsed, text, policy, target, resolved)
 
 
@@ -101,28 +118,33 @@ def record_pivot(
     step: str,
     boundary: int | None,
     not_before: int | None = None,
+    **journal: Any,
 ) -> dict[str, Any]:
     """Write pivot.json, the record of a pivot under way, before the step it names is taken:
 
         {"format": 1, "policy": NAME, "policy_hash": HASH, "boundary": B or null,
          "not_before": S or null, "step": one of PIVOT_STEPS, "started_at": T0, "updated_at": T}
 
-    `step` is the last step reached ("intent": the pivot point chosen, not yet on disk; "checkpointed",
-    "stopped", "archived", "installed"). Retention keeps checkpoint `boundary` while the file exists;
-    with boundary null (a SIGUSR1 checkpoint not written yet) it keeps every checkpoint from
-    `not_before` on. The pivot removes the file once the new policy is installed (clear_pivot)."""
+    `step` is the last step reached (PIVOT_STEPS; "intent": the pivot point chosen, not yet on disk).
+    Retention keeps checkpoint `boundary` while the file exists; with boundary null (a SIGUSR1
+    checkpoint not written yet) it keeps every checkpoint from `not_before` on. `journal` adds the
+    pivot journal's fields (andrea_core.pivoting); those of an earlier record of the same pivot (same
+    policy hash) are kept unless given again. The pivot removes the file once it is complete."""
     if step not in PIVOT_STEPS:
         raise ValueError(f"pivot step {step!r}: expected one of {PIVOT_STEPS}")
     earlier = read_pivot(run) or {}
+    same = earlier.get("policy_hash") == policy.hash
     now = time.time()
     doc = {
+        **(earlier if same else {}),
+        **journal,
         "format": PIVOT_FORMAT,
         "policy": policy.name,
         "policy_hash": policy.hash,
         "boundary": boundary,
         "not_before": not_before,
         "step": step,
-        "started_at": earlier.get("started_at", now) if earlier.get("policy_hash") == policy.hash else now,
+        "started_at": earlier.get("started_at", now) if same else now,
         "updated_at": now,
     }
     run.write_json(PIVOT_JSON, doc)
@@ -171,32 +193,58 @@ class ArchivedPhase:
     moved: list[str]
 
 
-def archive_phase(run: RunDir, boundary: int) -> ArchivedPhase:
+def next_phase_folder(run: RunDir, boundary: int) -> str:
+    number = (phases(run)[-1][0] if phases(run) else 0) + 1
+    return f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
+
+
+def archive_phase(
+    run: RunDir,
+    boundary: int,
+    folder: str | None = None,
+    after_move: Callable[[str], None] | None = None,
+) -> ArchivedPhase:
     """Close the phase that ended at `boundary`: move its policy-scoped sidecars, its policy and any
-    checkpoint newer than the boundary into archive/phase_NNN_step_SSSSSS/. `.loss.json` stays put."""
+    checkpoint newer than the boundary into archive/phase_NNN_step_SSSSSS/. `.loss.json` stays put.
+
+    Idempotent for one `folder` (the pivot journal records it before the first move): a rerun after a
+    crash between two moves moves what is left into the same folder, never into a second one.
+    `after_move(name)` is called after each move (the journal's test hook)."""
     holder = live_trainer(run)
     if holder is not None:
         raise LockError(f"{run.url}: trainer pid {holder.pid} is still running; stop it before archiving")
     run.read_checkpoint(boundary)  # raises CheckpointError if the pivot point is missing or bad
-    number = (phases(run)[-1][0] if phases(run) else 0) + 1
-    folder = f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
+    folder = folder or next_phase_folder(run, boundary)
+    number = int(PHASE_RE.match(folder.rsplit("/", 1)[-1]).group(1))
     run.makedirs(folder)
     moved = []
+
+    def move(name: str) -> None:
+        target = f"{folder}/{name}"
+        if run.exists(target) and run.read_bytes(target) == run.read_bytes(name):
+            run.remove(name)  # an object store's move copied, then died before the delete
+        else:
+            run.move(name, target)
+        moved.append(name)
+        if after_move is not None:
+            after_move(name)
+
     for name in (SAMPLES, STATE):
         if run.exists(name):
-            run.move(name, f"{folder}/{name}")
-            moved.append(name)
+            move(name)
     # The policy is copied, not moved: the run directory is never without one, even mid-pivot.
-    if run.exists(POLICY_YAML):
+    if run.exists(POLICY_YAML) and not run.exists(f"{folder}/{POLICY_YAML}"):
         run.write_atomic(f"{folder}/{POLICY_YAML}", run.read_bytes(POLICY_YAML))
         moved.append(POLICY_YAML)
     # The closed phase's tail (e.g. the checkpoint SIGTERM wrote): a crash right after the pivot must
     # resume from the boundary under the new policy, never from the old phase.
     for step in run.checkpoint_steps():
         if step > boundary:
-            run.move(checkpoint_name(step), f"{folder}/{checkpoint_name(step)}")
-            moved.append(checkpoint_name(step))
-    run.write_json(f"{folder}/phase.json", {"phase": number, "boundary": boundary, "closed_at": time.time()})
+            move(checkpoint_name(step))
+    if not run.exists(f"{folder}/phase.json"):
+        run.write_json(
+            f"{folder}/phase.json", {"phase": number, "boundary": boundary, "closed_at": time.time()}
+        )
     return ArchivedPhase(folder, moved)
 
 

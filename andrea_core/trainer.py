@@ -40,6 +40,7 @@ from andrea_core.fork import require_fork_point
 from andrea_core.loss_log import LossWriter, read_history
 from andrea_core.model import GPT
 from andrea_core.optim import build_optimizer, lr_at
+from andrea_core.pivoting import require_no_half_pivot
 from andrea_core.progress import Progress
 from andrea_core.retention import apply_retention
 from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
@@ -447,6 +448,7 @@ class Trainer:
         )
         flags = signals.install()
         try:
+            require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
             self._build()
             return self._loop(flags)

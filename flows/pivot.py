@@ -12,8 +12,10 @@
 A bad policy, a policy the trainer would refuse on this machine's data, a device that is not here, a
 max_steps not beyond the pivot point or a train deployment that does not exist are refused before step 1:
 nothing is touched. From step 1 until the new policy is installed, pivot.json records the pivot under
-way, so that retention never deletes its checkpoint (andrea_core.pivot.record_pivot). A resumed trainer
-that dies before its first step is reported at once, with its error."""
+way, so that retention never deletes its checkpoint; it is also the pivot's journal (andrea_core.pivoting):
+rerunning the same pivot after a crash at any step completes it exactly once. A resumed trainer that
+dies before its first step is reported at once, with its error. The steps are andrea_core.pivoting's,
+the same ones `andrea pivot` runs in a shell."""
 
 from __future__ import annotations
 
@@ -26,25 +28,22 @@ from prefect.states import Completed, State
 
 from andrea_core.lock import live_trainer
 from andrea_core.rundir import RunDir
-from andrea_core.supervise import LossLogSnapshot
 from flows._background import start_subflow
 from flows.train import train
 from tasks.artifacts import run_name
 from tasks.pivot import (
     archive_phase,
+    begin_pivot,
     check_new_policy,
-    check_restart_steps,
-    choose_pivot_boundary,
-    clear_pivot_intent,
     confirm_resumed_trainer,
+    finish_pivot,
     flow_run_ended,
     install_policy,
     keep_loss_log,
-    newest_checkpoint,
-    protect_pivot_point,
+    stop_trainer,
     subflow_ended,
+    take_pivot_checkpoint,
 )
-from tasks.trainer import signal_trainer, stop_trainer, wait_for_checkpoint, wait_for_requested_checkpoint
 
 
 @task(name="restart-trainer", cache_policy=NO_CACHE)
@@ -85,49 +84,30 @@ def pivot(
     run = RunDir(run_dir)
     # Every parameter, the policy and its data are checked here, before anything is touched.
     new_policy = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)
-    target = new_policy["max_steps"]
-    before = LossLogSnapshot.take(run)
-
+    # The journal (pivot.json): a rerun of this same pivot after a crash resumes it from its last step.
+    journal = begin_pivot(run.url, policy, new_policy, at, restart)
     # 1. the pivot checkpoint, protected (pivot.json) from retention before the trainer is stopped
-    trainer = live_trainer(run)
-    try:
-        if trainer is None:
-            boundary = newest_checkpoint(run.url)
-        elif at == "now":
-            # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
-            protect_pivot_point(run.url, new_policy["text"], "intent", None, from_logged_step=True)
-            receipt = signal_trainer(run.url, "SIGUSR1")
-            boundary = wait_for_requested_checkpoint(run.url, receipt, timeout_s)
-        else:
-            boundary = choose_pivot_boundary(run.url)["boundary"]
-            if restart != "none":
-                check_restart_steps(target, boundary)
-            protect_pivot_point(run.url, new_policy["text"], "intent", boundary)
-            wait_for_checkpoint(run.url, boundary, timeout_s)
-        if restart != "none":
-            check_restart_steps(target, boundary)
-        protect_pivot_point(run.url, new_policy["text"], "checkpointed", boundary)
-    except BaseException:
-        clear_pivot_intent(run.url)  # nothing was changed: the run trains on as before
-        raise
+    journal = take_pivot_checkpoint(run.url, journal, timeout_s)
+    boundary = journal["boundary"]
     # 2. stop the trainer
-    stopped = stop_trainer(run.url)
-    protect_pivot_point(run.url, new_policy["text"], "stopped", boundary)
-    at_stop = LossLogSnapshot.take(run)
-    before.check_prefix_of(run, "the stopped trainer's .loss.json")
+    stopped = stop_trainer(run.url, journal)
     # 3.-5. the run directory
-    archived = archive_phase(run.url, boundary)
-    protect_pivot_point(run.url, new_policy["text"], "archived", boundary)
-    keep_loss_log(run.url, at_stop)
-    install_policy(run.url, new_policy["text"], new_policy["source"])
-    clear_pivot_intent(run.url)  # the archived phase's folder protects the boundary from now on
+    archived = archive_phase(run.url, stopped["journal"])
+    journal = keep_loss_log(run.url, archived["journal"])
+    journal = install_policy(run.url, journal)
     message = (
         f"pivoted {run.url} at step_{boundary:06d}.bin to policy {new_policy['name']!r}; "
-        f"closed phase in {archived['folder']}"
+        f"closed phase in {archived['archived']['folder']}"
     )
-    result = {"boundary": boundary, "policy": new_policy["name"], "archive": archived, "stopped": stopped}
+    result = {
+        "boundary": boundary,
+        "policy": new_policy["name"],
+        "archive": archived["archived"],
+        "stopped": stopped["stopped"],
+    }
     # 6. restart from the pivot checkpoint
     if restart == "none":
+        finish_pivot(run.url)
         return Completed(message=message + "; trainer left stopped (restart='none')", data=result)
     params = {
         "run_dir": run.url,
@@ -136,15 +116,18 @@ def pivot(
         "pace": pace,
         "gpu_slot": gpu_slot,
     }
-    if restart == "deployment":
+    background = None
+    if live_trainer(run) is not None or journal.get("step") == "restarted":
+        ended = None  # a rerun: the resumed trainer was started (and confirmed) before the crash
+    elif restart == "deployment":
         result["resumed_by"] = restart_trainer(train_deployment, params)
-        background = None
         ended = flow_run_ended(result["resumed_by"]["flow_run_id"])
     else:
         background = start_subflow(train, **params)
         result["resumed_by"] = {"subflow": "train"}
         ended = subflow_ended(background)
-    confirmed = confirm_resumed_trainer(run.url, boundary, at_stop, stopped["pid"], timeout_s, ended)
+    confirmed = confirm_resumed_trainer(run.url, journal, timeout_s, ended)
+    finish_pivot(run.url)
     result["resumed"] = confirmed
     message += f"; resumed at step {confirmed['first_step']} with loss {confirmed['first_loss']:.4f}"
     if background is not None:

@@ -21,6 +21,7 @@ from andrea_core.compare import (
     plot_comparison,
     png_data_uri,
     report_markdown,
+    write_report,
 )
 from andrea_core.rundir import RunDir
 
@@ -92,10 +93,6 @@ def publish_fork_report(comparison: Comparison, report_dir: str) -> dict[str, st
     create_image_artifact(
         image_url=uri, key=f"{key}-plot", description=f"loss of the branches forked at {comparison.fork_step}"
     )
-    out = RunDir(report_dir)
-    out.makedirs()
-    out.write_atomic("plot.png", png)
-    out.write_text("report.md", report_markdown(comparison, "plot.png"))
-    paths = {"report": out.path("report.md"), "plot": out.path("plot.png"), "artifact_key": key}
+    paths = {**write_report(comparison, report_dir, png), "artifact_key": key}
     logger.info(f"audit report: {paths['report']} (plot {paths['plot']}); Prefect artifact {key!r}")
     return paths

@@ -1,5 +1,6 @@
-"""The pivot's run-directory steps as tasks (DESIGN.md "Pivot sequence"). Stopping and restarting the
-trainer are in trainer.py and flows/pivot.py; the moves themselves are andrea_core.pivot's."""
+"""The pivot's steps as tasks (DESIGN.md "Pivot sequence"): thin wrappers over andrea_core.pivoting, the
+journaled steps `andrea pivot` runs too. Starting the resumed trainer as a deployment run or a subflow
+is Prefect's own, in flows/pivot.py."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ from concurrent.futures import Future
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from andrea_core import pivot, supervise
+from andrea_core import pivot, pivoting
 from andrea_core.config import ConfigError
-from andrea_core.fork import run_n_params
-from andrea_core.lock import live_trainer
-from andrea_core.rundir import SAMPLES, STATE, RunDir
-from andrea_core.runs import read_policy, read_run
-from andrea_core.supervise import LossLogSnapshot, SupervisionError
+from andrea_core.rundir import RunDir
+from andrea_core.runs import read_policy
 
 
 @task(name="check-new-policy", cache_policy=NO_CACHE)
@@ -71,129 +69,71 @@ def _require_deployment(name: str | None) -> None:
         ) from None
 
 
-@task(name="protect-pivot-point", cache_policy=NO_CACHE)
-def protect_pivot_point(
-    run_dir: str, policy_text: str, step: str, boundary: int | None, from_logged_step: bool = False
-) -> dict:
-    """Record the pivot under way in pivot.json before its next step: retention keeps its checkpoint
-    (or, before the checkpoint a SIGUSR1 asks for exists, every checkpoint from the trainer's step on)."""
+@task(name="begin-pivot", cache_policy=NO_CACHE)
+def begin_pivot(run_dir: str, policy: str, checked: dict, at: str, restart: str) -> dict:
+    """The pivot journal: the one a crash left of this same pivot (resumed from its last step), or a
+    new one (pivoting.begin_pivot)."""
     run = RunDir(run_dir)
-    policy = pivot.parse_policy_text(policy_text, "new policy")
-    not_before = (supervise.logged_step(run) or 0) if from_logged_step else None
-    return pivot.record_pivot(run, policy, step, boundary, not_before)
+    parsed = pivot.parse_policy_text(checked["text"], policy)
+    check = pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
+    return pivoting.begin_pivot(run, check, at, restart, get_run_logger().info)
 
 
-@task(name="clear-pivot-intent", cache_policy=NO_CACHE)
-def clear_pivot_intent(run_dir: str) -> None:
-    """Remove pivot.json: the pivot is installed (its phase folder protects the boundary now), or it
-    stopped before it changed anything."""
-    pivot.clear_pivot(RunDir(run_dir))
+@task(name="take-pivot-checkpoint", cache_policy=NO_CACHE)
+def take_pivot_checkpoint(run_dir: str, journal: dict, timeout_s: float) -> dict:
+    """Step 1 (pivoting.take_pivot_checkpoint): the pivot checkpoint, protected by pivot.json."""
+    pivoting.take_pivot_checkpoint(RunDir(run_dir), journal, timeout_s, get_run_logger().info)
+    return journal
 
 
-@task(name="check-restart-steps", cache_policy=NO_CACHE)
-def check_restart_steps(max_steps: int, boundary: int) -> None:
-    """The resumed trainer must have steps to train past the pivot point."""
-    pivot.require_steps_after(max_steps, boundary)
-
-
-@task(name="choose-pivot-boundary", cache_policy=NO_CACHE)
-def choose_pivot_boundary(run_dir: str) -> dict:
-    """The next checkpoint on the grid after the step the live trainer is at (a pivot decided at step
-    112,619 pivots at step_112700.bin), so pivot points stay on the checkpoint and audit grid."""
-    run = RunDir(run_dir)
-    every = read_run(run).config.train.checkpoint_every
-    decided_at = supervise.logged_step(run) or 0
-    boundary = pivot.boundary_after(decided_at, every)
-    get_run_logger().info(f"pivot decided at step {decided_at}: pivoting at step {boundary}")
-    return {"decided_at": decided_at, "boundary": boundary}
-
-
-@task(name="newest-checkpoint", cache_policy=NO_CACHE)
-def newest_checkpoint(run_dir: str) -> int:
-    """With no trainer running, the pivot point is the newest valid checkpoint."""
-    run = RunDir(run_dir)
-    if live_trainer(run) is not None:
-        raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
-    ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=get_run_logger().warning)
-    if ckpt is None:
-        raise SupervisionError(f"{run.url}: no valid checkpoint to pivot from")
-    get_run_logger().info(f"no trainer running: pivoting at the newest checkpoint, step {ckpt.step}")
-    return ckpt.step
+@task(name="stop-trainer", cache_policy=NO_CACHE)
+def stop_trainer(run_dir: str, journal: dict) -> dict:
+    """Step 2 (pivoting.stop_trainer): SIGTERM the trainer and wait for its exit."""
+    stopped = pivoting.stop_trainer(RunDir(run_dir), journal, log=get_run_logger().info)
+    return {"journal": journal, "stopped": stopped}
 
 
 @task(name="archive-phase", cache_policy=NO_CACHE)
-def archive_phase(run_dir: str, boundary: int) -> dict:
-    """Step 3: move .samples.json, .state.json, (a copy of) policy.yaml and the checkpoints past the
-    boundary into archive/phase_NNN_step_SSSSSS/. Afterwards the run holds no bandit state or sample log,
-    so the next trainer necessarily starts a fresh bandit."""
-    run = RunDir(run_dir)
-    archived = pivot.archive_phase(run, boundary)
-    left = [name for name in (SAMPLES, STATE) if run.exists(name)]
-    if left:
-        raise SupervisionError(f"{run.url}: {', '.join(left)} still present after archiving")
-    newest = run.checkpoint_steps()[-1]
-    if newest != boundary:
-        raise SupervisionError(
-            f"{run.url}: newest checkpoint is step {newest}, not the pivot point {boundary}"
-        )
-    get_run_logger().info(f"archived {', '.join(archived.moved) or 'nothing'} into {archived.folder}")
-    return {"folder": run.path(archived.folder), "moved": archived.moved}
+def archive_phase(run_dir: str, journal: dict) -> dict:
+    """Step 3 (pivoting.archive): the closed phase's sidecars, policy and tail into its folder."""
+    archived = pivoting.archive(RunDir(run_dir), journal, get_run_logger().info)
+    return {"journal": journal, "archived": archived}
 
 
 @task(name="keep-loss-log", cache_policy=NO_CACHE)
-def keep_loss_log(run_dir: str, snapshot: LossLogSnapshot) -> dict:
-    """Step 4: .loss.json stays exactly where and as it is: checked byte for byte against its state
-    when the trainer stopped."""
-    run = RunDir(run_dir)
-    snapshot.check_unchanged(run)
-    get_run_logger().info(f".loss.json untouched: {snapshot.size} bytes, sha256 {snapshot.sha256[:16]}")
-    return {"bytes": snapshot.size, "sha256": snapshot.sha256}
+def keep_loss_log(run_dir: str, journal: dict) -> dict:
+    """Step 4 (pivoting.keep_loss_log): .loss.json checked byte for byte against the stop."""
+    kept = pivoting.keep_loss_log(RunDir(run_dir), journal)
+    get_run_logger().info(f".loss.json untouched: {kept['bytes']} bytes, sha256 {kept['sha256'][:16]}")
+    return journal
 
 
 @task(name="install-policy", cache_policy=NO_CACHE)
-def install_policy(run_dir: str, policy_text: str, source: str) -> str:
-    """Step 5: the new policy.yaml (validated again: what is installed is what was checked)."""
-    installed = pivot.install_policy(RunDir(run_dir), policy_text, source)
-    get_run_logger().info(f"installed policy {installed.name!r} (hash {installed.hash})")
-    return installed.hash
+def install_policy(run_dir: str, journal: dict) -> dict:
+    """Step 5 (pivoting.install): the new policy.yaml."""
+    installed = pivoting.install(RunDir(run_dir), journal)
+    get_run_logger().info(f"installed policy {journal['policy']!r} (hash {installed})")
+    return journal
 
 
 @task(name="confirm-resumed-trainer", cache_policy=NO_CACHE)
 def confirm_resumed_trainer(
-    run_dir: str,
-    boundary: int,
-    snapshot: LossLogSnapshot,
-    old_pid: int | None,
-    timeout_s: float,
-    ended: Callable[[], str | None] | None = None,
+    run_dir: str, journal: dict, timeout_s: float, ended: Callable[[], str | None] | None = None
 ) -> dict:
-    """Step 6's proof: the new trainer's first loss is for step boundary+1 (it resumed from the pivot
-    checkpoint), the old history is a byte-for-byte prefix of .loss.json, and it is a new process.
-    `ended` reports the resumed trainer's end (its flow run's final state): a trainer that died is
-    reported at once with its error, not after timeout_s."""
-    run = RunDir(run_dir)
-    entry = supervise.wait_for_first_entry_after(run, snapshot, timeout_s, ended=ended)
-    if entry["step"] != boundary + 1:
-        raise SupervisionError(
-            f"{run.url}: the resumed trainer logged step {entry['step']} first; expected {boundary + 1} "
-            f"(a resume from step_{boundary:06d}.bin)"
-        )
-    snapshot.check_prefix_of(run)
-    trainer = live_trainer(run)
-    if trainer is not None and trainer.pid == old_pid:
-        raise SupervisionError(f"{run.url}: trainer pid {old_pid} is still the one running")
-    result = {
-        "first_step": entry["step"],
-        "first_loss": entry["loss"],
-        "segment": entry["segment"],
-        "arm": entry.get("arm"),
-        "pid": trainer.pid if trainer else None,
-    }
+    """Step 6's proof (pivoting.confirm_resumed): the first new step is boundary+1, the old history an
+    untouched prefix, a new process. `ended` reports a resumed trainer that died, at once."""
+    confirmed = pivoting.confirm_resumed(RunDir(run_dir), journal, timeout_s, ended)
     get_run_logger().info(
-        f"resumed trainer logged step {entry['step']} loss {entry['loss']:.4f} (segment {entry['segment']}); "
-        f".loss.json still starts with its {snapshot.size} old bytes"
+        f"resumed trainer logged step {confirmed['first_step']} loss {confirmed['first_loss']:.4f} "
+        f"(segment {confirmed['segment']}); .loss.json still starts with its old bytes"
     )
-    return result
+    return confirmed
+
+
+@task(name="finish-pivot", cache_policy=NO_CACHE)
+def finish_pivot(run_dir: str) -> None:
+    """The pivot is complete: its journal (pivot.json) goes."""
+    pivoting.finish_pivot(RunDir(run_dir))
 
 
 def flow_run_ended(flow_run_id: str, every_s: float = 2.0) -> Callable[[], str | None]:

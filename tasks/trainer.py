@@ -3,7 +3,6 @@ and follow one, signal the trainer of a run directory, wait for its checkpoints 
 
 from __future__ import annotations
 
-import signal
 import time
 
 from prefect import get_run_logger, task
@@ -15,7 +14,6 @@ from prefect.logging.handlers import APILogWorker
 from prefect.states import Cancelled
 
 from andrea_core import supervise
-from andrea_core.lock import live_trainer
 from andrea_core.rundir import RunDir
 from andrea_core.supervise import TrainerProcess
 from tasks.artifacts import TrainingProgress, publish_status, run_name
@@ -131,57 +129,18 @@ def signal_trainer(run_dir: str, signal_name: str) -> dict:
     Returns what the run looked like just before, for waiting on the signal's effect."""
     if signal_name not in CONTRACT_SIGNALS:
         raise ValueError(f"signal {signal_name!r}: a trainer understands only {', '.join(CONTRACT_SIGNALS)}")
+    from andrea_core.pivoting import signal_live_trainer
+
     run = RunDir(run_dir)
-    trainer = supervise.require_live_trainer(run)
-    receipt = {
-        "pid": trainer.pid,
-        "signal": signal_name,
-        "logged_step": supervise.logged_step(run),
-        "checkpoints": run.checkpoint_steps(),
-        "time": time.time(),
-    }
-    trainer.signal(signal.Signals[signal_name])
-    get_run_logger().info(f"sent {signal_name} to trainer pid {trainer.pid} of {run.url}")
+    receipt = {**signal_live_trainer(run, signal_name), "time": time.time()}
+    get_run_logger().info(f"sent {signal_name} to trainer pid {receipt['pid']} of {run.url}")
     return receipt
-
-
-@task(name="wait-for-checkpoint", cache_policy=NO_CACHE)
-def wait_for_checkpoint(run_dir: str, step: int, timeout_s: float = 1800.0) -> int:
-    """Block until step_NNNNNN.bin is on disk and valid; fails early if the trainer exits first."""
-    run = RunDir(run_dir)
-    t0 = time.monotonic()
-    ckpt = supervise.wait_for_checkpoint(run, step, timeout_s, trainer=live_trainer(run))
-    get_run_logger().info(
-        f"{run.url}: step_{ckpt.step:06d}.bin is valid (waited {time.monotonic() - t0:.1f}s)"
-    )
-    return ckpt.step
-
-
-@task(name="wait-for-requested-checkpoint", cache_policy=NO_CACHE)
-def wait_for_requested_checkpoint(run_dir: str, receipt: dict, timeout_s: float = 600.0) -> int:
-    """The checkpoint a SIGUSR1 asked for: the first new one at or after the step logged at the signal."""
-    run = RunDir(run_dir)
-    ckpt = supervise.wait_for_new_checkpoint(
-        run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=live_trainer(run)
-    )
-    get_run_logger().info(f"{run.url}: {receipt['signal']} produced step_{ckpt.step:06d}.bin (valid)")
-    return ckpt.step
 
 
 @task(name="stop-trainer", cache_policy=NO_CACHE)
 def stop_trainer(run_dir: str, timeout_s: float = 300.0) -> dict:
     """SIGTERM the trainer of `run_dir` (identity-checked) and wait until it has exited: by then it has
     checkpointed the step in flight. A run with no live trainer is left alone."""
-    logger = get_run_logger()
-    run = RunDir(run_dir)
-    trainer = live_trainer(run)
-    if trainer is None:
-        logger.info(f"{run.url}: no live trainer to stop")
-        return {"stopped": False, "pid": None, "step": (run.checkpoint_steps() or [None])[-1], "seconds": 0.0}
-    trainer.stop()
-    waited = supervise.wait_for_exit(trainer, timeout_s)
-    step = (run.checkpoint_steps() or [None])[-1]
-    logger.info(
-        f"{run.url}: trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {step}"
-    )
-    return {"stopped": True, "pid": trainer.pid, "step": step, "seconds": waited}
+    from andrea_core.pivoting import stop_live_trainer
+
+    return stop_live_trainer(RunDir(run_dir), timeout_s, get_run_logger().info)

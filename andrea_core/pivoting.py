@@ -1,0 +1,480 @@
+"""The pivot's six steps, journaled (DESIGN.md "Pivot sequence"), for every front end: the Prefect `pivot`
+flow wraps each step in a task, and `andrea pivot` calls them in a plain shell.
+
+  1. take the pivot checkpoint (take_pivot_checkpoint)     4. check .loss.json byte for byte (keep_loss_log)
+  2. stop the trainer (stop_trainer)                        5. install the new policy (install)
+  3. archive the closed phase (archive)                     6. restart and confirm (confirm_resumed)
+
+The journal is pivot.json (andrea_core.pivot.record_pivot): the pivot's intent (policy hash, text and
+source, at, restart, boundary) and the last step completed, rewritten atomically after each step. Each
+step reads it first and skips itself if it is done, so rerunning the same pivot after a crash at any
+point completes it exactly once: no second archive folder, no sidecar lost, .loss.json untouched. While
+the trainer is stopped and the new policy not yet installed (pivot.HALF_DONE_STEPS) a trainer refuses
+to start (require_no_half_pivot); `abandon` restores the old phase instead. The journal is removed once
+the pivot is complete (finish_pivot).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from andrea_core import supervise
+from andrea_core.checkpoint import CheckpointError, checkpoint_name
+from andrea_core.config import ConfigError
+from andrea_core.lock import LockError, live_trainer
+from andrea_core.pivot import (
+    HALF_DONE_STEPS,
+    PHASE_RE,
+    PIVOT_JSON,
+    PIVOT_STEPS,
+    PivotCheck,
+    archive_phase,
+    boundary_after,
+    clear_pivot,
+    install_policy,
+    next_phase_folder,
+    parse_policy_text,
+    read_pivot,
+    record_pivot,
+    require_steps_after,
+)
+from andrea_core.rundir import POLICY_YAML, SAMPLES, STATE, RunDir
+from andrea_core.supervise import LossLogSnapshot, SupervisionError
+
+KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
+
+Log = Callable[[str], None]
+
+
+def _kill_point(name: str) -> None:
+    """ANDREA_TEST_PIVOT_KILL_AFTER=<step name> (or archive-move-N): the pivot's process dies right
+    there, as a worker killed outright would. Unset: no effect."""
+    if os.environ.get(KILL_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _reached(journal: dict, step: str) -> bool:
+    """Whether the journal's last completed step is `step` or a later one."""
+    done = journal.get("step")
+    return done in PIVOT_STEPS and PIVOT_STEPS.index(done) >= PIVOT_STEPS.index(step)
+
+
+def _snapshot(doc: dict | None) -> LossLogSnapshot | None:
+    return None if not doc else LossLogSnapshot(doc["size"], doc["sha256"], list(doc.get("segments", [])))
+
+
+def _snapshot_doc(snapshot: LossLogSnapshot) -> dict:
+    return {"size": snapshot.size, "sha256": snapshot.sha256, "segments": snapshot.segments}
+
+
+def half_done_message(run: RunDir, journal: dict) -> str:
+    source = journal.get("source") or journal.get("policy")
+    return (
+        f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} is half done (last step "
+        f"{journal.get('step')!r}, boundary {journal.get('boundary')}): finish it by rerunning the pivot "
+        f"(andrea pivot {run.url} --policy {source}) or abandon it and restore the old phase "
+        f"(andrea pivot {run.url} --abandon)"
+    )
+
+
+def require_no_half_pivot(run: RunDir) -> None:
+    """The trainer's check before it starts: never train a run directory a pivot left half done (its
+    bandit state archived but the old policy still installed, or a tail checkpoint not yet moved)."""
+    journal = read_pivot(run)
+    if journal is None:
+        return
+    if "unreadable" in journal:
+        raise ConfigError(
+            f"{journal['unreadable']}: the pivot journal is unreadable, so whether a pivot is half done "
+            f"cannot be told: inspect it, then remove it or run andrea pivot {run.url} --abandon"
+        )
+    if journal.get("step") in HALF_DONE_STEPS:
+        raise ConfigError(half_done_message(run, journal))
+
+
+# --- starting or resuming a pivot ----------------------------------------------------------------
+
+
+def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Log = print) -> dict:
+    """The journal of this pivot: the one a crash left (same policy: resumed from its last step), or a
+    new one, not yet written (take_pivot_checkpoint writes it with the pivot point). A journal of
+    another pivot is refused: one pivot at a time."""
+    if at not in ("boundary", "now"):
+        raise ConfigError(f"--at {at!r}: expected boundary or now")
+    journal = read_pivot(run)
+    if journal is not None and "unreadable" in journal:
+        raise ConfigError(f"{journal['unreadable']}: the pivot journal is unreadable; not pivoting")
+    if journal is not None:
+        if journal.get("policy_hash") != checked.policy.hash:
+            raise ConfigError(
+                f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} (hash "
+                f"{journal.get('policy_hash')}) is under way, not to {checked.policy.name!r}: finish it "
+                f"(rerun it with --policy {journal.get('source') or journal.get('policy')}) or abandon it "
+                f"(andrea pivot {run.url} --abandon) first"
+            )
+        log(f"resuming the pivot to {checked.policy.name!r} after step {journal.get('step')!r} (pivot.json)")
+        return journal
+    return {
+        "policy_text": checked.text,
+        "source": checked.source,
+        "at": at,
+        "restart": restart,
+        "max_steps": checked.max_steps,
+        "loss_before": _snapshot_doc(LossLogSnapshot.take(run)),
+    }
+
+
+def _record(run: RunDir, journal: dict, step: str, **fields: Any) -> dict:
+    policy = parse_policy_text(journal["policy_text"], journal.get("source") or "new policy")
+    core = ("format", "policy", "policy_hash", "step", "started_at", "updated_at")
+    extra = {k: v for k, v in {**journal, **fields}.items() if k not in core}
+    boundary = extra.pop("boundary", journal.get("boundary"))
+    not_before = extra.pop("not_before", journal.get("not_before"))
+    doc = record_pivot(run, policy, step, boundary, not_before, **extra)
+    journal.clear()
+    journal.update(doc)
+    return journal
+
+
+# --- step 1 ------------------------------------------------------------------------------------
+
+
+def choose_boundary(run: RunDir) -> tuple[int, int]:
+    """(decided at, pivot point): the next checkpoint on the grid after the step the live trainer is at
+    (a pivot decided at step 112,619 pivots at step_112700.bin)."""
+    from andrea_core.runs import read_run
+
+    every = read_run(run).config.train.checkpoint_every
+    decided_at = supervise.logged_step(run) or 0
+    return decided_at, boundary_after(decided_at, every)
+
+
+def newest_checkpoint(run: RunDir, log: Log = print) -> int:
+    """With no trainer running, the pivot point is the newest valid checkpoint."""
+    from andrea_core.fork import run_n_params
+    from andrea_core.runs import read_run
+
+    if live_trainer(run) is not None:
+        raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
+    ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=log)
+    if ckpt is None:
+        raise CheckpointError(run.url, "no valid checkpoint to pivot from")
+    return ckpt.step
+
+
+def signal_live_trainer(run: RunDir, signal_name: str) -> dict:
+    """Signal the trainer that holds the run's lock (identity-checked: a recycled pid is never
+    signalled). Returns what the run looked like just before, for waiting on the signal's effect."""
+    trainer = supervise.require_live_trainer(run)
+    receipt = {
+        "pid": trainer.pid,
+        "signal": signal_name,
+        "logged_step": supervise.logged_step(run),
+        "checkpoints": run.checkpoint_steps(),
+    }
+    trainer.signal(signal.Signals[signal_name])
+    return receipt
+
+
+def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log = print) -> int:
+    """Step 1: the pivot checkpoint, protected by the journal (retention keeps it) before the trainer is
+    stopped: the next one on the grid (at="boundary"), one written now (at="now", SIGUSR1), or with
+    no trainer running the newest valid one. A failure here leaves the run as it was (no journal)."""
+    if _reached(journal, "checkpointed"):
+        return journal["boundary"]
+    try:
+        trainer = live_trainer(run)
+        if trainer is None:
+            boundary = newest_checkpoint(run, log)
+            log(f"no trainer running: pivoting at the newest valid checkpoint, step {boundary}")
+        elif journal.get("at") == "now":
+            # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
+            _record(run, journal, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
+            receipt = signal_live_trainer(run, "SIGUSR1")
+            log(f"sent SIGUSR1 to trainer pid {receipt['pid']}: a checkpoint of the step in flight")
+            boundary = supervise.wait_for_new_checkpoint(
+                run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=trainer
+            ).step
+        else:
+            decided_at, boundary = choose_boundary(run)
+            if journal.get("restart") != "none":
+                require_steps_after(journal["max_steps"], boundary)
+            _record(run, journal, "intent", boundary=boundary, not_before=None)
+            log(f"pivot decided at step {decided_at}: pivoting at step {boundary}")
+            supervise.wait_for_checkpoint(run, boundary, timeout_s, trainer=trainer)
+        if journal.get("restart") != "none":
+            require_steps_after(journal["max_steps"], boundary)
+        _record(run, journal, "checkpointed", boundary=boundary, not_before=None)
+    except BaseException:
+        clear_pivot(run)  # nothing was changed: the run trains on as before
+        raise
+    log(f"pivot checkpoint {checkpoint_name(boundary)} is valid")
+    _kill_point("checkpointed")
+    return boundary
+
+
+# --- step 2 ------------------------------------------------------------------------------------
+
+
+def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log = print) -> dict:
+    """Step 2: SIGTERM the trainer (identity-checked) and wait for its exit: by then it has checkpointed
+    the step in flight. Records .loss.json as it is now: every later step checks it byte for byte."""
+    if _reached(journal, "stopped"):
+        pid = journal.get("stopped_pid")
+        return {"stopped": pid is not None, "pid": pid, "step": journal.get("stopped_step"), "seconds": 0.0}
+    stopped = stop_live_trainer(run, timeout_s, log)
+    before = _snapshot(journal.get("loss_before"))
+    if before is not None:
+        before.check_prefix_of(run, "the stopped trainer's .loss.json")
+    at_stop = LossLogSnapshot.take(run)
+    _record(
+        run,
+        journal,
+        "stopped",
+        loss_at_stop=_snapshot_doc(at_stop),
+        stopped_pid=stopped["pid"],
+        stopped_step=stopped["step"],
+    )
+    _kill_point("stopped")
+    return stopped
+
+
+def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
+    """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
+    checkpointed the step in flight. A run with no live trainer is left alone."""
+    trainer = live_trainer(run)
+    waited = 0.0
+    if trainer is not None:
+        trainer.stop()
+        waited = supervise.wait_for_exit(trainer, timeout_s)
+    newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
+    if trainer is None:
+        log(f"{run.url}: no live trainer to stop")
+    else:
+        log(f"trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {newest}")
+    pid = trainer.pid if trainer is not None else None
+    return {"stopped": trainer is not None, "pid": pid, "step": newest, "seconds": waited}
+
+
+def loss_at_stop(journal: dict) -> LossLogSnapshot:
+    return _snapshot(journal["loss_at_stop"])
+
+
+# --- steps 3 to 5 ------------------------------------------------------------------------------
+
+
+def archive(run: RunDir, journal: dict, log: Log = print) -> dict:
+    """Step 3: move .samples.json, .state.json, (a copy of) policy.yaml and the checkpoints past the
+    boundary into archive/phase_NNN_step_SSSSSS/, a folder named in the journal before the first move
+    (a rerun finishes the moves into the same folder). Afterwards the run holds no bandit state or
+    sample log, so the next trainer starts a fresh bandit, and its newest checkpoint is the boundary."""
+    boundary = journal["boundary"]
+    if not _reached(journal, "archived"):
+        if not journal.get("archive"):
+            _record(run, journal, "archiving", archive=next_phase_folder(run, boundary))
+        moves = iter(range(1, 1_000_000))
+        archived = archive_phase(
+            run, boundary, journal["archive"], after_move=lambda _: _kill_point(f"archive-move-{next(moves)}")
+        )
+        _record(run, journal, "archived")
+        log(f"archived {', '.join(archived.moved) or 'nothing left to move'} into {archived.folder}")
+        _kill_point("archived")
+    if _reached(journal, "installed"):
+        return {"folder": run.path(journal["archive"])}  # the new phase may be training already
+    left = [name for name in (SAMPLES, STATE) if run.exists(name)]
+    if left:
+        raise SupervisionError(f"{run.url}: {', '.join(left)} still present after archiving")
+    newest = run.checkpoint_steps()[-1]
+    if newest != boundary:
+        raise SupervisionError(
+            f"{run.url}: newest checkpoint is step {newest}, not the pivot point {boundary}"
+        )
+    return {"folder": run.path(journal["archive"])}
+
+
+def keep_loss_log(run: RunDir, journal: dict) -> dict:
+    """Step 4: .loss.json stays exactly where and as it is: checked byte for byte against its state
+    when the trainer stopped."""
+    snapshot = loss_at_stop(journal)
+    if _reached(journal, "installed"):
+        snapshot.check_prefix_of(run)  # a rerun: the resumed trainer may have appended already
+    else:
+        snapshot.check_unchanged(run)
+    if not _reached(journal, "loss-kept"):
+        _record(run, journal, "loss-kept")
+        _kill_point("loss-kept")
+    return {"bytes": snapshot.size, "sha256": snapshot.sha256}
+
+
+def install(run: RunDir, journal: dict) -> str:
+    """Step 5: the new policy.yaml (validated again: what is installed is what was checked)."""
+    if not _reached(journal, "installed"):
+        installed = install_policy(run, journal["policy_text"], journal.get("source") or "new policy")
+        _record(run, journal, "installed")
+        _kill_point("installed")
+        return installed.hash
+    return journal["policy_hash"]
+
+
+# --- step 6 ------------------------------------------------------------------------------------
+
+
+def trainer_log_path(run: RunDir) -> str:
+    """Where a detached trainer writes its output: RUN/trainer.log (this directory for a remote run)."""
+    if run.is_local:
+        return run.path("trainer.log")
+    return os.path.abspath(f"trainer-{run.url.rstrip('/').rsplit('/', 1)[-1]}.log")
+
+
+def start_detached_trainer(
+    run: RunDir, max_steps: int | None = None, device: str = "auto", pace: float = 0.0
+) -> tuple[subprocess.Popen, str]:
+    """The resumed trainer as a process of its own session, outliving the shell that started it, its
+    output appended to trainer_log_path(run). Returns the process and the log's path."""
+    argv = [sys.executable, "-m", "andrea_core", "train", "--run-dir", run.url, "--device", device]
+    if max_steps is not None:
+        argv += ["--max-steps", str(max_steps)]
+    if pace > 0:
+        argv += ["--pace", str(pace)]
+    path = trainer_log_path(run)
+    with open(path, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=supervise.trainer_env(),
+            start_new_session=True,
+            cwd=supervise.REPO_ROOT,
+        )
+    return proc, path
+
+
+def confirm_resumed(
+    run: RunDir, journal: dict, timeout_s: float, ended: Callable[[], str | None] | None = None
+) -> dict:
+    """Step 6's proof: the new trainer's first loss is for step boundary+1 (it resumed from the pivot
+    checkpoint), the old history is a byte-for-byte prefix of .loss.json, and it is not the trainer
+    that was stopped. `ended` reports the resumed trainer's end: one that died is reported at once."""
+    boundary, snapshot = journal["boundary"], loss_at_stop(journal)
+    entry = supervise.wait_for_first_entry_after(run, snapshot, timeout_s, ended=ended)
+    if entry["step"] != boundary + 1:
+        raise SupervisionError(
+            f"{run.url}: the resumed trainer logged step {entry['step']} first; expected {boundary + 1} "
+            f"(a resume from {checkpoint_name(boundary)})"
+        )
+    snapshot.check_prefix_of(run)
+    trainer = live_trainer(run)
+    if trainer is not None and trainer.pid == journal.get("stopped_pid"):
+        raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} is still the one running")
+    if not _reached(journal, "restarted"):
+        _record(run, journal, "restarted")
+        _kill_point("restarted")
+    return {
+        "first_step": entry["step"],
+        "first_loss": entry["loss"],
+        "segment": entry["segment"],
+        "arm": entry.get("arm"),
+        "pid": trainer.pid if trainer else None,
+    }
+
+
+def finish_pivot(run: RunDir) -> None:
+    """The pivot is complete: the journal goes (the archived phase's folder protects the boundary)."""
+    clear_pivot(run)
+
+
+# --- the whole pivot, for a shell --------------------------------------------------------------
+
+
+def run_pivot(
+    run: RunDir,
+    checked: PivotCheck,
+    *,
+    at: str = "boundary",
+    restart: bool = True,
+    device: str = "auto",
+    timeout_s: float = 1800.0,
+    log: Log = print,
+) -> dict:
+    """The six steps for `andrea pivot`: against the live trainer (or the newest valid checkpoint when
+    none runs); with `restart`, a detached resumed trainer, confirmed by its first step."""
+    journal = begin_pivot(run, checked, at, "detached" if restart else "none", log)
+    boundary = take_pivot_checkpoint(run, journal, timeout_s, log)
+    stopped = stop_trainer(run, journal, log=log)
+    archived = archive(run, journal, log)
+    keep_loss_log(run, journal)
+    install(run, journal)
+    log(f"installed policy {journal['policy']!r} (hash {journal['policy_hash']}); .loss.json untouched")
+    result = {"boundary": boundary, "policy": journal["policy"], "archive": archived, "stopped": stopped}
+    if not restart:
+        finish_pivot(run)
+        return result
+    if not _reached(journal, "restarted"):
+        proc = None
+        trainer = live_trainer(run)
+        if trainer is None:
+            proc, path = start_detached_trainer(run, journal.get("max_steps"), device)
+            log(f"resumed trainer pid {proc.pid}, output in {path}")
+
+        def ended() -> str | None:
+            if proc is None or proc.poll() is None:
+                return None
+            return (
+                f"trainer pid {proc.pid} exited with status {proc.returncode} (see {trainer_log_path(run)})"
+            )
+
+        result["resumed"] = confirm_resumed(run, journal, timeout_s, ended)
+        if proc is not None:
+            result["resumed"]["pid"] = proc.pid  # it may have finished already (a short max_steps)
+    else:
+        result["resumed"] = {"first_step": boundary + 1, "pid": getattr(live_trainer(run), "pid", None)}
+    finish_pivot(run)
+    return result
+
+
+# --- abandoning a pivot ------------------------------------------------------------------------
+
+
+def abandon(run: RunDir, log: Log = print) -> dict:
+    """Undo a pivot that stopped part-way: move the archived sidecars and tail checkpoints back, put the
+    old policy back, remove the phase folder and the journal. The run is then the old phase again."""
+    journal = read_pivot(run)
+    if journal is None:
+        raise ConfigError(f"{run.url}: no pivot under way (no {PIVOT_JSON}): nothing to abandon")
+    trainer = live_trainer(run)
+    step = journal.get("step")
+    if trainer is not None and step not in (None, "intent", "checkpointed"):
+        raise LockError(
+            f"{run.url}: trainer pid {trainer.pid} is running (pivot step {step!r}); "
+            "stop it before abandoning"
+        )
+    restored = []
+    folder = journal.get("archive")
+    if trainer is None and isinstance(folder, str) and PHASE_RE.match(folder.rsplit("/", 1)[-1]):
+        for name in run.listdir(folder):
+            if name in (SAMPLES, STATE) or name.startswith("step_"):
+                if not run.exists(name):
+                    run.move(f"{folder}/{name}", name)
+                else:
+                    run.remove(f"{folder}/{name}")
+                restored.append(name)
+        if run.exists(f"{folder}/{POLICY_YAML}"):
+            run.write_atomic(POLICY_YAML, run.read_bytes(f"{folder}/{POLICY_YAML}"))
+            run.remove(f"{folder}/{POLICY_YAML}")
+            restored.append(POLICY_YAML)
+        if run.exists(f"{folder}/phase.json"):
+            run.remove(f"{folder}/phase.json")
+        if run.is_local and run.fs.exists(run.path(folder)):
+            run.fs.rmdir(run.path(folder))
+    clear_pivot(run)
+    log(
+        f"abandoned the pivot to {journal.get('policy')!r} (last step {step!r}); "
+        f"restored {restored or 'nothing'}"
+    )
+    return {"policy": journal.get("policy"), "step": step, "restored": restored}
