@@ -226,7 +226,13 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
     the step in flight. Records .loss.json as it is now: every later step checks it byte for byte."""
     if _reached(journal, "stopped"):
         pid = journal.get("stopped_pid")
-        return {"stopped": pid is not None, "pid": pid, "step": journal.get("stopped_step"), "seconds": 0.0}
+        return {
+            "stopped": pid is not None,
+            "pid": pid,
+            "step": journal.get("stopped_step"),
+            "world_size": journal.get("stopped_world_size", 1),
+            "seconds": 0.0,
+        }
     stopped = stop_live_trainer(run, timeout_s, log)
     before = _snapshot(journal.get("loss_before"))
     if before is not None:
@@ -239,6 +245,7 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
         loss_at_stop=_snapshot_doc(at_stop),
         stopped_pid=stopped["pid"],
         stopped_step=stopped["step"],
+        stopped_world_size=stopped["world_size"],
     )
     _kill_point("stopped")
     return stopped
@@ -258,7 +265,15 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
     else:
         log(f"trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {newest}")
     pid = trainer.pid if trainer is not None else None
-    return {"stopped": trainer is not None, "pid": pid, "step": newest, "seconds": waited}
+    # A torchrun job is restarted at its own world size (its lock records it; 1 for a plain trainer).
+    world_size = trainer.world_size if trainer is not None else 1
+    return {
+        "stopped": trainer is not None,
+        "pid": pid,
+        "step": newest,
+        "world_size": world_size,
+        "seconds": waited,
+    }
 
 
 def loss_at_stop(journal: dict) -> LossLogSnapshot:
@@ -332,7 +347,11 @@ def trainer_log_path(run: RunDir) -> str:
 
 
 def start_detached_trainer(
-    run: RunDir, max_steps: int | None = None, device: str = "auto", pace: float = 0.0
+    run: RunDir,
+    max_steps: int | None = None,
+    device: str = "auto",
+    pace: float = 0.0,
+    nproc_per_node: int = 1,
 ) -> tuple[subprocess.Popen, str]:
     """The resumed trainer as a process of its own session, outliving the shell that started it, its
     output appended to trainer_log_path(run). Returns the process and the log's path."""
@@ -341,6 +360,8 @@ def start_detached_trainer(
         argv += ["--max-steps", str(max_steps)]
     if pace > 0:
         argv += ["--pace", str(pace)]
+    if nproc_per_node > 1:
+        argv += ["--nproc-per-node", str(nproc_per_node)]
     path = trainer_log_path(run)
     with open(path, "ab") as out:
         proc = subprocess.Popen(
@@ -419,7 +440,9 @@ def run_pivot(
         proc = None
         trainer = live_trainer(run)
         if trainer is None:
-            proc, path = start_detached_trainer(run, journal.get("max_steps"), device)
+            proc, path = start_detached_trainer(
+                run, journal.get("max_steps"), device, nproc_per_node=journal.get("stopped_world_size", 1)
+            )
             log(f"resumed trainer pid {proc.pid}, output in {path}")
 
         def ended() -> str | None:

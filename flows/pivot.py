@@ -115,6 +115,8 @@ def pivot(
         "device": device,
         "pace": pace,
         "gpu_slot": gpu_slot,
+        # A torchrun job resumes at the world size it was stopped at (its lock records it).
+        "nproc_per_node": stopped["stopped"].get("world_size", 1),
     }
     background = None
     if live_trainer(run) is not None or journal.get("step") == "restarted":

@@ -339,3 +339,30 @@ def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
     assert len(list((run / "archive").glob("unloaded_state_step_000010_*.json"))) == 1
     assert sorted(_losses(run)) == list(range(1, 21))
     assert json.loads((run / ".state.json").read_text())["step"] == 20
+
+
+@pytest.mark.slow
+def test_andrea_pivot_restarts_a_two_rank_job_at_two_ranks(tmp_path):
+    """`andrea pivot --restart` against a 2-rank job: the resumed trainer is a 2-rank job again (the
+    world size the stopped trainer's lock recorded), not a single process."""
+    from andrea_core.lock import live_trainer, read_lock
+
+    run = tmp_path / "run"
+    rd = RunDir(str(run))
+    config = _config(tmp_path, 400, 20)
+    agent = start_trainer(
+        "--config", config, "--run-dir", str(run), *CPU, "--nproc-per-node", "2", "--pace", "0.1",
+        log=tmp_path / "before.log",
+    )  # fmt: skip
+    try:
+        wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
+        out = andrea("pivot", str(run), "--policy", "default", "--at", "now", "--restart", "--timeout", "300")
+        assert agent.wait(120) == 0, (tmp_path / "before.log").read_text()
+        resumed = live_trainer(rd)
+        assert resumed is not None and resumed.world_size == 2, out.stdout + (run / "trainer.log").read_text()
+        resumed.stop()
+        wait_for(lambda: read_lock(rd).released, 180, "the resumed 2-rank job to stop")
+    finally:
+        for proc in (agent,):
+            if proc.poll() is None:
+                proc.kill()

@@ -96,7 +96,8 @@ def test_gc_dry_run_shows_and_gc_does(tmp_path, capsys):
     assert "  step_000500.bin  keep          multiple of keep_every 250\n" in out
     assert out.endswith("4 kept, 3 deleted\n")
     assert run.checkpoint_steps() == [200, 500, 600, 700]
-    assert not run.exists(".trainer.json")  # gc held the lock only while it worked
+    held = run.read_json(".trainer.json")  # gc held the lock only while it worked: left released
+    assert held["released"] is True
 
 
 def retention_config(tmp_path: Path) -> str:
@@ -139,11 +140,13 @@ def test_retention_over_a_2000_step_run_with_a_pivot_and_a_fork_on_s3(s3_bucket,
         "forks.jsonl",
         "archive/phase_001_step_001100/policy.yaml",
         "archive/phase_001_step_001100/phase.json",
+        ".trainer.json",  # left released at each clean exit (its generation kept)
+        "data.jsonl",  # the arms each trainer start loaded
     } | {checkpoint_name(s) for s in (300, 500, 1000, 1100, 1500, 1800, 1900, 2000)}
     assert (
         files(parent) - sidecars - {f"archive/phase_001_step_001100/{s}" for s in sidecars} == expected_parent
     )
-    expected_branch = {"run.yaml", "policy.yaml", ".loss.json"} | {
+    expected_branch = {"run.yaml", "policy.yaml", ".loss.json", ".trainer.json", "data.jsonl"} | {
         checkpoint_name(s)
         for s in (300, 500, 600, 700, 800)  # 300: where the branch was forked
     }
