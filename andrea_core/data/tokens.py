@@ -124,15 +124,25 @@ def user_tokenizer(url: str, cfg: RunConfig) -> bytes:
     try:
         with fsspec.open(url, "rb") as f:
             frozen = f.read()
-        tok = BPETokenizer(frozen, "hf")
-    except Exception as e:  # fsspec and tokenizers raise many types; all mean "not usable"
+    except Exception as e:  # fsspec raises many types; all mean "not usable"
         raise ConfigError(f"data.tokenizer: {url}: not a readable tokenizer.json ({e})") from None
+    _checked_tokenizer(frozen, "hf", f"data.tokenizer: {url}", cfg)
+    return frozen
+
+
+def _checked_tokenizer(frozen: bytes, kind: str, where: str, cfg: RunConfig) -> BPETokenizer:
+    """A tokenizer.json's tokenizer, refused (naming `where`) if unreadable or larger than the model's
+    vocabulary: a run must never train on ids its embedding does not have."""
+    try:
+        tok = BPETokenizer(frozen, kind)
+    except Exception as e:  # the tokenizers library raises plain Exceptions for a malformed file
+        raise ConfigError(f"{where}: not a readable tokenizer.json ({e})") from None
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
-            f"data.tokenizer: {url}: its {tok.vocab_size} tokens exceed model.vocab_size "
-            f"{cfg.model.vocab_size}; raise model.vocab_size to at least {tok.vocab_size}"
+            f"{where}: its {tok.vocab_size} tokens exceed model.vocab_size {cfg.model.vocab_size}; "
+            f"raise model.vocab_size to at least {tok.vocab_size}"
         )
-    return frozen
+    return tok
 
 
 def new_run_tokenizer(policy: Policy, cfg: RunConfig) -> bytes | None:
@@ -156,16 +166,7 @@ def run_tokenizer(run: RunDir, cfg: RunConfig) -> Tokenizer:
             f"{run.path(TOKENIZER_JSON)}: missing; data.tokenizer is {cfg.data.tokenizer} and {what} is "
             "frozen there when the run is created (copy it from the run this one came from)"
         )
-    try:
-        tok = BPETokenizer(run.read_bytes(TOKENIZER_JSON), kind)
-    except Exception as e:  # the tokenizers library raises plain Exceptions for a malformed file
-        raise ConfigError(f"{run.path(TOKENIZER_JSON)}: not a readable tokenizer: {e}") from None
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"{run.path(TOKENIZER_JSON)}: {tok.vocab_size} tokens exceed model.vocab_size "
-            f"{cfg.model.vocab_size}"
-        )
-    return tok
+    return _checked_tokenizer(run.read_bytes(TOKENIZER_JSON), kind, run.path(TOKENIZER_JSON), cfg)
 
 
 def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
