@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from andrea_core.compare import markdown_text
 from andrea_core.loss_log import read_history
 from andrea_core.rundir import ARCHIVE, RunDir
 
@@ -61,5 +62,7 @@ def test_the_demo_flow_on_prefects_ephemeral_mode(tmp_path):
     verdict = re.search(r"^  verdict: +(.+)$", proc.stdout, re.M).group(1)
     report = Path(re.search(r"^  report: +(\S+)$", proc.stdout, re.M).group(1)).read_text()
     plot = Path(re.search(r"^  plot: +(\S+)$", proc.stdout, re.M).group(1)).read_bytes()
-    assert verdict in report and "**Winner: `" in report and plot[:8] == b"\x89PNG\r\n\x1a\n"
+    # The report shows the verdict as escaped markdown (inputs are never rendered), under its headline.
+    assert markdown_text(verdict) in report and plot[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ("**Winner: `" in report) != ("**No winner" in report)
     assert f"kept in {tmp_path / 'prefect'}" in proc.stdout
