@@ -119,13 +119,15 @@ KILL_POINTS = [
 def end_state(run: Path, base_log: bytes) -> dict:
     """What an uninterrupted pivot leaves: the file set, the bytes of every sidecar, checkpoint and
     policy (times aside), and the first steps after the boundary with their losses."""
-    skip = ("trainer.log", f"{ARCHIVE_1}/phase.json", LOSS_LOG, "data.jsonl")  # these hold times
+    # These hold times (and the lock a pid and a nonce): the lock is compared by whether it is released.
+    skip = ("trainer.log", f"{ARCHIVE_1}/phase.json", LOSS_LOG, "data.jsonl", ".trainer.json")
     entries = new_entries(run, base_log)
     events = [json.loads(line) for line in (run / "data.jsonl").read_text().splitlines()]
     return {
         "files": sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()),
         "bytes": files_of(run, skip),
         "data_events": [{k: v for k, v in e.items() if k != "time"} for e in events],
+        "lock_released": json.loads((run / ".trainer.json").read_text()).get("released"),
         "new_steps": [(e["step"], e["loss"], e["segment"]) for e in entries],
     }
 
