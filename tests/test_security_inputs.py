@@ -186,11 +186,14 @@ def test_lineage_does_not_follow_a_forks_line_to_a_refused_protocol(tmp_path, ht
 
 # --- 17.5: size checked before a file is read whole ----------------------------------------------
 
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork + exec, so a child of a large
+# pytest process (a gigabyte after the export tests) would report its parent's peak as its own.
 RSS_CHILD = """
-import resource, sys
+import sys
 sys.path.insert(0, {repo!r})
 {body}
-print("maxrss_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+print("maxrss_kb", hwm[0])
 """
 
 

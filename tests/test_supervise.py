@@ -45,7 +45,8 @@ def test_trainer_process_follows_and_stops_with_a_checkpoint_of_the_step_in_flig
     assert outcome.checkpoint == checkpoint_name(outcome.step)
     assert run.read_checkpoint(outcome.step).step == outcome.step
     assert any(line.startswith("andrea: step 50/100000") for line in seen)
-    assert read_lock(run) is None, "the trainer releases its lock on the way out"
+    held = read_lock(run)
+    assert held is None or held.released, "the trainer releases its lock on the way out"
     assert "stopped at step" in outcome.describe()
 
 
