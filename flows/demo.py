@@ -18,6 +18,7 @@ import yaml
 from prefect import flow
 
 from andrea_core.config import REPO_ROOT, load_run_config
+from andrea_core.data.prepare import prepare, resolve_target
 from andrea_core.rundir import RunDir
 from andrea_core.supervise import wait_for_logged_step
 from flows._background import start_subflow
@@ -49,12 +50,15 @@ def demo(
     pivot_decided_at: int = 120,
     max_steps: int = 400,
     fork_steps: int = 100,
-    pace: float = 0.01,
+    pace: float = 0.05,  # slow enough that the pivot, decided mid-run, lands while the trainer is live
     threads: int = 1,
 ) -> dict:
     folder = Path(workdir) / time.strftime("%Y%m%d-%H%M%S")
     run_dir = RunDir(folder / "main").url
     config = with_threads(config, threads, folder)
+    # As an operator runs `andrea data prepare` before a pivot: the pivot policy's token caches are built
+    # now, so that the pivot checks its data in seconds while the trainer is still live.
+    prepare(resolve_target(policy, config), warn=print)
     first = start_subflow(train, run_dir=run_dir, config=config, max_steps=max_steps, pace=pace, device="cpu")
     # The pivot is decided mid-run, while the trainer is live; it lands on the next checkpoint boundary.
     wait_for_logged_step(RunDir(run_dir), pivot_decided_at, timeout=600)
