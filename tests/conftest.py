@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from andrea_core.loss_log import read_history
 from andrea_core.rundir import RunDir
@@ -35,6 +36,15 @@ def token_cache_dir(tmp_path_factory) -> Path:
     d = Path(os.environ.get("ANDREA_TEST_CACHE_DIR") or tmp_path_factory.mktemp("token-cache"))
     os.environ["ANDREA_CACHE_DIR"] = str(d)
     return d
+
+
+@pytest.fixture
+def one_thread():
+    """Small ops run fastest on one thread; results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def last_logged_step(run: RunDir | Path | str) -> int:

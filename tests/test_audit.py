@@ -93,15 +93,6 @@ def test_andrea_audit_prints_the_newest_audit_as_a_table(mix):
     assert missing.returncode == 1 and "no sample audit at step 7" in missing.stderr
 
 
-@pytest.fixture
-def one_thread():
-    """Small ops run fastest on one thread; the result does not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_an_audit_draws_nothing_from_the_global_rng_and_restores_the_model_mode(one_thread):
     cfg = load_run_config(TINY)
     policy, _ = load_policy(cfg.data.policy)

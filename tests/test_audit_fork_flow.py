@@ -4,10 +4,9 @@ rerun after a failure finishes what is missing; steps and val_sequences are chec
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from prefect_ephemeral import ephemeral_prefect  # noqa: F401
+from test_pivot_checks import half_policy
 from test_retention import fabricated_run
 
 from andrea_core.config import ConfigError
@@ -16,23 +15,11 @@ from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ephemeral_prefect")]
 
 
-def unreachable_policy(folder: Path) -> str:
-    """Feasible as written; once its prose arm (a path that does not exist) is dropped the caps left sum
-    to 0.5, so a trainer on it refuses to start."""
-    path = folder / "half.yaml"
-    path.write_text(
-        "name: half\nmixer: exp3\narms:\n"
-        "  - {name: stdlib-code, kind: python-stdlib, cap: 0.5}\n"
-        f"  - {{name: gone, kind: prose, cap: 0.5, paths: [{folder}/no-such-folder]}}\n"
-    )
-    return str(path)
-
-
 def test_an_audit_whose_every_branch_fails_ends_failed_naming_each_error(tmp_path):
     from flows.audit_fork import audit_fork
 
     parent = fabricated_run(str(tmp_path / "parent"), [100])
-    policy = unreachable_policy(tmp_path)
+    policy = half_policy(tmp_path)
     branches = [
         {"name": "a", "overrides": {"data.policy": policy}},
         {"name": "b", "overrides": {"data.policy": policy, "train.lr": 1e-3}},

@@ -25,14 +25,6 @@ from andrea_core.trainer import Trainer
 PROMPTS = [[10, 20, 30, 40], [50, 60, 70, 80, 90, 100, 110], [120], [130, 140, 150, 160, 170, 180]]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed: int = 0) -> GPT:
     """andrea-tiny (block_size 64), trained a little so that its distributions are not near-uniform."""
     cfg = load_run_config(TINY)
