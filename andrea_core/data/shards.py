@@ -13,7 +13,9 @@ token files are written under temporary names and renamed, and its .json is rena
 without its .json, or whose files disagree with it, was never published and is never read. An
 interrupted build resumes after the last published shard. The documents stream through the tokenizer
 in bounded batches and straight to disk, so memory stays bounded whatever the corpus size; the
-tokenizer (`tokenizers` encodes a batch on every core) is where the time goes.
+tokenizer (`tokenizers` encodes a batch on every core) is where the time goes. A long document is
+encoded in pieces where that gives exactly its whole tokens (`document_pieces`): `tokenizers` holds
+about 270 bytes per token while it encodes, so a 4 MB document alone would cost 430 MB.
 
 The caches hold the documents' tokens in corpus order, each followed by DOC_SEPARATOR, as one stream
 split into files; `ShardedTokens` reads the shards back as that one stream, so where a shard ends
@@ -31,7 +33,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,8 +54,9 @@ from andrea_core.rundir import cache_dir
 
 CACHE_FORMAT = 1  # part of every cache key: bump it when the cache layout or contents change
 SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)
-BATCH_DOCS = 256  # documents handed to the tokenizer at once ...
-BATCH_BYTES = 8 << 20  # ... or this much text, whichever comes first: what bounds the builder's memory
+BATCH_DOCS = 256  # documents (or pieces of one) handed to the tokenizer at once ...
+BATCH_BYTES = 2 << 20  # ... or this much text, whichever comes first: what bounds the builder's memory
+PIECE_CHARS = 256 << 10  # a longer document is encoded in pieces of about this size, where that is exact
 BAD_FRACTION = 0.01  # more bad records than this refuses the arm
 NAMED_BAD = 5  # bad records named in the log (all are counted)
 PROGRESS_EVERY_S = 2.0
@@ -114,6 +117,55 @@ def batch_encoder(tokenizer: Tokenizer, dtype: np.dtype) -> Callable[[list[str]]
         encode = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
         return lambda texts: [np.asarray(e.ids, dtype=dtype) for e in encode(texts)]
     return lambda texts: [np.asarray(ids, dtype=dtype) for ids in tokenizer.encode_batch(texts)]
+
+
+# A pre-token of GPT-2's byte-level regex always ends before a whitespace character that precedes a
+# printable ASCII one: the whitespace before it is a token of its own (`\s+(?!\S)` leaves its last
+# character for the next token) and nothing else spans whitespace. No pattern looks behind, so text cut
+# there pre-tokenizes, hence encodes, exactly as its two halves do; unless an added token follows, since
+# added tokens are split off first and the whitespace before one is then a segment of its own.
+PIECE_CUT = re.compile(r"[ \t\n](?=[!-~])")
+
+
+def document_pieces(text: str, size: int = PIECE_CHARS, added: tuple[str, ...] = ()) -> Iterator[str]:
+    """`text` in pieces of about `size` characters, cut only where the tokens of the pieces,
+    concatenated, are the tokens of the whole (for a tokenizer that `exact_cuts` admits, with the
+    added tokens it names)."""
+    start, at = 0, size
+    while len(text) - start > size and (cut := PIECE_CUT.search(text, at)):
+        at = cut.start() + 1
+        if added and text.startswith(added, at):
+            continue
+        yield text[start : cut.start()]
+        start, at = cut.start(), cut.start() + size
+    yield text[start:]
+
+
+def exact_cuts(tokenizer: Tokenizer) -> tuple[str, ...] | None:
+    """Whether a document may be encoded in `document_pieces`, and the added tokens a cut must not
+    precede; None where documents are encoded whole. Admitted: raw bytes, and a byte-level BPE on
+    GPT-2's pre-tokenizer with nothing around it that sees the whole text (no normalizer, no prefix
+    space, no special tokens added per encode, no added token that strips its neighbours' whitespace or
+    holds whitespace). The per-run BPE is one; so are GPT-2's own tokenizer.json and its kin."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ()
+    frozen = getattr(tokenizer, "frozen", None)
+    if frozen is None:
+        return None
+    spec = json.loads(frozen)
+    pre, post, model = spec.get("pre_tokenizer") or {}, spec.get("post_processor"), spec.get("model") or {}
+    added = spec.get("added_tokens") or []
+    exact = (
+        spec.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
+        and (post is None or post.get("type") == "ByteLevel")
+        and model.get("type") == "BPE"
+        and model.get("dropout") is None
+        and not any(a.get("lstrip") or a.get("rstrip") or re.search(r"\s", a["content"]) for a in added)
+    )
+    return tuple(a["content"] for a in added) if exact else None
 
 
 # --- document arms: the sharded cache ------------------------------------------------------------
@@ -264,6 +316,7 @@ def build_corpus_cache(
             f"(file {start[0] + 1} of {len(files)}, record {start[1]})"
         )
     encode = batch_encoder(tokenizer, dtype)
+    added = exact_cuts(tokenizer)
     limit = shard_tokens()
     progress = BuildProgress(source, start[0], warn)
     shard = _ShardWriter(folder, len(done), dtype)
@@ -273,7 +326,7 @@ def build_corpus_cache(
 
     def flush() -> int:
         nonlocal pending_bytes
-        arrays = encode([text + DOC_SEPARATOR for text, _ in pending]) if pending else []
+        arrays = encode([text for text, _ in pending]) if pending else []
         for (_, val), ids in zip(pending, arrays, strict=True):
             shard.write(ids, val)
             totals["val_tokens" if val else "train_tokens"] += len(ids)
@@ -294,7 +347,11 @@ def build_corpus_cache(
             size = len(rec.text.encode("utf-8", "replace"))
             totals["documents"] += 1
             totals["text_bytes"] += size
-            pending.append((rec.text, is_validation(rec.identity(files), val_fraction)))
+            val = is_validation(rec.identity(files), val_fraction)
+            text = rec.text + DOC_SEPARATOR
+            pending.extend(
+                (piece, val) for piece in ([text] if added is None else document_pieces(text, added=added))
+            )
             pending_bytes += size
             # Bytes bound the tokens of a batch (one token per byte at most, for byte-level tokenizers):
             # flushing once they could fill the shard keeps shards near their size on small corpora too.
