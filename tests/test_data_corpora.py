@@ -407,3 +407,23 @@ def test_data_stats_of_a_run_reports_documents_tokens_and_passes(tmp_path, capsy
         f"run {run.url}: tokenizer bytes; a run of 300 steps x 8 x 64 tokens = {run_tokens:,} tokens" in table
     )
     assert "\nnotes                text                   40 " in table
+
+
+@pytest.mark.parametrize("compress", ["", ".gz", ".zst"])
+def test_building_shows_progress_with_an_eta_inside_a_single_file(tmp_path, monkeypatch, compress):
+    """One large file is the common corpus (a 40 GB .jsonl.zst): its ETA must come from how far
+    through that file the build is, not wait for the file to end."""
+    monkeypatch.setattr(shards, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(shards, "BATCH_DOCS", 20)
+    root = str(tmp_path / "corpus")
+    raw = jsonl_bytes([document(i, 200) for i in range(400)])
+    put(f"{root}/posts.jsonl{compress}", {"": raw, ".gz": gzip.compress(raw), ".zst": zstd(raw)}[compress])
+    lines: list[str] = []
+    DataPipeline(CFG, one_arm(f'{{name: posts, kind: jsonl, paths: ["{root}"]}}'), lines.append)
+    progress = [line for line in lines if "building its token cache" in line]
+    assert len(progress) >= 10, lines
+    etas = [line.rsplit("ETA ", 1)[1] for line in progress]
+    assert etas[-1] == "0s" and "documents" in progress[-1] and "tokens/s" in progress[-1]
+    assert all(e.endswith("s") and e[:-1].replace(",", "").isdigit() for e in etas[1:]), etas
+    docs = [int(line.split("cache: ")[1].split(" documents")[0].replace(",", "")) for line in progress]
+    assert docs == sorted(docs) and docs[-1] == 400

@@ -76,13 +76,15 @@ class CorpusFile:
 class Record(NamedTuple):
     """One document of a file (`text`), or a bad record (`problem`, naming the file and line or row).
     `index` is the record's position in its file; `count` how many records a bad entry stands for (a
-    Parquet file without the column: all its rows)."""
+    Parquet file without the column: all its rows); `read` about how many of the file's bytes (as
+    stored: compressed where it is) were read through this record, for the builder's ETA."""
 
     file: int
     index: int
     text: str | None
     problem: str | None = None
     count: int = 1
+    read: int = 0
 
     def identity(self, files: list[CorpusFile]) -> str:
         return f"{files[self.file].rel}:{self.index}"
@@ -194,8 +196,10 @@ def open_corpus(arm: ArmSpec, max_bytes: int) -> CorpusSource:
 # --- readers -------------------------------------------------------------------------------------
 
 
-def _open_decompressed(f: CorpusFile):
-    raw = f.fs.open(f.path, "rb")
+def _open_decompressed(f: CorpusFile, raw=None):
+    """The file's bytes, decompressed where its name says; `raw` (an open handle of it) is read from if
+    given, so that its position tells how far through the stored file the reading is."""
+    raw = raw or f.fs.open(f.path, "rb")
     if f.path.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if f.path.endswith(".zst"):
@@ -218,7 +222,7 @@ def _read_text(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Recor
     except Exception as e:  # gzip, zstd and the stores raise many types; all mean "unreadable"
         yield Record(i, 0, None, f"{f.url}: unreadable ({type(e).__name__}: {e})")
         return
-    yield Record(i, 0, text)
+    yield Record(i, 0, text, read=f.size)
 
 
 def _lines(stream) -> Iterator[bytes]:
@@ -235,7 +239,8 @@ def _lines(stream) -> Iterator[bytes]:
 def _read_jsonl(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
     n = 0
     try:
-        with _open_decompressed(f) as stream:
+        raw = f.fs.open(f.path, "rb")
+        with raw, _open_decompressed(f, raw) as stream:
             for n, line in enumerate(_lines(stream)):
                 if n < skip or not line.strip():
                     continue
@@ -251,7 +256,7 @@ def _read_jsonl(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Reco
                     kind = type(doc[arm.field]).__name__
                     yield Record(i, n, None, f"{where}: field {arm.field!r} is {kind}, not text")
                 else:
-                    yield Record(i, n, doc[arm.field])
+                    yield Record(i, n, doc[arm.field], read=raw.tell())
     except Exception as e:
         yield Record(i, n + 1, None, f"{f.url}: unreadable after line {n} ({type(e).__name__}: {e})")
 
@@ -297,7 +302,7 @@ def _read_parquet(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Re
                     if value is None:
                         yield Record(i, row, None, f"{f.url}: row {row}: {arm.column!r} is null")
                     else:
-                        yield Record(i, row, value)
+                        yield Record(i, row, value, read=f.size * (row + 1) // max(1, rows))
                 row += 1
 
 

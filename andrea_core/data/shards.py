@@ -276,15 +276,18 @@ class BuildProgress:
         self.t0 = self.last = time.monotonic()
         self.tokens = 0
 
-    def update(self, file_index: int, totals: dict[str, Any], new_tokens: int, force: bool = False) -> None:
+    def update(
+        self, file_index: int, read: int, totals: dict[str, Any], new_tokens: int, force: bool = False
+    ) -> None:
+        """`read`: bytes of file `file_index` read so far (the ETA is by stored bytes, all files)."""
         self.tokens += new_tokens
         now = time.monotonic()
         if not force and now - self.last < PROGRESS_EVERY_S:
             return
         self.last = now
         elapsed = max(now - self.t0, 1e-9)
-        done = int(self.cumulative[file_index]) - self.start_bytes
-        left = int(self.cumulative[-1]) - int(self.cumulative[file_index])
+        at = int(self.cumulative[file_index]) + read
+        done, left = at - self.start_bytes, int(self.cumulative[-1]) - at
         eta = f"{left * elapsed / done:,.0f}s" if done > 0 and left > 0 else ("0s" if left == 0 else "?")
         self.warn(
             f"arm {self.name!r}: building its token cache: {totals['documents']:,} documents, "
@@ -357,12 +360,12 @@ def build_corpus_cache(
             # flushing once they could fill the shard keeps shards near their size on small corpora too.
             full = shard.tokens["train"] + pending_bytes >= limit
             if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES or full:
-                progress.update(rec.file, totals, flush())
+                progress.update(rec.file, rec.read, totals, flush())
                 if shard.tokens["train"] >= limit:
                     shard.publish(position, totals)
                     published_at = position
                     shard = _ShardWriter(folder, shard.index + 1, dtype)
-        progress.update(len(files), totals, flush(), force=True)
+        progress.update(len(files), 0, totals, flush(), force=True)
         if shard.tokens["train"] or shard.tokens["val"] or shard.index == 0 or position != published_at:
             shard.publish(position, totals)
             n_shards = shard.index + 1
