@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from andrea_core import distributed  # noqa: E402
 from andrea_core.audit import (  # noqa: E402
     NEW_TOKENS,
     PROMPTS,
@@ -114,6 +115,7 @@ def main() -> None:
     # The trainer's step, on the trainer's objects, without a run directory.
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.device, trainer.model, trainer.forward = cfg, device, model, model
+    trainer.world = distributed.world_from_env()  # one process
     trainer.optimizer = build_optimizer(model, cfg.train, device)
     trainer.autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)

@@ -1,0 +1,86 @@
+"""Every benchmark that runs on a CPU still runs, at its smallest size, and prints the figures its
+issue asks for. Not a timed test: nothing here compares a speed. It exists because a benchmark that
+broke unnoticed (bench/audit.py did, when the trainer gained `world`) wastes the rare GPU session that
+was lent to run it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+NUMBER = r"[\d,]+(?:\.\d+)?"
+
+
+def bench(*args: str, timeout: float = 600) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / args[0]), *args[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (
+        f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc.stdout
+
+
+def test_train_throughput_prints_every_arm_and_ratio(tmp_path):
+    out = bench("train_throughput.py", "--device", "cpu", "--config", "andrea-tiny", "--rounds", "1",
+                "--round-steps", "10", "--checkpoint-every", "10", "--skip", "2", "--with-sync",
+                "--threads", "1", "--run-root", str(tmp_path))  # fmt: skip
+    for arm in (
+        "(a) plain loop",
+        "(b) trainer",
+        "(c) trainer + checkpoints",
+        "(d) trainer + sync checkpoints",
+    ):
+        assert re.search(rf"{re.escape(arm)}\s+{NUMBER}\s+{NUMBER}%", out), (arm, out)
+    for ratio in ("b/a", "c/b", "d/b"):
+        assert re.search(rf"{ratio} = {NUMBER}", out), (ratio, out)
+    assert re.search(rf"sample audit: {NUMBER} ms = {NUMBER} steps of \(b\)", out), out
+    assert re.search(rf"per checkpoint: loop blocked in save\(\) {NUMBER} ms", out), out
+
+
+def test_audit_prints_before_after_and_the_speed_up():
+    out = bench("audit.py", "--config", "andrea-tiny", "--repeats", "1", "--steps", "1", "--threads", "1")
+    for part in ("training step", "validation, before", "validation, after", "generation, before",
+                 "generation, after", "audit before", "audit after"):  # fmt: skip
+        assert re.search(rf"{re.escape(part)}.*{NUMBER} ms", out), (part, out)
+    assert re.search(rf"speed-up: audit {NUMBER}x, generation {NUMBER}x, validation {NUMBER}x", out), out
+
+
+def test_data_prepare_prints_both_baselines_the_ratio_and_the_peak_rss(tmp_path):
+    out = bench("data_prepare.py", "--sizes-mb", "1", "--workdir", str(tmp_path / "work"))
+    assert re.search(rf"\(a\) tokenizers encode_batch: {NUMBER} tokens", out), out
+    assert re.search(rf"\(a'\) encode_batch_fast: {NUMBER} tokens", out), out
+    assert re.search(rf"b/a = {NUMBER}\s+b/a' = {NUMBER}\s+builder peak RSS {NUMBER} MiB", out), out
+    assert "NOTE: token counts differ" not in out, "the builder and the tokenizer must agree on every token"
+
+
+def test_data_path_at_the_120m_shape_prints_batches_per_second_against_the_h200_step():
+    out = bench("data_path.py", "--shape-120m", "--corpus-mb", "2", "--shard-mb", "1", "--batches", "20")
+    assert re.search(rf"data path: {NUMBER} batches/s", out), out
+    assert re.search(rf"delivers {NUMBER}x the batches it consumes", out), out
+
+
+def test_checkpoint_io_and_loss_log_print_their_figures(tmp_path):
+    out = bench("checkpoint_io.py", "--config", "andrea-tiny", "--repeats", "1", "--dir", str(tmp_path))
+    for what in ("write", "read \\(cold\\)", "read \\(warm\\)"):
+        assert re.search(rf"{what}: project {NUMBER} MB/s vs raw {NUMBER} MB/s, ratio {NUMBER}", out), out
+    out = bench("loss_log.py", "--entries", "2000", "--dir", str(tmp_path))
+    assert re.search(rf"append .* {NUMBER} s .* target < 2 s", out), out
+    assert re.search(rf"read the canonical history\s+{NUMBER} s .* target < 1 s", out), out
+
+
+def test_ddp_overhead_prints_the_flag_all_reduce():
+    out = bench("ddp_overhead.py", "--config", "andrea-tiny", "--nproc", "2", "--steps", "12", "--skip", "2",
+                "--flag-iterations", "50")  # fmt: skip
+    assert re.search(rf"\(a\) 1 process, batch 8:\s+{NUMBER} ms/step", out), out
+    assert re.search(rf"\(b\) 2 ranks, global batch 16:\s+{NUMBER} ms/step", out), out
+    assert re.search(rf"\(c\) flag all-reduce: {NUMBER} us per step", out), out
