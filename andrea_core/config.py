@@ -85,6 +85,11 @@ class TrainConfig:
     # Part of the frozen run: CPU results are bit-reproducible only at a fixed intra-op thread count.
     num_threads: int = 2
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode, when train.compile is true (COMPILE_MODES)
+    # 0: the output head's logits of a whole micro-batch, then one cross-entropy. N > 0: head and loss
+    # fused, N tokens at a time (model.LinearCrossEntropy): the logits never exist whole. Same loss and
+    # gradients up to float rounding, so a run keeps the value it was created with.
+    loss_chunk_tokens: int = 0
     # Write checkpoints on a background thread while training goes on (same bytes); false keeps the
     # synchronous writer, for comparison.
     async_checkpoint: bool = True
@@ -181,6 +186,7 @@ def build_dataclass(cls: type, raw: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MAX_VOCAB = 2**24  # beyond any real tokenizer; caches are uint16 up to 65536 ids, uint32 above
 
 
@@ -218,6 +224,8 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (t.sample_every is None or t.sample_every > 0, "train.sample_every", "must be positive"),
         (t.log_every > 0, "train.log_every", "must be positive"),
         (t.num_threads > 0, "train.num_threads", "must be positive"),
+        (t.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}"),
+        (t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)"),
         (
             d.tokenizer in ("bytes", "bpe") or d.tokenizer.endswith(".json"),
             "data.tokenizer",

@@ -258,7 +258,12 @@ class Trainer:
             else contextlib.nullcontext()
         )
         # Compile the model, not the step: backward and the fused AdamW stay eager, as in a plain loop.
-        self.forward = torch.compile(self.model) if self.cfg.train.compile else self.model
+        mode = self.cfg.train.compile_mode
+        self.forward = (
+            torch.compile(self.model, mode=None if mode == "default" else mode)
+            if self.cfg.train.compile
+            else self.model
+        )
         if self.world.distributed:
             # Every rank starts from the same weights (the same seed or checkpoint): DDP's broadcast of
             # rank 0's changes nothing, its gradient all-reduce averages the ranks' shares of the batch.
@@ -301,7 +306,7 @@ class Trainer:
             xm, ym = distributed.my_rows(self.world, xm), distributed.my_rows(self.world, ym)
             sync = i == n - 1 or not self.world.distributed
             with self.autocast, attention_kernels(self.device), self._no_sync(not sync):
-                _, loss = self.forward(xm, ym)
+                _, loss = self.forward(xm, ym, loss_chunk=self.cfg.train.loss_chunk_tokens)
                 # Each micro-batch's mean scaled by 1/n: the gradients add up to the global batch's mean.
                 (loss / n if n > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()

@@ -7,7 +7,10 @@ In one process, on the same model class, batch shape and device, it measures tok
   (b) the project's Trainer (its data pipeline, loss log, mixer, signals), no checkpoint while timed;
   (c) the Trainer with a checkpoint every --checkpoint-every steps (100), written as configured
       (asynchronously unless the config says otherwise);
-  (d) with --with-sync, (c) with the synchronous writer, for comparison.
+  (d) with --with-sync, (c) with the synchronous writer, for comparison;
+  (v) with --variant LABEL:KEY=VALUE[,KEY=VALUE], (b) under those config overrides (issue 10's MFU
+      trials: `train.loss_chunk_tokens=8192`, `train.compile_mode=max-autotune-no-cudagraphs`); a
+      variant that fails is reported with its error and the others go on.
 and prints the three, the ratios b/a and c/b, the loop's stall per checkpoint and the write time, and
 what one sample audit costs (timed on its own, after the rounds: it runs at every checkpoint by default).
 
@@ -26,6 +29,9 @@ catches costs outside save(), such as the snapshot's device copies or the writer
 
     .venv/bin/python bench/train_throughput.py --device cpu --config andrea-12m --rounds 2
     .venv/bin/python bench/train_throughput.py --device cuda --config gpt2-124m-bench --rounds 3
+    python3 bench/train_throughput.py --device cuda --config gpt2-124m-bench --rounds 1 \
+        --variant fused-loss:train.loss_chunk_tokens=8192 \
+        --variant autotune:train.compile_mode=max-autotune-no-cudagraphs
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from andrea_core.audit import run_audit  # noqa: E402
 from andrea_core.checkpoint import expected_size  # noqa: E402
@@ -75,6 +82,7 @@ class Arm:
     stalls: list[float] = field(default_factory=list)  # host-side time in save() of grid checkpoints
     loop_stalls: list[float] = field(default_factory=list)  # the checkpoint step's excess time
     writes: list[float] = field(default_factory=list)  # background write time of grid checkpoints
+    failed: str | None = None  # a variant that could not run: its error
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
         return self.steps * tokens_per_step / self.seconds if self.seconds else math.nan
@@ -255,7 +263,21 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: known GPUs)")
     p.add_argument("--with-sync", action="store_true", help="add (d): (c) with synchronous checkpoints")
     p.add_argument("--run-root", help="where the trainers' run directories go (default: beside the repo)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+        help="add an arm: (b) under these config overrides (repeatable)",
+    )
     args = p.parse_args()
+    variants = {}
+    for spec in args.variant:
+        label, _, assignments = spec.partition(":")
+        pairs = [a.partition("=") for a in assignments.split(",") if a]
+        if not label or not pairs or any(not k or not eq for k, eq, _ in pairs):
+            p.error(f"--variant {spec!r}: expected LABEL:KEY=VALUE[,KEY=VALUE]")
+        variants[label] = {k: yaml.safe_load(v) for k, _, v in pairs}
     length = args.round_steps or args.checkpoint_every
     if not 0 <= args.skip < args.offset or length % args.checkpoint_every:
         p.error(
@@ -288,6 +310,9 @@ def main() -> None:
     if args.with_sync:
         arms["d"] = Arm("(d) trainer + sync checkpoints")
         configs["d"] = cfg.with_overrides({"train.async_checkpoint": False}, "bench (d)")
+    for i, (label, overrides) in enumerate(variants.items()):
+        arms[f"v{i}"] = Arm(f"(v) {label}")
+        configs[f"v{i}"] = configs["b"].with_overrides(overrides, f"--variant {label}")  # refused early
     root = Path(args.run_root) if args.run_root else REPO
     fed = None
     with tempfile.TemporaryDirectory(dir=root, prefix=".bench-throughput-") as tmp:
@@ -301,7 +326,16 @@ def main() -> None:
                 if key == "a":
                     time_reference(ref, arms["a"], start, end, args.skip)
                     continue
-                trainer = time_trainer(f"{tmp}/{key}", device, arms[key], start, end, args.skip, log_file)
+                if arms[key].failed:
+                    continue
+                try:
+                    trainer = time_trainer(f"{tmp}/{key}", device, arms[key], start, end, args.skip, log_file)
+                except Exception as e:
+                    if not key.startswith("v"):
+                        raise
+                    arms[key].failed = f"{type(e).__name__}: {e}"  # a trial that fails is a finding
+                    print(f"{arms[key].label} failed: {arms[key].failed}", file=sys.stderr)
+                    continue
                 fed = fed or describe_data(trainer)
                 del trainer
                 gc.collect()
@@ -333,6 +367,9 @@ def main() -> None:
     print()
     print(f"  {'':34} {'tokens/s':>12} {'MFU':>8} {'steps timed':>12} {'s/step':>9}")
     for arm in arms.values():
+        if arm.failed:
+            print(f"  {arm.label:<34} failed: {arm.failed[:300]}")
+            continue
         tps = arm.tokens_per_s(tokens_per_step)
         mfu = f"{tps * per_token / peak:8.1%}" if peak else f"{'n/a':>8}"
         print(f"  {arm.label:<34} {tps:12,.0f} {mfu} {arm.steps:12d} {arm.seconds / arm.steps:9.4f}")
@@ -342,6 +379,10 @@ def main() -> None:
     print(f"  c/b = {c / b:.4f}   (target >= 0.99 on CUDA with 124M; >= 0.97 on a CPU with andrea-12m)")
     if "d" in arms:
         print(f"  d/b = {arms['d'].tokens_per_s(tokens_per_step) / b:.4f}   (synchronous checkpoints)")
+    for key, arm in arms.items():
+        if key.startswith("v") and not arm.failed:
+            label = arm.label[4:]
+            print(f"  v/b = {arm.tokens_per_s(tokens_per_step) / b:.4f}   ({label}: {variants[label]})")
     step_b = arms["b"].seconds / arms["b"].steps
     every = args.checkpoint_every
     share = audit_s / (audit_s + every * step_b)

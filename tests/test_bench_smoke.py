@@ -33,12 +33,15 @@ def bench(*args: str, timeout: float = 600) -> str:
 def test_train_throughput_prints_every_arm_and_ratio(tmp_path):
     out = bench("train_throughput.py", "--device", "cpu", "--config", "andrea-tiny", "--rounds", "1",
                 "--round-steps", "10", "--checkpoint-every", "10", "--skip", "2", "--with-sync",
-                "--threads", "1", "--run-root", str(tmp_path))  # fmt: skip
+                "--threads", "1", "--run-root", str(tmp_path),
+                "--variant", "fused loss:train.loss_chunk_tokens=128")  # fmt: skip
+    assert re.search(rf"v/b = {NUMBER}\s+\(fused loss: \{{'train.loss_chunk_tokens': 128\}}\)", out), out
     for arm in (
         "(a) plain loop",
         "(b) trainer",
         "(c) trainer + checkpoints",
         "(d) trainer + sync checkpoints",
+        "(v) fused loss",
     ):
         assert re.search(rf"{re.escape(arm)}\s+{NUMBER}\s+{NUMBER}%", out), (arm, out)
     for ratio in ("b/a", "c/b", "d/b"):

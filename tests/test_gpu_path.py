@@ -1,5 +1,6 @@
 """The GPU path's behaviours, checked on the CPU: the KV cache and batched prompts of the sample audit,
-the trainer's one-step-late loss read and batch prefetch, gradient accumulation."""
+the trainer's one-step-late loss read and batch prefetch, gradient accumulation, the fused chunked
+head and loss."""
 
 from __future__ import annotations
 
@@ -191,3 +192,39 @@ def test_sigterm_and_resume_are_bit_exact_with_gradient_accumulation(tmp_path):
     assert [(e.step, e.loss) for e in read_history(RunDir(str(a)))] == [
         (e.step, e.loss) for e in read_history(RunDir(str(b)))
     ]
+
+
+@pytest.mark.parametrize("chunk", [1, 100, 511, 512, 4096])
+def test_the_fused_chunked_head_and_loss_equal_the_plain_ones(chunk):
+    """LinearCrossEntropy: the same loss and the same gradient of every parameter as the plain head and
+    cross-entropy, up to float32 rounding, whatever the chunk (one token, uneven, exact, larger)."""
+    model = tiny_model()
+    model.train()
+    tokens = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(3))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    results = []
+    for loss_chunk in (0, chunk):
+        logits, loss = model(x, y, loss_chunk=loss_chunk)
+        assert (logits is None) == (loss_chunk > 0)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (plain, plain_grads), (fused, fused_grads) = results
+    assert abs(plain.item() - fused.item()) <= 2e-6 * plain.item()
+    for (name, _), a, b in zip(model.named_parameters(), plain_grads, fused_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), name
+
+
+def test_a_run_with_the_fused_loss_trains_like_the_plain_one_and_is_refused_when_negative(tmp_path):
+    histories = {}
+    for chunk in (0, 200):
+        path = tiny_config(tmp_path, name=f"chunk{chunk}", train__loss_chunk_tokens=chunk)
+        run = tmp_path / f"chunk{chunk}"
+        Trainer(str(run), load_run_config(path), max_steps=30, log=lambda line: None).train()
+        histories[chunk] = read_history(RunDir(str(run)))
+    diffs = [abs(a.loss - b.loss) for a, b in zip(histories[0], histories[200], strict=True)]
+    assert len(diffs) == 30 and diffs[0] <= 2e-6 and max(diffs) <= 1e-4
+    with pytest.raises(ConfigError, match=r"train.loss_chunk_tokens must be >= 0"):
+        load_run_config(tiny_config(tmp_path, train__loss_chunk_tokens=-1))
+    with pytest.raises(ConfigError, match=r"train.compile_mode must be one of default, reduce-overhead"):
+        load_run_config(tiny_config(tmp_path, train__compile_mode="fastest"))
