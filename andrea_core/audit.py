@@ -9,13 +9,20 @@ samples from its own torch.Generator seeded from the run's seed and the prompt's
 shifts the training stream, its completion does not depend on the other prompts of the batch, and two
 identical runs record identical audits. All prompts are generated in one batch with a KV cache, and
 all arms' validation losses come from one forward pass.
+
+With train.audit_async the audit runs on a thread (on CUDA, on a stream of its own) from a copy of the
+weights taken at its step, while training goes on: on a GPU most of an audit is the host launching
+small decode kernels, time the training loop need not wait for. The audit is the same; only when it is
+written changes (before the next audit starts, and before the trainer exits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gzip
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -110,32 +117,40 @@ def one_cpu_thread(device: str) -> Iterator[None]:
 
 @torch.no_grad()
 def generate_samples(
-    model: GPT, data: DataPipeline, seed: int, device: str, new_tokens: int = NEW_TOKENS
+    model: GPT,
+    data: DataPipeline,
+    seed: int,
+    device: str,
+    new_tokens: int = NEW_TOKENS,
+    own_threads: bool = True,
 ) -> list[dict[str, str]]:
     """One completion per prompt, all prompts in one batch with a KV cache (GPT.generate).
 
     Prompts of different token lengths are left-padded and the padding masked out, so each prompt's
     completion is the one it would get alone, from its own generator (`prompt_generator`).
+    `own_threads`: may set the process's CPU thread count while it runs (not from a second thread).
     """
     tok = data.tokenizer
     encoded = [tok.encode(p) for p in PROMPTS]
     width = max(len(e) for e in encoded)
     idx = torch.tensor([[0] * (width - len(e)) + e for e in encoded], device=device)
     generators = [prompt_generator(seed, i, device) for i in range(len(PROMPTS))]
-    with one_cpu_thread(device):
+    with one_cpu_thread(device) if own_threads else contextlib.nullcontext():
         out = model.generate(
             idx, new_tokens, temperature=TEMPERATURE, generator=generators, lengths=[len(e) for e in encoded]
         ).tolist()
     return [{"prompt": p, "completion": tok.decode(row[width:])} for p, row in zip(PROMPTS, out, strict=True)]
 
 
-def run_audit(model: GPT, data: DataPipeline, cfg: RunConfig, step: int, device: str) -> dict[str, Any]:
+def run_audit(
+    model: GPT, data: DataPipeline, cfg: RunConfig, step: int, device: str, own_threads: bool = True
+) -> dict[str, Any]:
     """The audit of the model as it is now; leaves the model's mode and every global RNG untouched."""
     was_training = model.training
     model.eval()  # no dropout: nothing draws from the global RNG, and the audit measures the model
     try:
         val = validation_losses(model, data, device)
-        samples = generate_samples(model, data, cfg.train.seed, device)
+        samples = generate_samples(model, data, cfg.train.seed, device, own_threads=own_threads)
     finally:
         model.train(was_training)
     return {
@@ -167,20 +182,81 @@ def read_audits(run: RunDir) -> list[dict[str, Any]]:
 
 
 class Auditor:
-    """Records the trainer's audits; one per trainer start."""
+    """Records the trainer's audits; one per trainer start. `record` audits now; `start` audits a copy
+    of the weights on a thread (train.audit_async), one at a time, its errors reported by `log` (a
+    file that cannot be written) or raised at the next `start` or `wait` (anything else)."""
 
     def __init__(
-        self, run: RunDir, cfg: RunConfig, model: GPT, data: DataPipeline, device: str, start_step: int
+        self,
+        run: RunDir,
+        cfg: RunConfig,
+        model: GPT,
+        data: DataPipeline,
+        device: str,
+        start_step: int,
+        log: Callable[[str], None] = print,
     ):
         self.run, self.cfg, self.model, self.data, self.device = run, cfg, model, data, device
+        self.log = log
         # Audits past the resume point belong to a timeline that was abandoned with its checkpoints.
         self.audits = [a for a in read_audits(run) if a["step"] <= start_step]
+        self._weights: GPT | None = None  # the copy a background audit reads, reused
+        self._stream: Any = None  # on CUDA, the stream background audits run on
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def record(self, step: int) -> dict[str, Any]:
+        self.wait()
         audit = run_audit(self.model, self.data, self.cfg, step, self.device)
-        self.audits = [*(a for a in self.audits if a["step"] < step), audit][-KEEP_AUDITS:]
-        self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+        self._write(audit)
         return audit
+
+    def _write(self, audit: dict[str, Any]) -> None:
+        self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
+        self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+
+    @torch.no_grad()
+    def start(self, step: int) -> None:
+        """Audit the weights of `step` on a thread while training goes on."""
+        self.wait()  # the previous audit is done with the copy
+        if self._weights is None:
+            # A copy, not a new GPT: initialising one would draw from the global RNG training uses.
+            self._weights = copy.deepcopy(self.model).requires_grad_(False)
+            self._stream = torch.cuda.Stream(self.device) if self.device.startswith("cuda") else None
+        else:
+            for mine, theirs in zip(self._weights.parameters(), self.model.parameters(), strict=True):
+                mine.copy_(theirs)  # on CUDA: queued after the step's optimizer update
+        ready = None
+        if self.device.startswith("cuda"):
+            ready = torch.cuda.Event()
+            ready.record()
+        self._thread = threading.Thread(
+            target=self._run, args=(step, ready), name="andrea-audit", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, step: int, ready: Any) -> None:
+        try:
+            stream = self._stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:
+                    stream.wait_event(ready)  # the copy of this step's weights is complete
+                # It ends in reads to the host: nothing of it is left queued when the thread ends.
+                audit = run_audit(self._weights, self.data, self.cfg, step, self.device, own_threads=False)
+            self._write(audit)
+        except OSError as e:  # the audit's file, not training, is what a full disk or a refusing store stops
+            self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
+        except BaseException as e:
+            self._error = e
+
+    def wait(self) -> None:
+        """Until the audit in flight is written; its failure, other than writing, is raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 # --- the operator's view -------------------------------------------------------------------------

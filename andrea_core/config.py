@@ -93,6 +93,9 @@ class TrainConfig:
     # Write checkpoints on a background thread while training goes on (same bytes); false keeps the
     # synchronous writer, for comparison.
     async_checkpoint: bool = True
+    # Run each sample audit on a thread (on CUDA, its own stream) from a copy of the weights, while
+    # training goes on; the audit is the same, written a little later (audit.py).
+    audit_async: bool = False
 
     @property
     def audit_every(self) -> int:

@@ -245,7 +245,9 @@ class Trainer:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
         with distributed.main_first(self.world):  # rank 0 may set an unloadable .state.json aside
             self.data.resume(self.start_step)
-        self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, self.start_step)
+        self.auditor = Auditor(
+            self.run, self.cfg, self.model, self.data, self.device, self.start_step, log=self.log
+        )
         if not self.world.is_main:
             self.auditor = self.loss_log = _RankZeroOnly()
         if ckpt is None:
@@ -374,6 +376,9 @@ class Trainer:
 
     def _audit(self, step: int) -> None:
         try:
+            if self.cfg.train.audit_async:
+                self.auditor.start(step)  # written by the next audit's start, or before the exit
+                return
             self.auditor.record(step)
         except OSError as e:  # the audit's file, not training, is what a full disk or a refusing store stops
             self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
@@ -423,6 +428,7 @@ class Trainer:
         it, so it is retried here once; failing again, the exit says so (status 1, not 0)."""
         if not self.world.is_main:
             return TrainResult(step, reason, last_saved)
+        self.auditor.wait()  # a background audit of the last step is part of the run's record
         record = self.checkpointer.wait()
         self._check_lease()  # a write refused by the fence is not retried: the run is someone else's
         if record is not None and record.error is not None:
@@ -462,6 +468,9 @@ class Trainer:
                 self.batches.close()  # a batch being built draws from the mixer: let it finish
             if hasattr(self, "checkpointer"):
                 self.checkpointer.wait()  # an error must not leave a write running past the lock
+            if hasattr(self, "auditor"):
+                with contextlib.suppress(Exception):  # the error on its way out is the one to report
+                    self.auditor.wait()
             if hasattr(self, "loss_log"):
                 # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
                 with contextlib.suppress(lock.LeaseLost):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import TINY, last_logged_step, start_trainer, wait_for
 from tiny import tiny_config
 
-from andrea_core.audit import generate_samples, prompt_generator, validation_losses
+from andrea_core.audit import generate_samples, prompt_generator, read_audits, validation_losses
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
@@ -228,3 +228,24 @@ def test_a_run_with_the_fused_loss_trains_like_the_plain_one_and_is_refused_when
         load_run_config(tiny_config(tmp_path, train__loss_chunk_tokens=-1))
     with pytest.raises(ConfigError, match=r"train.compile_mode must be one of default, reduce-overhead"):
         load_run_config(tiny_config(tmp_path, train__compile_mode="fastest"))
+
+
+def test_background_audits_are_the_same_audits_and_change_nothing_of_training(tmp_path):
+    """train.audit_async: each audit from a copy of its step's weights on a thread, while training goes
+    on. The same .samples.json byte for byte (the last step's audit, still in flight at the end, is
+    waited for), the same losses, the same final checkpoint."""
+    runs = {}
+    for background in (False, True):
+        path = tiny_config(
+            tmp_path, name=f"async{background}", train__audit_async=background, train__checkpoint_every=20
+        )
+        run = tmp_path / f"async{background}"
+        Trainer(str(run), load_run_config(path), max_steps=60, log=lambda line: None).train()
+        runs[background] = run
+    sync, background = runs[False], runs[True]
+    assert [a["step"] for a in read_audits(RunDir(str(background)))] == [0, 20, 40, 60]
+    assert (sync / ".samples.json").read_bytes() == (background / ".samples.json").read_bytes()
+    assert [(e.step, e.loss) for e in read_history(RunDir(str(sync)))] == [
+        (e.step, e.loss) for e in read_history(RunDir(str(background)))
+    ]
+    assert (sync / checkpoint_name(60)).read_bytes() == (background / checkpoint_name(60)).read_bytes()
