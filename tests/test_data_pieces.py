@@ -178,3 +178,66 @@ def test_the_builder_encodes_a_large_document_in_pieces_to_exactly_its_whole_tok
     want = [i for d in docs for i in run_bpe.encode(d + DOC_SEPARATOR)]
     assert got.tolist() == want
     assert max(seen) < shards.PIECE_CHARS + 1000 < len(big), "the large document went in pieces"
+
+
+@pytest.mark.parametrize("which", ["run bpe", "gpt-2 style"])
+def test_streamed_pieces_of_any_chunking_encode_to_exactly_the_whole_texts_tokens(which, run_bpe):
+    tok = run_bpe if which == "run bpe" else gpt2_style()
+    added = exact_cuts(tok)
+    rng = np.random.default_rng(5)
+    texts = [*real_texts(), *(random_text(rng, 3000) for _ in range(20))]
+    for text in texts:
+        whole = tok.encode(text)
+        for size in (7, 300):
+            bounds = np.sort(rng.integers(0, len(text), size=int(rng.integers(1, 60))))
+            chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+            pieces = list(shards.streamed_pieces(chunks, size, added))
+            assert "".join(pieces) == text
+            assert [i for p in pieces for i in tok.encode(p)] == whole, (text[:40], size)
+            longest_chunk = max(map(len, chunks))
+            assert max(map(len, pieces)) <= 2 * size + longest_chunk + 20 or len(pieces) == 1
+
+
+def test_a_large_text_file_streams_through_the_builder_to_exactly_its_whole_tokens(
+    tmp_path, monkeypatch, run_bpe
+):
+    """A text file stored larger than WHOLE_TEXT_BYTES is checked in one pass and streamed in chunks in
+    a second: never a whole string. Its tokens are the whole document's; a large file that is not
+    UTF-8 is a bad record named with the byte, with nothing of it in the cache."""
+    import gzip
+
+    from andrea_core.data import corpora
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpora, "WHOLE_TEXT_BYTES", 50_000)
+    monkeypatch.setattr(corpora, "READ_CHUNK", 4096)
+    monkeypatch.setattr(shards, "PIECE_CHARS", 20_000)
+    big = "\n\n".join(real_texts() * 3)  # about 290 KB
+    smalls = [f"small document {i}.\n" for i in range(150)]  # one bad record in 154 is under 1%
+    put(f"{tmp_path}/corpus/a_big.txt", big.encode())
+    put(f"{tmp_path}/corpus/b_big.txt.gz", gzip.compress(big.encode(), mtime=0))
+    for i, small in enumerate(smalls):
+        put(f"{tmp_path}/corpus/c_small_{i:03d}.txt", small.encode())
+    put(f"{tmp_path}/corpus/d_bad.txt", big.encode()[:200_000] + b"\xff\xfe" + big.encode()[200_000:])
+    seen: list[int] = []
+    real = shards.batch_encoder
+    monkeypatch.setattr(
+        shards, "batch_encoder",
+        lambda t, d: (lambda enc: lambda texts: (seen.extend(map(len, texts)), enc(texts))[1])(real(t, d)),
+    )  # fmt: skip
+    lines: list[str] = []
+    for tok in (run_bpe, gpt2_style({"normalizer": {"type": "NFC"}})):  # streamed; joined whole
+        seen.clear()
+        monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / f"cache-{tok.id}"))
+        source = open_corpus(ArmSpec("notes", "text", paths=[f"{tmp_path}/corpus"]), 0)
+        arm = shards.corpus_cache(source, tok, 0.0, warn=lines.append)
+        got = np.concatenate(arm.train.parts).tolist()
+        assert got == [i for d in (big, big, *smalls) for i in tok.encode(d + DOC_SEPARATOR)]
+        assert arm.info["documents"] == 152 and arm.info["bad"] == 1
+        if exact_cuts(tok) is not None:
+            assert max(seen) < 20_000 + 4096 + 100, "streamed in pieces"
+        else:
+            assert max(seen) == len(big) + len(DOC_SEPARATOR), "a tokenizer without exact cuts: whole"
+    assert any("d_bad.txt: not UTF-8 text (invalid start byte near byte 200000)" in line for line in lines), (
+        lines
+    )

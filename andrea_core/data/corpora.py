@@ -22,12 +22,13 @@ has a `val` part (`val.bin`, `fineweb_val_000000.bin`) are the validation split.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -51,6 +52,9 @@ LLMC_HEADER_BYTES = 4 * LLMC_HEADER_INTS
 LLMC_FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}  # magic: (version, dtype)
 NANOGPT_NAMES = ("train.bin", "val.bin")
 READ_CHUNK = 1 << 20
+# A text file stored larger than this is not read whole: its document is checked (UTF-8) in one pass
+# and streamed in chunks in a second (Record.chunks), so that one 10 GB file is not 10 GB in memory.
+WHOLE_TEXT_BYTES = 32 << 20
 GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -77,7 +81,8 @@ class Record(NamedTuple):
     """One document of a file (`text`), or a bad record (`problem`, naming the file and line or row).
     `index` is the record's position in its file; `count` how many records a bad entry stands for (a
     Parquet file without the column: all its rows); `read` about how many of the file's bytes (as
-    stored: compressed where it is) were read through this record, for the builder's ETA."""
+    stored: compressed where it is) were read through this record, for the builder's ETA. A large text
+    file's document has no `text` but `chunks`: a function that streams it, checked UTF-8 already."""
 
     file: int
     index: int
@@ -85,6 +90,11 @@ class Record(NamedTuple):
     problem: str | None = None
     count: int = 1
     read: int = 0
+    chunks: Callable[[], Iterator[str]] | None = None
+
+    @property
+    def bad(self) -> bool:
+        return self.problem is not None
 
     def identity(self, files: list[CorpusFile]) -> str:
         return f"{files[self.file].rel}:{self.index}"
@@ -174,11 +184,14 @@ class CorpusSource:
             return
         produced = 0
         for rec in self.records():
-            if rec.text is None:
+            if rec.bad:
                 continue
             if produced >= self.max_bytes:
                 return
-            doc = rec.text[: self.max_bytes - produced]
+            text = (
+                rec.text if rec.chunks is None else "".join(_until(rec.chunks(), self.max_bytes - produced))
+            )
+            doc = text[: self.max_bytes - produced]
             produced += len(doc.encode())
             yield doc
 
@@ -209,9 +222,49 @@ def _open_decompressed(f: CorpusFile, raw=None):
     return raw
 
 
+def _until(chunks: Iterator[str], n: int) -> Iterator[str]:
+    """Chunks until at least n characters were given."""
+    for chunk in chunks:
+        yield chunk
+        n -= len(chunk)
+        if n <= 0:
+            return
+
+
+def _text_chunks(f: CorpusFile) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with _open_decompressed(f) as stream:
+        while data := stream.read(READ_CHUNK):
+            yield decoder.decode(data)
+    yield decoder.decode(b"", final=True)
+
+
+def _utf8_problem(f: CorpusFile) -> str | None:
+    """Why a large text file is not a document (not UTF-8, unreadable), read through once; None if it is."""
+    decoder, at = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with _open_decompressed(f) as stream:
+            while data := stream.read(READ_CHUNK):
+                decoder.decode(data)
+                at += len(data)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        return f"{f.url}: not UTF-8 text ({e.reason} near byte {at + e.start})"
+    except Exception as e:  # gzip, zstd and the stores raise many types; all mean "unreadable"
+        return f"{f.url}: unreadable ({type(e).__name__}: {e})"
+    return None
+
+
 def _read_text(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
     if skip > 0:
         return  # a text file is one record, already consumed
+    if f.size > WHOLE_TEXT_BYTES:
+        problem = _utf8_problem(f)
+        if problem is not None:
+            yield Record(i, 0, None, problem)
+        else:
+            yield Record(i, 0, None, read=f.size, chunks=lambda: _text_chunks(f))
+        return
     try:
         with _open_decompressed(f) as stream:
             data = stream.read()

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,18 +128,44 @@ def batch_encoder(tokenizer: Tokenizer, dtype: np.dtype) -> Callable[[list[str]]
 PIECE_CUT = re.compile(r"[ \t\n](?=[!-~])")
 
 
+def _next_cut(text: str, at: int, end: int, added: tuple[str, ...]) -> int | None:
+    """The first exact cut in text[at:end] (seen only as far as `end`), or None."""
+    while cut := PIECE_CUT.search(text, at, end):
+        at = cut.start() + 1
+        if not (added and text.startswith(added, at)):
+            return cut.start()
+    return None
+
+
 def document_pieces(text: str, size: int = PIECE_CHARS, added: tuple[str, ...] = ()) -> Iterator[str]:
     """`text` in pieces of about `size` characters, cut only where the tokens of the pieces,
     concatenated, are the tokens of the whole (for a tokenizer that `exact_cuts` admits, with the
     added tokens it names)."""
-    start, at = 0, size
-    while len(text) - start > size and (cut := PIECE_CUT.search(text, at)):
-        at = cut.start() + 1
-        if added and text.startswith(added, at):
-            continue
-        yield text[start : cut.start()]
-        start, at = cut.start(), cut.start() + size
+    start = 0
+    while len(text) - start > size and (cut := _next_cut(text, start + size, len(text), added)) is not None:
+        yield text[start:cut]
+        start = cut
     yield text[start:]
+
+
+def streamed_pieces(
+    chunks: Iterable[str], size: int = PIECE_CHARS, added: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """`document_pieces` of the concatenation of `chunks`, holding about `size` characters plus a chunk:
+    a cut is taken only where enough text follows it to tell that no added token starts there."""
+    margin = max(map(len, added), default=0) + 2
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        start = 0
+        while len(buffer) - start > size + margin:
+            cut = _next_cut(buffer, start + size, len(buffer) - margin, added)
+            if cut is None:
+                break
+            yield buffer[start:cut]
+            start = cut
+        buffer = buffer[start:]
+    yield from document_pieces(buffer, size, added)
 
 
 def exact_cuts(tokenizer: Tokenizer) -> tuple[str, ...] | None:
@@ -341,23 +368,38 @@ def build_corpus_cache(
         for rec in source.records(start):
             position = (rec.file, rec.index + rec.count)
             totals["records"] += rec.count
-            if rec.text is None:
+            if rec.bad:
                 totals["bad"] += rec.count
                 if len(totals["bad_examples"]) < NAMED_BAD:
                     totals["bad_examples"].append(rec.problem)
                     warn(f"arm {name!r}: skipping bad record: {rec.problem}")
                 continue
-            size = len(rec.text.encode("utf-8", "replace"))
             totals["documents"] += 1
-            totals["text_bytes"] += size
             val = is_validation(rec.identity(files), val_fraction)
-            text = rec.text + DOC_SEPARATOR
-            pending.extend(
-                (piece, val) for piece in ([text] if added is None else document_pieces(text, added=added))
-            )
-            pending_bytes += size
+            if rec.chunks is not None and added is not None:  # a large file, streamed: never whole
+                for piece in streamed_pieces(
+                    itertools.chain(rec.chunks(), [DOC_SEPARATOR]), PIECE_CHARS, added
+                ):
+                    size = len(piece.encode("utf-8", "replace"))
+                    totals["text_bytes"] += size
+                    pending.append((piece, val))
+                    pending_bytes += size
+                    if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES:
+                        progress.update(rec.file, 0, totals, flush())
+                totals["text_bytes"] -= len(DOC_SEPARATOR)  # counted with the last piece: not text
+            else:
+                text = rec.text if rec.chunks is None else "".join(rec.chunks())
+                size = len(text.encode("utf-8", "replace"))
+                totals["text_bytes"] += size
+                text += DOC_SEPARATOR
+                pending.extend(
+                    (piece, val)
+                    for piece in ([text] if added is None else document_pieces(text, PIECE_CHARS, added))
+                )
+                pending_bytes += size
             # Bytes bound the tokens of a batch (one token per byte at most, for byte-level tokenizers):
             # flushing once they could fill the shard keeps shards near their size on small corpora too.
+            # A shard holds whole documents: it is published only here, between two of them.
             full = shard.tokens["train"] + pending_bytes >= limit
             if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES or full:
                 progress.update(rec.file, rec.read, totals, flush())
