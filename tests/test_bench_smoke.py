@@ -34,8 +34,10 @@ def test_train_throughput_prints_every_arm_and_ratio(tmp_path):
     out = bench("train_throughput.py", "--device", "cpu", "--config", "andrea-tiny", "--rounds", "1",
                 "--round-steps", "10", "--checkpoint-every", "10", "--skip", "2", "--with-sync",
                 "--threads", "1", "--run-root", str(tmp_path),
-                "--variant", "fused loss:train.loss_chunk_tokens=128")  # fmt: skip
+                "--variant", "fused loss:train.loss_chunk_tokens=128",
+                "--variant", "audit async:train.sample_every=10,train.audit_async=true")  # fmt: skip
     assert re.search(rf"v/b = {NUMBER}\s+\(fused loss: \{{'train.loss_chunk_tokens': 128\}}\)", out), out
+    assert re.search(rf"v/b = {NUMBER}\s+\(audit async: .*'train.audit_async': True\}}\)", out), out
     for arm in (
         "(a) plain loop",
         "(b) trainer",
