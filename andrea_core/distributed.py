@@ -82,9 +82,16 @@ def init(world: World, device: str) -> None:
         torch.distributed.init_process_group("gloo")
 
 
-def shutdown(world: World) -> None:
+def shutdown(world: World, clean: bool = True) -> None:
+    """Leave the process group. After a clean run every rank first waits for the others (rank 0 is
+    still writing the last checkpoint when the others are done): a rank that tears down its gloo
+    connections while a peer still holds them can abort in gloo's threads at exit (seen once under
+    load: "terminate called without an active exception"). After an error no rank waits: torchrun
+    ends the others."""
     global _flag_group
     if world.distributed and torch.distributed.is_initialized():
+        if clean:
+            torch.distributed.barrier(group=_flag_group)
         torch.distributed.destroy_process_group()
     _flag_group = None
 

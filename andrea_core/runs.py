@@ -52,6 +52,17 @@ class RunRecord:
         return yaml.safe_dump(doc, sort_keys=False)
 
 
+# What readers of a lineage rely on (fork points, retention, compare): a forged or damaged run.yaml is
+# refused here, naming the field, not deep inside one of them.
+LINEAGE_TYPES: dict[str, tuple[type, ...]] = {
+    "parent": (str,),
+    "parent_step": (int,),
+    "branch": (str,),
+    "overrides": (dict,),
+    "created_at": (int, float),
+}
+
+
 def read_run(run: RunDir) -> RunRecord:
     source = run.path(RUN_YAML)
     raw = load_yaml(run.read_text(RUN_YAML), source)
@@ -62,6 +73,13 @@ def read_run(run: RunDir) -> RunRecord:
     for key, value in (("lineage", lineage), ("environment", env)):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: expected a mapping, got {type(value).__name__}")
+    for key, types in LINEAGE_TYPES.items():
+        value = lineage.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            want = " or ".join(t.__name__ for t in types)
+            raise ConfigError(f"{source}: lineage.{key}: expected {want} or null, got {type(value).__name__}")
+    if lineage.get("parent_step") is not None and lineage["parent_step"] < 0:
+        raise ConfigError(f"{source}: lineage.parent_step: must be >= 0, got {lineage['parent_step']}")
     return RunRecord(parse_run_config(raw, source), lineage, env)
 
 

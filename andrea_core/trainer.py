@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -477,7 +478,7 @@ class Trainer:
                     self.loss_log.close()
             if self.lease is not None:
                 self.lease.release()
-            distributed.shutdown(self.world)
+            distributed.shutdown(self.world, clean=sys.exc_info()[0] is None)
             if not self.keep_signal_handlers:
                 signals.uninstall()
 

@@ -1,7 +1,7 @@
 """moto's S3 server with ListMultipartUploads paged as S3 pages it (moto itself returns every upload
 at once and ignores max-uploads): at most ANDREA_TEST_S3_UPLOADS_PAGE (default 2) uploads a page,
 ordered by key and upload id, with key-marker / upload-id-marker, NextKeyMarker / NextUploadIdMarker
-and IsTruncated.
+and IsTruncated. Its writes are atomic as in moto_s3.py.
 The store still holds and aborts the uploads for real; only the page size is forced small, so that a
 client that reads one page sees a truncated listing.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+import moto_s3  # noqa: F401  (its atomic writes too)
 from moto.core.responses import ActionResult
 from moto.s3.responses import S3Response
 from moto.server import main

@@ -13,7 +13,9 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
+MOTO_S3 = Path(__file__).with_name("moto_s3.py")
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "andrea-test",
     "AWS_SECRET_ACCESS_KEY": "andrea-test-secret",
@@ -70,12 +72,12 @@ class S3Server:
 
 
 def start_s3_server(timeout: float = 60, server: list[str] | None = None) -> S3Server:
-    """Start `moto.server` (or `server`, a command line to which -H and -p are added) on a free 127.0.0.1
-    port and wait until it answers."""
+    """Start moto's server with atomic conditional writes (moto_s3.py; or `server`, a command line to
+    which -H and -p are added) on a free 127.0.0.1 port and wait until it answers."""
     for _ in range(3):  # the port is free when picked; another process may take it before moto binds
         port = free_port()
         proc = subprocess.Popen(
-            [*(server or [sys.executable, "-m", "moto.server"]), "-H", "127.0.0.1", "-p", str(port)],
+            [*(server or [sys.executable, str(MOTO_S3)]), "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
