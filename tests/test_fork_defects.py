@@ -127,27 +127,30 @@ def test_branch_names_and_urls_that_escape_are_refused_before_any_write(tmp_path
     assert not (tmp_path / "escaped").exists()
 
 
-@pytest.mark.parametrize(
-    "field, value, why",
-    [
-        ("parent_step", [20], "expected int or null, got list"),
-        ("parent_step", True, "expected int or null, got bool"),
-        ("parent_step", -5, "must be >= 0, got -5"),
-        ("parent", 7, "expected str or null, got int"),
-        ("overrides", "lr", "expected dict or null, got str"),
-    ],
-)
-def test_a_lineage_of_the_wrong_type_is_refused_naming_the_field(tmp_path, field, value, why):
+LINEAGE_CASES = [
+    ("parent_step", [20], "expected int or null, got list"),
+    ("parent_step", True, "expected int or null, got bool"),
+    ("parent_step", -5, "must be >= 0, got -5"),
+    ("parent", 7, "expected str or null, got int"),
+    ("overrides", "lr", "expected dict or null, got str"),
+]
+
+
+def test_a_lineage_of_the_wrong_type_is_refused_naming_the_field(tmp_path):
     """Found by tests/test_fuzz_rundir.py: a run.yaml whose lineage.parent_step was a list crashed the
     trainer with a TypeError deep in the fork-point check instead of being refused by name."""
     import yaml
 
     run = tmp_path / "run"
     andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "2", "--device", "cpu")
-    doc = yaml.safe_load((run / RUN_YAML).read_text())
-    doc["lineage"][field] = value
-    (run / RUN_YAML).write_text(yaml.safe_dump(doc, sort_keys=False))
-    with pytest.raises(ConfigError, match=rf"run.yaml: lineage.{field}: {why}"):
-        read_run(RunDir(str(run)))
+    good = yaml.safe_load((run / RUN_YAML).read_text())
+    for field, value, why in LINEAGE_CASES:
+        doc = {**good, "lineage": {**good["lineage"], field: value}}
+        (run / RUN_YAML).write_text(yaml.safe_dump(doc, sort_keys=False))
+        with pytest.raises(ConfigError, match=rf"run.yaml: lineage.{field}: {why}"):
+            read_run(RunDir(str(run)))
+    # ... and the trainer refuses it before any work (the last case), exit 2, naming it.
     proc = andrea("train", "--run-dir", str(run), "--max-steps", "4", "--device", "cpu", check=False)
     assert proc.returncode == 2 and f"lineage.{field}: {why}" in proc.stderr + proc.stdout
+    (run / RUN_YAML).write_text(yaml.safe_dump(good, sort_keys=False))
+    assert read_run(RunDir(str(run))).lineage == good["lineage"]
