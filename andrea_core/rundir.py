@@ -153,8 +153,9 @@ class RunDir:
         return self.fs.cat_file(self.path(name))
 
     def read_text(self, name: str) -> str:
+        """A sidecar's text (run.yaml, policy.yaml, data.jsonl ...), bounded like every sidecar read."""
         try:
-            return self.read_bytes(name).decode()
+            return self.read_bounded(name).decode()
         except UnicodeDecodeError as e:
             raise ConfigError(f"{self.path(name)}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 

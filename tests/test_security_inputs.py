@@ -263,6 +263,23 @@ def test_sidecar_bound_is_configurable(tmp_path, monkeypatch):
     assert [r["step"] for r in fork_records(run)] == [1]
 
 
+def test_run_yaml_and_policy_yaml_reads_are_bounded_too(tmp_path, monkeypatch):
+    """run.yaml was read whole whatever its size (noted last session): a multi-GB run.yaml planted in
+    a shared run directory would have taken the reader's memory before any check."""
+    from andrea_core.runs import read_policy, read_run
+
+    run = tmp_path / "run"
+    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "1", "--device", "cpu")
+    for name in ("run.yaml", "policy.yaml"):
+        (run / name).write_text((run / name).read_text() + "#" * 5000 + "\n")
+    monkeypatch.setenv("ANDREA_MAX_SIDECAR_BYTES", "4000")
+    for name, read in (("run.yaml", read_run), ("policy.yaml", read_policy)):
+        with pytest.raises(ConfigError, match=rf"{name}: \d+ bytes, more than the limit of 4000"):
+            read(RunDir(str(run)))
+    proc = andrea("train", "--run-dir", str(run), "--max-steps", "2", "--device", "cpu", check=False)
+    assert proc.returncode == 2 and "run.yaml" in proc.stderr and "ANDREA_MAX_SIDECAR_BYTES" in proc.stderr
+
+
 # --- 17.8: a malformed line in any JSON Lines file is skipped and counted ------------------------
 
 NESTED = b"[" * 200_000 + b"]" * 200_000
