@@ -224,5 +224,7 @@ class LossWriter:
         self._file.write(b"", durable=True)
 
     def close(self) -> None:
-        self.flush(durable=True)
-        self._file.close()
+        try:
+            self.flush(durable=True)
+        finally:
+            self._file.close()

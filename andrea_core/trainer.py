@@ -44,7 +44,7 @@ from andrea_core.optim import build_optimizer, lr_at
 from andrea_core.pivoting import require_no_half_pivot
 from andrea_core.progress import Progress
 from andrea_core.retention import apply_retention
-from andrea_core.rundir import REFUSED, RUN_YAML, RunDir
+from andrea_core.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
 from andrea_core.runs import config_differences, create_run, environment, read_run
 
 
@@ -475,7 +475,13 @@ class Trainer:
             if hasattr(self, "loss_log"):
                 # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
                 with contextlib.suppress(lock.LeaseLost):
-                    self.loss_log.close()
+                    try:
+                        self.loss_log.close()
+                    except OSError as e:  # a full disk at exit: said once, not as a traceback
+                        self.log(
+                            f"ERROR: {self.run.path(LOSS_LOG)}: its last lines could not be written at exit "
+                            f"({type(e).__name__}: {e}); every checkpoint's history was written before it"
+                        )
             if self.lease is not None:
                 self.lease.release()
             distributed.shutdown(self.world, clean=sys.exc_info()[0] is None)

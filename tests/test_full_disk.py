@@ -249,3 +249,31 @@ def test_a_store_refusing_puts_stops_checkpoints_not_training_and_they_resume(s3
     loss_lines_whole_but_last_of(run.read_bytes(".loss.json"))
     history = [e.step for e in read_history(run)]
     assert history == list(range(1, history[-1] + 1)), "the loss history on the store has a gap"
+
+
+@pytest.mark.slow
+def test_a_stop_on_a_full_disk_says_what_was_not_written_without_a_traceback(small_disk, tmp_path):
+    """SIGTERM while not a byte is left: the last checkpoint cannot be written (exit 1, saying so, the
+    newest valid one named) and neither can the loss log's last lines: an ERROR line, not a traceback
+    (last session's note: the final flush raised out of the trainer)."""
+    run = small_disk / "run"
+    cfg = tiny_config(tmp_path, train__checkpoint_every=EVERY, train__max_steps=100_000, train__log_every=5)
+    log = tmp_path / "trainer.log"
+    trainer = start_trainer("--config", cfg, "--run-dir", str(run), "--device", "cpu", log=log)
+    try:
+        wait_for(lambda: len(valid_checkpoints(run)) >= 1, timeout=300, what="a checkpoint")
+        fill(small_disk, 0)
+        wait_for(lambda: "ERROR: checkpoint " in log.read_text(), timeout=300, what="a refused checkpoint")
+        kept = valid_checkpoints(run)
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=120) == 1, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert f"the newest checkpoint on disk is step_{max(kept):06d}.bin" in text, text[-2000:]
+    assert "its last lines could not be written at exit" in text, text[-2000:]
+    assert valid_checkpoints(run) == kept
+    loss_lines_whole_but_last(run)
