@@ -184,8 +184,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from andrea_core.audit import format_audit, read_audits
     from andrea_core.rundir import RunDir
+    from andrea_core.samples import format_audit, read_audits
 
     run = RunDir(args.run_dir)
     audits = read_audits(run)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
-from andrea_core.config import ConfigError, RunConfig
+from andrea_core.config import ConfigError, RunConfig, estimated_n_params
 from andrea_core.data.policy import load_policy
 from andrea_core.loss_log import json_lines
 from andrea_core.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
@@ -263,10 +263,6 @@ def _is_fork_record(record: Any) -> bool:
 
 
 def run_n_params(record) -> int:
-    """The parameter count of a run's model, without allocating it."""
-    import torch
-
-    from andrea_core.model import GPT
-
-    with torch.device("meta"):
-        return GPT(record.config.model).n_params
+    """The parameter count of a run's model, by arithmetic (config.estimated_n_params, equal to
+    GPT(...).n_params for every shape: tests/test_model.py), so that readers need no torch."""
+    return estimated_n_params(record.config.model)

@@ -133,3 +133,11 @@ def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
 
     fa, fb = flat(a.to_dict()), flat(b.to_dict())
     return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
+
+
+def open_run(url: str) -> tuple[RunDir, RunRecord]:
+    """The run directory at `url` and its run.yaml; ConfigError naming it when there is no run there."""
+    run = RunDir(url)
+    if not run.exists(RUN_YAML):
+        raise ConfigError(f"{run.url}: not a run directory (no {RUN_YAML})")
+    return run, read_run(run)

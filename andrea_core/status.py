@@ -92,11 +92,10 @@ def _identity(ident: TrainerIdentity) -> dict:
 
 
 def run_status(url: str, now: float | None = None) -> RunStatus:
-    from andrea_core.audit import read_audits
     from andrea_core.fork import run_n_params
     from andrea_core.pivot import phases
-    from andrea_core.runs import read_policy
-    from andrea_core.weights import open_run
+    from andrea_core.runs import open_run, read_policy
+    from andrea_core.samples import read_audits
 
     now = time.time() if now is None else now
     run, record = open_run(url)

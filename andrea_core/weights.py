@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError
-from andrea_core.config import ConfigError
 from andrea_core.fork import run_n_params
 from andrea_core.model import GPT, ModelConfig
-from andrea_core.rundir import RUN_YAML, RunDir
-from andrea_core.runs import RunRecord, read_run
+from andrea_core.rundir import RunDir
+from andrea_core.runs import RunRecord, open_run
 
 
 @dataclass
@@ -30,14 +29,6 @@ class RunWeights:
     @property
     def model_config(self) -> ModelConfig:
         return self.record.config.model
-
-
-def open_run(url: str) -> tuple[RunDir, RunRecord]:
-    """The run directory at `url` and its run.yaml; ConfigError naming it when there is no run there."""
-    run = RunDir(url)
-    if not run.exists(RUN_YAML):
-        raise ConfigError(f"{run.url}: not a run directory (no {RUN_YAML})")
-    return run, read_run(run)
 
 
 def read_weights(url: str, step: int | None = None, warn: Callable[[str], None] | None = None) -> RunWeights:

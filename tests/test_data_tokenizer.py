@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from conftest import REPO, andrea
 
-from andrea_core.audit import read_audits
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import ArmSpec
@@ -18,6 +17,7 @@ from andrea_core.data.tokens import BPE_TRAIN_BYTES, ByteTokenizer, cache_dir, r
 from andrea_core.fork import BranchSpec, fork
 from andrea_core.rundir import TOKENIZER_JSON, RunDir
 from andrea_core.runs import create_run, read_policy
+from andrea_core.samples import read_audits
 
 MIX = str(REPO / "configs" / "andrea-tiny-mix.yaml")
 

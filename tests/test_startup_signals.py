@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, _env, andrea, start_trainer
 
 from andrea_core.rundir import RunDir
@@ -88,7 +89,10 @@ def test_commands_that_never_train_never_import_torch(tmp_path):
         ["loss", str(run)],
         ["inspect", ckpt],
         ["lineage", str(run)],
-    ):  # (gc counts the model's parameters on torch's meta device: fork.run_n_params)
+        ["status", str(run)],  # an operator's `watch andrea status`: 0.2 s, not 3 s of importing torch
+        ["audit", str(run)],
+        ["gc", str(run)],
+    ):
         code = (
             "import sys; from andrea_core import cli; rc = cli.main(sys.argv[1:]); "
             "print('TORCH', 'torch' in sys.modules); sys.exit(rc)"
@@ -100,3 +104,21 @@ def test_commands_that_never_train_never_import_torch(tmp_path):
         assert "TORCH False" in proc.stdout, f"andrea {' '.join(args)} imported torch"
     assert RunDir(str(run)).checkpoint_steps() == [10]
     assert Path(ckpt).exists()
+
+
+@pytest.mark.parametrize("config", sorted(p.stem for p in (REPO / "configs").glob("*.yaml")))
+def test_the_parameter_count_by_arithmetic_is_the_models(config):
+    """fork.run_n_params counts by arithmetic (no torch for status, gc, lineage): it must be exactly
+    what GPT allocates, for every shipped config and for odd shapes."""
+    import torch
+
+    from andrea_core.config import ModelConfig, estimated_n_params, load_run_config
+    from andrea_core.model import GPT
+
+    shapes = [
+        load_run_config(config).model,
+        ModelConfig(vocab_size=300, block_size=7, n_layer=3, n_head=2, n_embd=6),
+    ]
+    for m in shapes:
+        with torch.device("meta"):
+            assert estimated_n_params(m) == GPT(m).n_params, m

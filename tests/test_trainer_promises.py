@@ -12,8 +12,8 @@ import yaml
 from conftest import andrea
 from tiny import tiny_config
 
-from andrea_core.audit import read_audits
 from andrea_core.rundir import RUN_YAML, RunDir
+from andrea_core.samples import read_audits
 from andrea_core.supervise import gpu_slot_name
 
 
