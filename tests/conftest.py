@@ -59,14 +59,16 @@ def lock_released(run: Path | str) -> bool:
     return not lock.exists() or json.loads(lock.read_text()).get("released") is True
 
 
-def andrea(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the `andrea` CLI as a real process, as an operator would."""
+def andrea(
+    *args: str, timeout: float = 900, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the `andrea` CLI as a real process, as an operator would (`env`: instead of `_env()`)."""
     proc = subprocess.run(
         [sys.executable, "-m", "andrea_core", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_env(),
+        env=env or _env(),
         cwd=REPO,
     )
     if check and proc.returncode != 0:
@@ -75,13 +77,13 @@ def andrea(*args: str, timeout: float = 900, check: bool = True) -> subprocess.C
     return proc
 
 
-def start_trainer(*args: str, log: Path | None = None) -> subprocess.Popen:
+def start_trainer(*args: str, log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(log, "wb") if log else subprocess.DEVNULL
     return subprocess.Popen(
         [sys.executable, "-m", "andrea_core", "train", *args],
         stdout=out,
         stderr=subprocess.STDOUT,
-        env=_env(),
+        env=env or _env(),
         cwd=REPO,
     )
 

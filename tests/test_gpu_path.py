@@ -159,13 +159,19 @@ def test_grad_accum_steps_must_divide_the_batch(tmp_path):
         load_run_config(tiny_config(tmp_path, train__grad_accum_steps=0))
 
 
-def test_two_micro_batches_of_4_train_as_one_batch_of_8(tmp_path):
+def train_each(tmp_path, field: str, values, max_steps: int, **overrides) -> dict:
+    """One andrea-tiny run per value of `field` (a train.* setting), trained in this process to
+    `max_steps`; the run directories by value."""
     runs = {}
-    for accum in (1, 2):
-        path = tiny_config(tmp_path, name=f"accum{accum}", train__grad_accum_steps=accum)
-        run = tmp_path / f"accum{accum}"
-        Trainer(str(run), load_run_config(path), max_steps=40, log=lambda line: None).train()
-        runs[accum] = run
+    for value in values:
+        path = tiny_config(tmp_path, name=f"{field}-{value}", **{f"train__{field}": value}, **overrides)
+        runs[value] = tmp_path / f"{field}-{value}"
+        Trainer(str(runs[value]), load_run_config(path), max_steps=max_steps, log=lambda line: None).train()
+    return runs
+
+
+def test_two_micro_batches_of_4_train_as_one_batch_of_8(tmp_path):
+    runs = train_each(tmp_path, "grad_accum_steps", (1, 2), 40)
     one, two = (read_history(RunDir(str(runs[a]))) for a in (1, 2))
     assert [e.step for e in one] == [e.step for e in two] == list(range(1, 41))
     assert [(e.lr, e.arm, e.tokens) for e in one] == [(e.lr, e.arm, e.tokens) for e in two]
@@ -217,12 +223,8 @@ def test_the_fused_chunked_head_and_loss_equal_the_plain_ones(chunk):
 
 
 def test_a_run_with_the_fused_loss_trains_like_the_plain_one_and_is_refused_when_negative(tmp_path):
-    histories = {}
-    for chunk in (0, 200):
-        path = tiny_config(tmp_path, name=f"chunk{chunk}", train__loss_chunk_tokens=chunk)
-        run = tmp_path / f"chunk{chunk}"
-        Trainer(str(run), load_run_config(path), max_steps=30, log=lambda line: None).train()
-        histories[chunk] = read_history(RunDir(str(run)))
+    runs = train_each(tmp_path, "loss_chunk_tokens", (0, 200), 30)
+    histories = {chunk: read_history(RunDir(str(run))) for chunk, run in runs.items()}
     diffs = [abs(a.loss - b.loss) for a, b in zip(histories[0], histories[200], strict=True)]
     assert len(diffs) == 30 and diffs[0] <= 2e-6 and max(diffs) <= 1e-4
     with pytest.raises(ConfigError, match=r"train.loss_chunk_tokens must be >= 0"):
@@ -235,14 +237,7 @@ def test_background_audits_are_the_same_audits_and_change_nothing_of_training(tm
     """train.audit_async: each audit from a copy of its step's weights on a thread, while training goes
     on. The same .samples.json byte for byte (the last step's audit, still in flight at the end, is
     waited for), the same losses, the same final checkpoint."""
-    runs = {}
-    for background in (False, True):
-        path = tiny_config(
-            tmp_path, name=f"async{background}", train__audit_async=background, train__checkpoint_every=20
-        )
-        run = tmp_path / f"async{background}"
-        Trainer(str(run), load_run_config(path), max_steps=60, log=lambda line: None).train()
-        runs[background] = run
+    runs = train_each(tmp_path, "audit_async", (False, True), 60, train__checkpoint_every=20)
     sync, background = runs[False], runs[True]
     assert [a["step"] for a in read_audits(RunDir(str(background)))] == [0, 20, 40, 60]
     assert (sync / ".samples.json").read_bytes() == (background / ".samples.json").read_bytes()

@@ -12,10 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, wait_for
+from conftest import REPO, _env, andrea, start_trainer, wait_for
 
 from andrea_core import lock
 from andrea_core.lock import LeaseLost, LockError, read_lock
@@ -96,16 +95,6 @@ def host_env(host: str, **extra: str) -> dict[str, str]:
     return _env() | FAST_LEASE | {"ANDREA_TEST_HOST": host} | extra
 
 
-def trainer(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "andrea_core", "train", *args],
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=REPO,
-    )
-
-
 def published(run: RunDir) -> dict[str, tuple[int, str]]:
     """Every object of the run as the store holds it: name -> (size, ETag)."""
     found = run.fs.find(run.root, detail=True)
@@ -120,7 +109,9 @@ def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_
     run = RunDir(url)
     cfg = tiny_config(tmp_path, train__checkpoint_every=50, train__log_every=1000)
     args = ["--run-dir", url, "--device", "cpu", "--pace", "0.05"]
-    a = trainer(["--config", cfg, *args, "--max-steps", "100000"], host_env("host-a"), tmp_path / "a.log")
+    a = start_trainer(
+        "--config", cfg, *args, "--max-steps", "100000", env=host_env("host-a"), log=tmp_path / "a.log"
+    )
     b_wait = None
     try:
         wait_for(lambda: run.checkpoint_steps(), timeout=300, what="host-a's first checkpoint")
@@ -128,19 +119,14 @@ def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_
         assert held.host == "host-a" and held.generation == 1
 
         # While host-a's lease lives, host-b refuses at once...
-        refused = subprocess.run(
-            [sys.executable, "-m", "andrea_core", "train", *args, "--max-steps", "100000"],
-            env=host_env("host-b"),
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
+        refused = andrea(
+            "train", *args, "--max-steps", "100000", env=host_env("host-b"), timeout=300, check=False
         )
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert "on host-a: its lease (generation 1) was renewed" in refused.stderr
         # ... or, told to wait, waits (host-a renews all the while) ...
-        b_wait = trainer([*args, "--max-steps", "1"], host_env("host-b", ANDREA_LEASE_WAIT_S="600"),
-                         tmp_path / "b.log")  # fmt: skip
+        b_wait = start_trainer(*args, "--max-steps", "1", env=host_env("host-b", ANDREA_LEASE_WAIT_S="600"),
+                               log=tmp_path / "b.log")  # fmt: skip
         wait_for(lambda: "watching whether it renews" in (tmp_path / "b.log").read_text(), timeout=300)
         renewals = read_lock(run).renewals
         wait_for(lambda: read_lock(run).renewals >= renewals + 3, timeout=60, what="three renewals by host-a")
@@ -171,15 +157,7 @@ def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_
 
         # The run goes on from host-a's newest checkpoint under generation 3: the counter only grows.
         newest = run.checkpoint_steps()[-1]
-        done = subprocess.run(
-            [sys.executable, "-m", "andrea_core", "train", *args, "--max-steps", str(newest + 10)],
-            env=host_env("host-b"),
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
+        andrea("train", *args, "--max-steps", str(newest + 10), env=host_env("host-b"), timeout=300)
         assert run.checkpoint_steps()[-1] == newest + 10
         left = json.loads(run.read_bytes(LOCK))
         assert left["released"] and left["generation"] == 3
