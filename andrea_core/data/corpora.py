@@ -263,7 +263,7 @@ def _read_text(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Recor
         if problem is not None:
             yield Record(i, 0, None, problem)
         else:
-            yield Record(i, 0, None, read=f.size, chunks=lambda: _text_chunks(f))
+            yield Record(i, 0, None, chunks=lambda: _text_chunks(f))  # read: as it streams
         return
     try:
         with _open_decompressed(f) as stream:

@@ -376,37 +376,31 @@ def build_corpus_cache(
                 continue
             totals["documents"] += 1
             val = is_validation(rec.identity(files), val_fraction)
-            if rec.chunks is not None and added is not None:  # a large file, streamed: never whole
-                for piece in streamed_pieces(
-                    itertools.chain(rec.chunks(), [DOC_SEPARATOR]), PIECE_CHARS, added
-                ):
-                    size = len(piece.encode("utf-8", "replace"))
-                    totals["text_bytes"] += size
-                    pending.append((piece, val))
-                    pending_bytes += size
-                    if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES:
-                        progress.update(rec.file, 0, totals, flush())
-                totals["text_bytes"] -= len(DOC_SEPARATOR)  # counted with the last piece: not text
-            else:
-                text = rec.text if rec.chunks is None else "".join(rec.chunks())
-                size = len(text.encode("utf-8", "replace"))
+            chunks = rec.chunks() if rec.chunks is not None else [rec.text]
+            # In pieces cut where the tokens stay exactly the document's (a large text file streams
+            # through them, never whole); whole for a tokenizer that allows no such cut.
+            pieces = (
+                ["".join(chunks) + DOC_SEPARATOR]
+                if added is None
+                else streamed_pieces(itertools.chain(chunks, [DOC_SEPARATOR]), PIECE_CHARS, added)
+            )
+            for piece in pieces:
+                size = len(piece.encode("utf-8", "replace"))
                 totals["text_bytes"] += size
-                text += DOC_SEPARATOR
-                pending.extend(
-                    (piece, val)
-                    for piece in ([text] if added is None else document_pieces(text, PIECE_CHARS, added))
-                )
+                pending.append((piece, val))
                 pending_bytes += size
+                if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES:
+                    progress.update(rec.file, rec.read, totals, flush())
+            totals["text_bytes"] -= len(DOC_SEPARATOR)  # counted with the last piece: not text
             # Bytes bound the tokens of a batch (one token per byte at most, for byte-level tokenizers):
             # flushing once they could fill the shard keeps shards near their size on small corpora too.
             # A shard holds whole documents: it is published only here, between two of them.
-            full = shard.tokens["train"] + pending_bytes >= limit
-            if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES or full:
+            if shard.tokens["train"] + pending_bytes >= limit:
                 progress.update(rec.file, rec.read, totals, flush())
-                if shard.tokens["train"] >= limit:
-                    shard.publish(position, totals)
-                    published_at = position
-                    shard = _ShardWriter(folder, shard.index + 1, dtype)
+            if shard.tokens["train"] >= limit:
+                shard.publish(position, totals)
+                published_at = position
+                shard = _ShardWriter(folder, shard.index + 1, dtype)
         progress.update(len(files), 0, totals, flush(), force=True)
         if shard.tokens["train"] or shard.tokens["val"] or shard.index == 0 or position != published_at:
             shard.publish(position, totals)
