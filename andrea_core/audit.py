@@ -155,6 +155,21 @@ class Auditor:
         self._write(audit)
         return audit
 
+    def audit(self, step: int, background: bool = False) -> None:
+        """The trainer's audit of `step`, now or (`background`) on a thread. A file that cannot be
+        written is logged, not raised: the audit's file, not training, is what a full disk or a refusing
+        store stops."""
+        if background:
+            self.start(step)
+            return
+        try:
+            self.record(step)
+        except OSError as e:
+            self._not_written(step, e)
+
+    def _not_written(self, step: int, e: OSError) -> None:
+        self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
+
     def _write(self, audit: dict[str, Any]) -> None:
         self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
         self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
@@ -188,8 +203,8 @@ class Auditor:
                 # It ends in reads to the host: nothing of it is left queued when the thread ends.
                 audit = run_audit(self._weights, self.data, self.cfg, step, self.device, own_threads=False)
             self._write(audit)
-        except OSError as e:  # the audit's file, not training, is what a full disk or a refusing store stops
-            self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
+        except OSError as e:
+            self._not_written(step, e)
         except BaseException as e:
             self._error = e
 

@@ -376,13 +376,7 @@ class Trainer:
             )
 
     def _audit(self, step: int) -> None:
-        try:
-            if self.cfg.train.audit_async:
-                self.auditor.start(step)  # written by the next audit's start, or before the exit
-                return
-            self.auditor.record(step)
-        except OSError as e:  # the audit's file, not training, is what a full disk or a refusing store stops
-            self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
+        self.auditor.audit(step, background=self.cfg.train.audit_async)
 
     def _read(self, result: _StepLoss) -> float:
         """Bring a step's loss to the host (waiting for that step only), check it and log it, once."""
