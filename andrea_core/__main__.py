@@ -1,3 +1,5 @@
+"""`python -m andrea_core ...`: the `andrea` command (cli.main)."""
+
 import sys
 
 from andrea_core.cli import main

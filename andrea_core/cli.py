@@ -33,7 +33,7 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
-        from andrea_core.distributed import torchrun_argv
+        from andrea_core.train.distributed import torchrun_argv
 
         train_args = ["--run-dir", args.run_dir, "--device", args.device, "--pace", str(args.pace)]
         for flag, value in (("--config", args.config), ("--max-steps", args.max_steps)):
@@ -46,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config) if args.config else None
     if flags.stop is None:
-        from andrea_core.trainer import Trainer  # torch: a second or more
+        from andrea_core.train.trainer import Trainer  # torch: a second or more
 
     if flags.stop is not None:
         # Nothing trained yet, nothing to checkpoint: the stop is honoured before any work.
@@ -95,7 +95,7 @@ def plot_loss(history: list, out: str, title: str) -> None:
     import fsspec
     import matplotlib
 
-    from andrea_core.loss_log import ema_curve
+    from andrea_core.run.loss_log import ema_curve
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -114,8 +114,8 @@ def plot_loss(history: list, out: str, title: str) -> None:
 
 
 def cmd_loss(args: argparse.Namespace) -> int:
-    from andrea_core.loss_log import ema, read_history
-    from andrea_core.rundir import RunDir
+    from andrea_core.run.loss_log import ema, read_history
+    from andrea_core.run.rundir import RunDir
 
     run = RunDir(args.run_dir)
     history = read_history(run)
@@ -145,12 +145,11 @@ def cmd_loss(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from andrea_core import lock
     from andrea_core.config import ConfigError
-    from andrea_core.fork import run_n_params
-    from andrea_core.retention import apply_retention, format_plan
-    from andrea_core.rundir import RunDir
-    from andrea_core.runs import read_run
+    from andrea_core.run import lock
+    from andrea_core.run.record import read_run, run_n_params
+    from andrea_core.run.retention import apply_retention, format_plan
+    from andrea_core.run.rundir import RunDir
 
     run = RunDir(args.run_dir)
     if not run.exists("run.yaml"):
@@ -176,7 +175,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from andrea_core.lineage import format_lineage, read_lineage
+    from andrea_core.run.lineage import format_lineage, read_lineage
 
     lineage = read_lineage(args.run_dir)
     print(json.dumps(lineage.to_dict(), indent=1) if args.json else format_lineage(lineage))
@@ -184,8 +183,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from andrea_core.rundir import RunDir
-    from andrea_core.samples import format_audit, read_audits
+    from andrea_core.run.rundir import RunDir
+    from andrea_core.run.samples import format_audit, read_audits
 
     run = RunDir(args.run_dir)
     audits = read_audits(run)
@@ -199,7 +198,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         text = json.dumps(audits[-1], indent=1) if args.json else format_audit(audits[-1])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         from andrea_core.config import ConfigError
-        from andrea_core.rundir import SAMPLES
+        from andrea_core.run.rundir import SAMPLES
 
         return _refuse(ConfigError(f"{run.path(SAMPLES)}: a malformed audit ({type(e).__name__}: {e})"))
     print(text)
@@ -222,7 +221,7 @@ def _warn(msg: str) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.status import format_status, run_status
+    from andrea_core.ops.status import format_status, run_status
 
     try:
         statuses = [run_status(url) for url in args.run_dirs]
@@ -237,7 +236,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.sample import sample
+    from andrea_core.ops.sample import sample
 
     try:
         result = sample(
@@ -263,7 +262,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.export import ExportError, export_checkpoint, format_export
+    from andrea_core.ops.export import ExportError, export_checkpoint, format_export
 
     try:
         result = export_checkpoint(args.run_dir, args.out_dir, args.step, args.dtype, warn=_warn)
@@ -274,11 +273,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_pivot(args: argparse.Namespace) -> int:
-    from andrea_core import pivoting
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.pivot import check_pivot
-    from andrea_core.rundir import RunDir
-    from andrea_core.supervise import SupervisionError
+    from andrea_core.ops import pivot
+    from andrea_core.ops.pivot import check_pivot
+    from andrea_core.ops.supervise import SupervisionError
+    from andrea_core.run.rundir import RunDir
 
     run = RunDir(args.run_dir)
     log = lambda msg: print(f"andrea: {msg}", flush=True)  # noqa: E731
@@ -286,7 +285,7 @@ def cmd_pivot(args: argparse.Namespace) -> int:
         if args.abandon:
             if args.policy:
                 raise ValueError("--abandon takes no --policy")
-            pivoting.abandon(run, log)
+            pivot.abandon(run, log)
             return 0
         if not args.policy:
             raise ValueError("--policy is required (the policy to pivot to), or --abandon")
@@ -294,7 +293,7 @@ def cmd_pivot(args: argparse.Namespace) -> int:
         checked = check_pivot(
             run, args.policy, max_steps=args.max_steps, device=args.device, restart=args.restart, warn=_warn
         )
-        result = pivoting.run_pivot(
+        result = pivot.run_pivot(
             run,
             checked,
             at=args.at,
@@ -312,7 +311,7 @@ def cmd_pivot(args: argparse.Namespace) -> int:
     if "resumed" in result:
         pid = result["resumed"]["pid"]
         line += f"; resumed at step {result['resumed']['first_step']}, trainer pid {pid}"
-        line += f" (output in {pivoting.trainer_log_path(run)})"
+        line += f" (output in {pivot.trainer_log_path(run)})"
     else:
         line += "; trainer left stopped"
     print(line)
@@ -350,7 +349,7 @@ class _BranchAction(argparse.Action):
 
 def cmd_fork(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.fork import BranchSpec, fork
+    from andrea_core.ops.fork import BranchSpec, fork
 
     if not args.branches:
         return _refuse(ValueError("fork: name one or more branches (--branch NAME [--set key=value ...])"))
@@ -366,7 +365,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.compare import compare_branches, default_report_dir, forked_from, write_report
+    from andrea_core.ops.compare import compare_branches, default_report_dir, forked_from, write_report
 
     try:
         parent, step = forked_from(args.branch_dirs)
@@ -544,7 +543,7 @@ def _operator_errors() -> tuple[type[Exception], ...]:
     from andrea_core.checkpoint import CheckpointError  # `andrea train` with every checkpoint refused
     from andrea_core.config import ConfigError
     from andrea_core.data.corpora import CorpusError
-    from andrea_core.data.sources import SourceUnavailable
-    from andrea_core.lock import LockError
+    from andrea_core.data.policy import SourceUnavailable
+    from andrea_core.run.lock import LockError
 
     return (ConfigError, LockError, FileNotFoundError, SourceUnavailable, CorpusError, CheckpointError)

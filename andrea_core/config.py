@@ -113,7 +113,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RetentionConfig:
-    """Which checkpoints stay once newer ones exist (see andrea_core/retention.py). Pivot boundaries
+    """Which checkpoints stay once newer ones exist (see run/retention.py). Pivot boundaries
     and fork points are kept whatever these say."""
 
     keep_last: int | None = 5  # the newest N; None keeps every checkpoint

@@ -7,7 +7,7 @@ Who may be signalled: a trainer process carries a secret nonce in its environmen
 (`ANDREA_TRAINER_NONCE`, tagged with its pid so that one inherited from a parent does not count) and
 writes it into the run's lock. /proc/PID/environ shows the environment a process was exec'd with, to
 its own user only, so a lock's pid is signalled only if that process shows the lock's nonce
-(andrea_core.lock). Standard library only: this module runs before any heavy import.
+(run/lock.py). Standard library only: this module runs before any heavy import.
 """
 
 from __future__ import annotations

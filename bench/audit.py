@@ -4,7 +4,7 @@
           (left-padded with newline tokens, no mask) generated without a KV cache: every new token a
           forward pass over the whole sequence so far (reimplemented here: `old_validation`,
           `old_generation`);
-  after   andrea_core.audit.run_audit: all arms' validation losses in one forward pass, all prompts in
+  after   andrea_core.train.audit.run_audit: all arms' validation losses in one forward pass, all prompts in
           one batch with a KV cache (GPT.generate).
 Both on the same untrained-but-initialised model, the same data, the same device; each timed as the
 median of --repeats runs after one untimed warm-up. The training step is the trainer's own
@@ -31,8 +31,13 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from andrea_core import distributed  # noqa: E402
-from andrea_core.audit import (  # noqa: E402
+from andrea_core.config import load_run_config  # noqa: E402
+from andrea_core.data.pipeline import DataPipeline  # noqa: E402
+from andrea_core.data.policy import load_policy  # noqa: E402
+from andrea_core.data.tokens import BPETokenizer, train_run_bpe  # noqa: E402
+from andrea_core.model.gpt import GPT  # noqa: E402
+from andrea_core.train import distributed  # noqa: E402
+from andrea_core.train.audit import (  # noqa: E402
     NEW_TOKENS,
     PROMPTS,
     TEMPERATURE,
@@ -41,13 +46,8 @@ from andrea_core.audit import (  # noqa: E402
     run_audit,
     validation_losses,
 )
-from andrea_core.config import load_run_config  # noqa: E402
-from andrea_core.data.pipeline import DataPipeline  # noqa: E402
-from andrea_core.data.policy import load_policy  # noqa: E402
-from andrea_core.data.tokens import BPETokenizer, train_run_bpe  # noqa: E402
-from andrea_core.model import GPT  # noqa: E402
-from andrea_core.optim import build_optimizer  # noqa: E402
-from andrea_core.trainer import Trainer  # noqa: E402
+from andrea_core.train.optim import build_optimizer  # noqa: E402
+from andrea_core.train.trainer import Trainer  # noqa: E402
 
 
 @torch.no_grad()

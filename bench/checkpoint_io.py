@@ -29,11 +29,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from andrea_core.checkpoint import checkpoint_name, restore, snapshot  # noqa: E402
-from andrea_core.checkpointer import Checkpointer  # noqa: E402
 from andrea_core.config import load_run_config  # noqa: E402
-from andrea_core.model import GPT  # noqa: E402
-from andrea_core.optim import build_optimizer  # noqa: E402
-from andrea_core.rundir import RunDir  # noqa: E402
+from andrea_core.model.gpt import GPT  # noqa: E402
+from andrea_core.run.rundir import RunDir  # noqa: E402
+from andrea_core.train.checkpoint_writer import Checkpointer  # noqa: E402
+from andrea_core.train.optim import build_optimizer  # noqa: E402
 
 
 def drop_from_page_cache(path: Path) -> None:

@@ -33,9 +33,10 @@ import torch  # noqa: E402
 
 from andrea_core.config import load_run_config  # noqa: E402
 from andrea_core.data.pipeline import step_rng  # noqa: E402
-from andrea_core.rundir import RunDir  # noqa: E402
-from andrea_core.runs import cpu_model, create_run  # noqa: E402
-from andrea_core.trainer import Trainer  # noqa: E402
+from andrea_core.run.record import cpu_model  # noqa: E402
+from andrea_core.run.rundir import RunDir  # noqa: E402
+from andrea_core.train.setup import create_run
+from andrea_core.train.trainer import Trainer  # noqa: E402
 
 H200_120M_STEP_S = 0.059  # ANDREA-120M's trainer step on an H200, measured (issue 9)
 

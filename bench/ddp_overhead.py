@@ -66,8 +66,8 @@ def flag_allreduce_worker(iterations: int, device: str) -> None:
     trainer does); rank 0 prints microseconds per call."""
     import torch
 
-    from andrea_core import distributed
     from andrea_core.signals import TrainerSignals
+    from andrea_core.train import distributed
 
     world = distributed.world_from_env()
     torch.set_num_threads(1)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from andrea_core.loss_log import LossWriter, _entry, parse_entries, read_history  # noqa: E402
-from andrea_core.rundir import LOSS_LOG, RunDir  # noqa: E402
-from andrea_core.supervise import LossLogSnapshot  # noqa: E402
+from andrea_core.ops.supervise import LossLogSnapshot  # noqa: E402
+from andrea_core.run.loss_log import LossWriter, _entry, parse_entries, read_history  # noqa: E402
+from andrea_core.run.rundir import LOSS_LOG, RunDir  # noqa: E402
 
 ARMS = ["stdlib-code", "repo-docstrings", "docs-prose"]
 

@@ -54,19 +54,19 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from andrea_core.audit import run_audit  # noqa: E402
 from andrea_core.checkpoint import expected_size  # noqa: E402
 from andrea_core.config import RunConfig, load_run_config  # noqa: E402
 from andrea_core.data.pipeline import DataPipeline  # noqa: E402
 from andrea_core.data.policy import load_policy  # noqa: E402
 from andrea_core.data.tokens import train_run_bpe  # noqa: E402
-from andrea_core.loss_log import read_history  # noqa: E402
-from andrea_core.model import GPT  # noqa: E402
-from andrea_core.optim import lr_at  # noqa: E402
-from andrea_core.progress import Progress  # noqa: E402
-from andrea_core.rundir import RunDir  # noqa: E402
-from andrea_core.runs import create_run  # noqa: E402
-from andrea_core.trainer import Trainer  # noqa: E402
+from andrea_core.model.gpt import GPT  # noqa: E402
+from andrea_core.run.loss_log import read_history  # noqa: E402
+from andrea_core.run.rundir import RunDir  # noqa: E402
+from andrea_core.train.audit import run_audit  # noqa: E402
+from andrea_core.train.optim import lr_at  # noqa: E402
+from andrea_core.train.progress import Progress  # noqa: E402
+from andrea_core.train.setup import create_run  # noqa: E402
+from andrea_core.train.trainer import Trainer  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device-name fragment.
 CUDA_PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0}

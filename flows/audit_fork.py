@@ -15,8 +15,8 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
-from andrea_core.compare import default_report_dir
-from andrea_core.rundir import RunDir
+from andrea_core.ops.compare import default_report_dir
+from andrea_core.run.rundir import RunDir
 from tasks.artifacts import publish_fork_report, run_name
 from tasks.fork import (
     Branch,

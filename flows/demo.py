@@ -19,8 +19,8 @@ from prefect import flow
 
 from andrea_core.config import REPO_ROOT, load_run_config
 from andrea_core.data.prepare import prepare, resolve_target
-from andrea_core.rundir import RunDir
-from andrea_core.supervise import wait_for_logged_step
+from andrea_core.ops.supervise import wait_for_logged_step
+from andrea_core.run.rundir import RunDir
 from flows._background import start_subflow
 from flows.audit_fork import audit_fork
 from flows.pivot import pivot

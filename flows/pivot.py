@@ -1,4 +1,4 @@
-"""`pivot`: change a run's data policy mid-run without retraining (DESIGN.md "Pivot sequence").
+"""`pivot`: change a run's data policy mid-run without retraining (docs/design.md "Pivot sequence").
 
   1. take the pivot checkpoint: the next one on the grid (at="boundary") or one right now (at="now",
      SIGUSR1); with no trainer running, the newest valid checkpoint
@@ -12,9 +12,9 @@
 A bad policy, a policy the trainer would refuse on this machine's data, a device that is not here, a
 max_steps not beyond the pivot point or a train deployment that does not exist are refused before step 1:
 nothing is touched. From step 1 until the new policy is installed, pivot.json records the pivot under
-way, so that retention never deletes its checkpoint; it is also the pivot's journal (andrea_core.pivoting):
+way, so that retention never deletes its checkpoint; it is also the pivot's journal (andrea_core.ops.pivot):
 rerunning the same pivot after a crash at any step completes it exactly once. A resumed trainer that
-dies before its first step is reported at once, with its error. The steps are andrea_core.pivoting's,
+dies before its first step is reported at once, with its error. The steps are andrea_core.ops.pivot's,
 the same ones `andrea pivot` runs in a shell."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 from prefect.states import Completed, State
 
-from andrea_core.lock import live_trainer
-from andrea_core.rundir import RunDir
+from andrea_core.run.lock import live_trainer
+from andrea_core.run.rundir import RunDir
 from flows._background import start_subflow
 from flows.train import train
 from tasks.artifacts import run_name

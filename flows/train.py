@@ -10,7 +10,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 from tasks.artifacts import run_name
 from tasks.gpu import holding_gpu_slots
 from tasks.trainer import run_trainer

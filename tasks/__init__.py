@@ -1,4 +1,4 @@
-"""Prefect tasks: thin wrappers over andrea_core, one clear job each (DESIGN.md "Layout").
+"""Prefect tasks: thin wrappers over andrea_core, one clear job each (docs/design.md "Layout").
 
 trainer.py    run and follow a trainer process, signal the trainer of a run, wait for a checkpoint,
               stop a trainer and wait for its exit

@@ -15,7 +15,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
-from andrea_core.compare import (
+from andrea_core.ops.compare import (
     Comparison,
     markdown_text,
     plot_comparison,
@@ -23,7 +23,7 @@ from andrea_core.compare import (
     report_markdown,
     write_report,
 )
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 
 
 def artifact_key(*parts: str) -> str:

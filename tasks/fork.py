@@ -8,10 +8,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from andrea_core import compare, fork
 from andrea_core.checkpoint import CheckpointError
 from andrea_core.config import ConfigError
-from andrea_core.rundir import RunDir
+from andrea_core.ops import compare, fork
+from andrea_core.run.rundir import RunDir
 
 
 class Branch(BaseModel):

@@ -18,7 +18,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from andrea_core.supervise import gpu_slot_name, gpu_slot_names
+from andrea_core.ops.supervise import gpu_slot_name, gpu_slot_names
 
 LEASE_S = 60.0
 

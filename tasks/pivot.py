@@ -1,4 +1,4 @@
-"""The pivot's steps as tasks (DESIGN.md "Pivot sequence"): thin wrappers over andrea_core.pivoting, the
+"""The pivot's steps as tasks (docs/design.md "Pivot sequence"): thin wrappers over andrea_core.ops.pivot, the
 journaled steps `andrea pivot` runs too. Starting the resumed trainer as a deployment run or a subflow
 is Prefect's own, in flows/pivot.py."""
 
@@ -11,10 +11,10 @@ from concurrent.futures import Future
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from andrea_core import pivot, pivoting
 from andrea_core.config import ConfigError
-from andrea_core.rundir import RunDir
-from andrea_core.runs import read_policy
+from andrea_core.data.policy import read_policy
+from andrea_core.ops import pivot
+from andrea_core.run.rundir import RunDir
 
 
 @task(name="check-new-policy", cache_policy=NO_CACHE)
@@ -72,46 +72,46 @@ def _require_deployment(name: str | None) -> None:
 @task(name="begin-pivot", cache_policy=NO_CACHE)
 def begin_pivot(run_dir: str, policy: str, checked: dict, at: str, restart: str) -> dict:
     """The pivot journal: the one a crash left of this same pivot (resumed from its last step), or a
-    new one (pivoting.begin_pivot)."""
+    new one (pivot.begin_pivot)."""
     run = RunDir(run_dir)
     parsed = pivot.parse_policy_text(checked["text"], policy)
     check = pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
-    return pivoting.begin_pivot(run, check, at, restart, get_run_logger().info)
+    return pivot.begin_pivot(run, check, at, restart, get_run_logger().info)
 
 
 @task(name="take-pivot-checkpoint", cache_policy=NO_CACHE)
 def take_pivot_checkpoint(run_dir: str, journal: dict, timeout_s: float) -> dict:
-    """Step 1 (pivoting.take_pivot_checkpoint): the pivot checkpoint, protected by pivot.json."""
-    pivoting.take_pivot_checkpoint(RunDir(run_dir), journal, timeout_s, get_run_logger().info)
+    """Step 1 (pivot.take_pivot_checkpoint): the pivot checkpoint, protected by pivot.json."""
+    pivot.take_pivot_checkpoint(RunDir(run_dir), journal, timeout_s, get_run_logger().info)
     return journal
 
 
 @task(name="stop-trainer", cache_policy=NO_CACHE)
 def stop_trainer(run_dir: str, journal: dict) -> dict:
-    """Step 2 (pivoting.stop_trainer): SIGTERM the trainer and wait for its exit."""
-    stopped = pivoting.stop_trainer(RunDir(run_dir), journal, log=get_run_logger().info)
+    """Step 2 (pivot.stop_trainer): SIGTERM the trainer and wait for its exit."""
+    stopped = pivot.stop_trainer(RunDir(run_dir), journal, log=get_run_logger().info)
     return {"journal": journal, "stopped": stopped}
 
 
 @task(name="archive-phase", cache_policy=NO_CACHE)
 def archive_phase(run_dir: str, journal: dict) -> dict:
-    """Step 3 (pivoting.archive): the closed phase's sidecars, policy and tail into its folder."""
-    archived = pivoting.archive(RunDir(run_dir), journal, get_run_logger().info)
+    """Step 3 (pivot.archive): the closed phase's sidecars, policy and tail into its folder."""
+    archived = pivot.archive(RunDir(run_dir), journal, get_run_logger().info)
     return {"journal": journal, "archived": archived}
 
 
 @task(name="keep-loss-log", cache_policy=NO_CACHE)
 def keep_loss_log(run_dir: str, journal: dict) -> dict:
-    """Step 4 (pivoting.keep_loss_log): .loss.json checked byte for byte against the stop."""
-    kept = pivoting.keep_loss_log(RunDir(run_dir), journal)
+    """Step 4 (pivot.keep_loss_log): .loss.json checked byte for byte against the stop."""
+    kept = pivot.keep_loss_log(RunDir(run_dir), journal)
     get_run_logger().info(f".loss.json untouched: {kept['bytes']} bytes, sha256 {kept['sha256'][:16]}")
     return journal
 
 
 @task(name="install-policy", cache_policy=NO_CACHE)
 def install_policy(run_dir: str, journal: dict) -> dict:
-    """Step 5 (pivoting.install): the new policy.yaml."""
-    installed = pivoting.install(RunDir(run_dir), journal)
+    """Step 5 (pivot.install): the new policy.yaml."""
+    installed = pivot.install(RunDir(run_dir), journal)
     get_run_logger().info(f"installed policy {journal['policy']!r} (hash {installed})")
     return journal
 
@@ -120,9 +120,9 @@ def install_policy(run_dir: str, journal: dict) -> dict:
 def confirm_resumed_trainer(
     run_dir: str, journal: dict, timeout_s: float, ended: Callable[[], str | None] | None = None
 ) -> dict:
-    """Step 6's proof (pivoting.confirm_resumed): the first new step is boundary+1, the old history an
+    """Step 6's proof (pivot.confirm_resumed): the first new step is boundary+1, the old history an
     untouched prefix, a new process. `ended` reports a resumed trainer that died, at once."""
-    confirmed = pivoting.confirm_resumed(RunDir(run_dir), journal, timeout_s, ended)
+    confirmed = pivot.confirm_resumed(RunDir(run_dir), journal, timeout_s, ended)
     get_run_logger().info(
         f"resumed trainer logged step {confirmed['first_step']} loss {confirmed['first_loss']:.4f} "
         f"(segment {confirmed['segment']}); .loss.json still starts with its old bytes"
@@ -133,7 +133,7 @@ def confirm_resumed_trainer(
 @task(name="finish-pivot", cache_policy=NO_CACHE)
 def finish_pivot(run_dir: str) -> None:
     """The pivot is complete: its journal (pivot.json) goes."""
-    pivoting.finish_pivot(RunDir(run_dir))
+    pivot.finish_pivot(RunDir(run_dir))
 
 
 def flow_run_ended(flow_run_id: str, every_s: float = 2.0) -> Callable[[], str | None]:

@@ -1,4 +1,4 @@
-"""Tasks over trainer processes. The trainer is its own OS process (DESIGN.md "Processes"): these start
+"""Tasks over trainer processes. The trainer is its own OS process (docs/design.md "Processes"): these start
 and follow one, signal the trainer of a run directory, wait for its checkpoints and stop it."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from prefect.exceptions import TerminationSignal
 from prefect.logging.handlers import APILogWorker
 from prefect.states import Cancelled
 
-from andrea_core import supervise
-from andrea_core.rundir import RunDir
-from andrea_core.supervise import TrainerProcess
+from andrea_core.ops import supervise
+from andrea_core.ops.supervise import TrainerProcess
+from andrea_core.run.rundir import RunDir
 from tasks.artifacts import TrainingProgress, publish_status, run_name
 
-CONTRACT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # what a trainer understands (DESIGN.md "Signals")
+CONTRACT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # what a trainer understands (docs/design.md "Signals")
 
 
 def _trainer_task_name() -> str:
@@ -129,7 +129,7 @@ def signal_trainer(run_dir: str, signal_name: str) -> dict:
     Returns what the run looked like just before, for waiting on the signal's effect."""
     if signal_name not in CONTRACT_SIGNALS:
         raise ValueError(f"signal {signal_name!r}: a trainer understands only {', '.join(CONTRACT_SIGNALS)}")
-    from andrea_core.pivoting import signal_live_trainer
+    from andrea_core.ops.pivot import signal_live_trainer
 
     run = RunDir(run_dir)
     receipt = {**signal_live_trainer(run, signal_name), "time": time.time()}
@@ -141,6 +141,6 @@ def signal_trainer(run_dir: str, signal_name: str) -> dict:
 def stop_trainer(run_dir: str, timeout_s: float = 300.0) -> dict:
     """SIGTERM the trainer of `run_dir` (identity-checked) and wait until it has exited: by then it has
     checkpointed the step in flight. A run with no live trainer is left alone."""
-    from andrea_core.pivoting import stop_live_trainer
+    from andrea_core.ops.pivot import stop_live_trainer
 
     return stop_live_trainer(RunDir(run_dir), timeout_s, get_run_logger().info)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import RunDir
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("ANDREA_SHARED", REPO.parent / "shared"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 
 MIX = str(REPO / "configs" / "andrea-tiny-mix.yaml")
 STEPS = 200

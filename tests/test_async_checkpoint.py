@@ -27,15 +27,15 @@ import yaml
 from conftest import TINY, andrea, last_logged_step, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name, encode, snapshot
-from andrea_core.checkpointer import Checkpointer
 from andrea_core.config import load_run_config
 from andrea_core.data.mixer import Exp3Mixer
 from andrea_core.data.pipeline import step_rng
-from andrea_core.loss_log import read_history
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer
-from andrea_core.rundir import RunDir
-from andrea_core.trainer import Trainer
+from andrea_core.model.gpt import GPT
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.checkpoint_writer import Checkpointer
+from andrea_core.train.optim import build_optimizer
+from andrea_core.train.trainer import Trainer
 
 F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)  # Linux: F_LINUX_SPECIFIC_BASE + 0
 EVERY = 20  # checkpoint_every of these tests' runs: the tiny config, on a finer grid

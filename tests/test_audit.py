@@ -10,16 +10,16 @@ import torch
 from conftest import TINY, andrea
 from data_runs import EVERY, STEPS, mix_runs
 
-from andrea_core.audit import PROMPTS, run_audit, validation_losses
 from andrea_core.checkpoint import restore
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer
-from andrea_core.rundir import SAMPLES, RunDir
-from andrea_core.runs import read_run
-from andrea_core.samples import read_audits
+from andrea_core.model.gpt import GPT
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import SAMPLES, RunDir
+from andrea_core.run.samples import read_audits
+from andrea_core.train.audit import PROMPTS, run_audit, validation_losses
+from andrea_core.train.optim import build_optimizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from test_pivot_checks import half_policy
 from test_retention import fabricated_run
 
 from andrea_core.config import ConfigError
-from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ephemeral_prefect")]
 

@@ -10,10 +10,11 @@ from andrea_core.config import load_run_config
 from andrea_core.data.pipeline import make_mixer
 from andrea_core.data.policy import load_policy
 from andrea_core.data.state import BanditStore
-from andrea_core.fork import BranchSpec, fork, run_n_params
-from andrea_core.retention import apply_retention
-from andrea_core.rundir import STATE, RunDir
-from andrea_core.runs import create_run, read_run
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.run.record import read_run, run_n_params
+from andrea_core.run.retention import apply_retention
+from andrea_core.run.rundir import STATE, RunDir
+from andrea_core.train.setup import create_run
 from tests.conftest import REPO
 from tests.test_data_state import train
 

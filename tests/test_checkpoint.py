@@ -14,9 +14,9 @@ from conftest import REPO, TINY, andrea
 
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, decode, encode, step_from_name
 from andrea_core.config import load_run_config
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import RunDir
-from andrea_core.trainer import Trainer
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.trainer import Trainer
 
 # The hand-made vectors live in the project (copied from the shared test data, which ANDREA_SHARED may
 # still point at instead), so that they run in a bare clone too.
@@ -49,7 +49,7 @@ def test_checkpoint_layout_is_header_then_weights_m_v(tmp_path):
 
 
 def test_parameter_order_is_the_design_order():
-    from andrea_core.model import GPT
+    from andrea_core.model.gpt import GPT
 
     cfg = load_run_config(TINY).model
     names = [name for name, _ in GPT(cfg).named_parameters()]

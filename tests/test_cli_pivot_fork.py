@@ -21,10 +21,10 @@ from test_pivot_checks import half_policy
 from test_retention import fabricated_run
 
 from andrea_core.data.policy import load_policy
-from andrea_core.lock import live_trainer
-from andrea_core.loss_log import read_history
-from andrea_core.pivot import PIVOT_JSON
-from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.run.lock import live_trainer
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.pivot_journal import PIVOT_JSON
+from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
 from tests.tiny import tiny_config
 
 ARCHIVE_1 = "archive/phase_001_step_000200"
@@ -289,7 +289,7 @@ def test_fork_and_compare_from_the_shell_and_a_fork_killed_mid_copy(trained, tmp
     )
     urls = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
     assert set(urls) == {"base", "hot"}
-    from andrea_core.runs import read_run
+    from andrea_core.run.record import read_run
 
     hot = read_run(RunDir(urls["hot"]))
     assert hot.config.train.lr == 0.01 and hot.lineage["overrides"] == {

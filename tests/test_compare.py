@@ -1,4 +1,4 @@
-"""Audit-fork comparison (andrea_core.compare): real branches trained from one checkpoint, scored on the
+"""Audit-fork comparison (andrea_core.ops.compare): real branches trained from one checkpoint, scored on the
 same held-out batches; and the winner's margin and noise on known numbers."""
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from andrea_core.checkpoint import restore
-from andrea_core.compare import (
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.policy import read_policy
+from andrea_core.model.gpt import GPT
+from andrea_core.ops.compare import (
     BranchResult,
     Comparison,
     _name_winner,
@@ -20,12 +23,10 @@ from andrea_core.compare import (
     report_markdown,
     sequence_losses,
 )
-from andrea_core.data.pipeline import DataPipeline
-from andrea_core.fork import BranchSpec, fork
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer
-from andrea_core.rundir import RunDir
-from andrea_core.runs import read_policy, read_run
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.optim import build_optimizer
 from tests.conftest import andrea
 from tests.tiny import tiny_config
 

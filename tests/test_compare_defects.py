@@ -10,7 +10,8 @@ import pytest
 from markdown_it import MarkdownIt
 from test_retention import fabricated_run
 
-from andrea_core.compare import (
+from andrea_core.config import ConfigError
+from andrea_core.ops.compare import (
     UNTRAINED,
     BranchResult,
     Comparison,
@@ -20,9 +21,8 @@ from andrea_core.compare import (
     plot_comparison,
     report_markdown,
 )
-from andrea_core.config import ConfigError
-from andrea_core.fork import BranchSpec, fork
-from andrea_core.rundir import LOSS_LOG
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.run.rundir import LOSS_LOG
 
 SEQS = [1.0, 3.0, 1.5, 2.5, 2.0, 4.0]
 

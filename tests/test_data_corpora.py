@@ -28,8 +28,8 @@ from andrea_core.data.corpora import CorpusError, is_validation
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import parse_policy
 from andrea_core.data.tokens import DOC_SEPARATOR, BPETokenizer, ByteTokenizer, run_tokenizer
-from andrea_core.rundir import RunDir
-from andrea_core.runs import create_run
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.setup import create_run
 
 CFG = load_run_config("andrea-tiny")
 QUIET = lambda line: None  # noqa: E731

@@ -13,8 +13,8 @@ from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.data.changes import DATA_LOG, read_data_log
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import RunDir
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
 
 STEPS = 200
 ARMS = {"notes", "posts", "table", "nano", "llmc"}

@@ -13,8 +13,8 @@ from conftest import REPO, andrea
 from data_runs import EVERY, STEPS, mix_runs
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.loss_log import parse_lines, read_history
-from andrea_core.rundir import LOSS_LOG, STATE, RunDir
+from andrea_core.run.loss_log import parse_lines, read_history
+from andrea_core.run.rundir import LOSS_LOG, STATE, RunDir
 
 TINY_MIX = (REPO / "configs" / "andrea-tiny-mix.yaml").read_text()
 

@@ -13,8 +13,8 @@ from andrea_core.data.mixer import Exp3Mixer
 from andrea_core.data.pipeline import make_mixer, step_rng
 from andrea_core.data.policy import parse_policy
 from andrea_core.data.state import BanditStore
-from andrea_core.pivot import archive_phase
-from andrea_core.rundir import ARCHIVE, STATE, RunDir
+from andrea_core.ops.pivot import archive_phase
+from andrea_core.run.rundir import ARCHIVE, STATE, RunDir
 
 ARMS = ["stdlib-code", "repo-docstrings", "docs-prose"]
 

@@ -11,13 +11,13 @@ from conftest import REPO, andrea
 
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
-from andrea_core.data.policy import ArmSpec
+from andrea_core.data.policy import ArmSpec, read_policy
 from andrea_core.data.sources import open_source
-from andrea_core.data.tokens import BPE_TRAIN_BYTES, ByteTokenizer, cache_dir, run_tokenizer, token_cache
-from andrea_core.fork import BranchSpec, fork
-from andrea_core.rundir import TOKENIZER_JSON, RunDir
-from andrea_core.runs import create_run, read_policy
-from andrea_core.samples import read_audits
+from andrea_core.data.tokens import BPE_TRAIN_BYTES, ByteTokenizer, run_tokenizer, token_cache
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.run.rundir import TOKENIZER_JSON, RunDir, cache_dir
+from andrea_core.run.samples import read_audits
+from andrea_core.train.setup import create_run
 
 MIX = str(REPO / "configs" / "andrea-tiny-mix.yaml")
 

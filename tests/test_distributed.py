@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.distributed import World, share_flags, world_from_env
-from andrea_core.lock import read_lock
-from andrea_core.rundir import RunDir
+from andrea_core.run.lock import read_lock
+from andrea_core.run.rundir import RunDir
 from andrea_core.signals import TrainerSignals
+from andrea_core.train.distributed import World, share_flags, world_from_env
 from tests.conftest import REPO, _env, andrea, last_logged_step, lock_released, start_trainer, wait_for
 from tests.tiny import tiny_config
 
@@ -124,7 +124,7 @@ def test_flags_are_all_reduced_into_a_snapshot_every_rank_shares(tmp_path):
 
 def test_batch_that_does_not_split_evenly_is_refused_naming_the_fields():
     from andrea_core.config import ConfigError
-    from andrea_core.distributed import check_batch
+    from andrea_core.train.distributed import check_batch
 
     check_batch(World(0, 2), 8, 2)
     with pytest.raises(
@@ -262,7 +262,8 @@ def test_two_node_stand_in(tmp_path):
 
 
 def test_train_flow_and_trainer_command_take_nproc_per_node():
-    from andrea_core.supervise import gpu_slot_names, trainer_command
+    from andrea_core.command import trainer_command
+    from andrea_core.ops.supervise import gpu_slot_names
     from flows.train import train
 
     argv = trainer_command("/runs/x", device="cpu", nproc_per_node=2)
@@ -277,7 +278,7 @@ def test_train_flow_and_trainer_command_take_nproc_per_node():
 def test_trainer_process_of_two_ranks_follows_and_stops_like_one(tmp_path):
     """The run-trainer task's view: one process (the agent), rank 0's lines, and a SIGTERM to it (a
     Prefect cancellation) that ends in a checkpoint of the step in flight and exit 0."""
-    from andrea_core.supervise import TrainerProcess
+    from andrea_core.ops.supervise import TrainerProcess
 
     run = RunDir(str(tmp_path / "run"))
     config = _config(tmp_path, 100_000, 1000)
@@ -297,8 +298,8 @@ def test_pivot_of_a_two_rank_trainer(tmp_path):
     """The pivot sequence's steps against a 2-rank job, through what the pivot tasks use: SIGUSR1 to
     the lock's pid (rank 0) for the pivot checkpoint, SIGTERM to it to stop the job, the run directory's
     steps 3-5, and a 2-rank restart from the boundary under the new policy with a fresh bandit."""
-    from andrea_core.lock import live_trainer
-    from andrea_core.pivot import pivot_run_directory
+    from andrea_core.ops.pivot import pivot_run_directory
+    from andrea_core.run.lock import live_trainer
     from tests.conftest import TINY
 
     run = tmp_path / "run"
@@ -328,7 +329,7 @@ def test_pivot_of_a_two_rank_trainer(tmp_path):
 def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
     """A resume under a policy the .state.json does not belong to: rank 0 moves the state aside (one
     file in archive/), every rank starts the same fresh bandit, no rank writes or trips over the move."""
-    from andrea_core.pivot import install_policy
+    from andrea_core.ops.pivot import install_policy
     from tests.conftest import TINY
 
     run = tmp_path / "run"
@@ -345,7 +346,7 @@ def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
 def test_andrea_pivot_restarts_a_two_rank_job_at_two_ranks(tmp_path):
     """`andrea pivot --restart` against a 2-rank job: the resumed trainer is a 2-rank job again (the
     world size the stopped trainer's lock recorded), not a single process."""
-    from andrea_core.lock import live_trainer, read_lock
+    from andrea_core.run.lock import live_trainer, read_lock
 
     run = tmp_path / "run"
     rd = RunDir(str(run))

@@ -21,10 +21,10 @@ from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name, restore
 from andrea_core.data.tokens import run_tokenizer
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer
-from andrea_core.rundir import TOKENIZER_JSON, RunDir
-from andrea_core.runs import read_run
+from andrea_core.model.gpt import GPT
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import TOKENIZER_JSON, RunDir
+from andrea_core.train.optim import build_optimizer
 
 STEPS, EVERY = 100, 50
 
@@ -178,7 +178,7 @@ def test_export_bad_inputs_exit_2_naming_them(trained, tmp_path):
 
 
 def test_export_never_unpickles(trained, tmp_path, monkeypatch):
-    from andrea_core.export import export_checkpoint
+    from andrea_core.ops.export import export_checkpoint
 
     def refuse(*a, **k):
         raise AssertionError("export unpickled something")

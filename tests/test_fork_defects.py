@@ -14,12 +14,13 @@ from test_retention import fabricated_run
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError, RetentionConfig
 from andrea_core.data.policy import load_policy
-from andrea_core.fork import BranchSpec, fork, fork_records
-from andrea_core.loss_log import read_history
-from andrea_core.pivot import pivot_run_directory
-from andrea_core.retention import apply_retention
-from andrea_core.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, RunDir
-from andrea_core.runs import read_run
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.ops.pivot import pivot_run_directory
+from andrea_core.run.lineage import fork_records
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.record import read_run
+from andrea_core.run.retention import apply_retention
+from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, RunDir
 
 TINY_MIX = (Path(TINY).parent / "policies" / "tiny-mix.yaml").read_text()
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from andrea_core.checkpoint import CheckpointError
-from andrea_core.loss_log import json_lines, read_history
-from andrea_core.rundir import RunDir
+from andrea_core.run.loss_log import json_lines, read_history
+from andrea_core.run.rundir import RunDir
 from tests.conftest import start_trainer, wait_for
 from tests.tiny import tiny_config
 

@@ -41,10 +41,10 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from andrea_core import cli, signals
-from andrea_core.fork import BranchSpec, fork
-from andrea_core.lock import TrainerIdentity
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import RunDir
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.run.lock import TrainerIdentity
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
 from tests.conftest import andrea
 from tests.tiny import tiny_config
 

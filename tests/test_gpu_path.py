@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from conftest import TINY, last_logged_step, start_trainer, wait_for
 from tiny import tiny_config
 
-from andrea_core.audit import generate_samples, prompt_generator, validation_losses
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
-from andrea_core.loss_log import read_history
-from andrea_core.model import GPT
-from andrea_core.rundir import RunDir
-from andrea_core.samples import read_audits
-from andrea_core.trainer import Trainer
+from andrea_core.model.gpt import GPT
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
+from andrea_core.run.samples import read_audits
+from andrea_core.train.audit import generate_samples, prompt_generator, validation_losses
+from andrea_core.train.trainer import Trainer
 
 PROMPTS = [[10, 20, 30, 40], [50, 60, 70, 80, 90, 100, 110], [120], [130, 140, 150, 160, 170, 180]]
 

@@ -16,9 +16,9 @@ import time
 import pytest
 from conftest import REPO, _env, andrea, start_trainer, wait_for
 
-from andrea_core import lock
-from andrea_core.lock import LeaseLost, LockError, read_lock
-from andrea_core.rundir import LOCK, RunDir
+from andrea_core.run import lock
+from andrea_core.run.lock import LeaseLost, LockError, read_lock
+from andrea_core.run.rundir import LOCK, RunDir
 from tests.tiny import tiny_config
 
 FAST_LEASE = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "3"}

@@ -10,9 +10,9 @@ from test_retention import fabricated_run
 
 from andrea_core import cli
 from andrea_core.checkpoint import checkpoint_name, encode
-from andrea_core.fork import BranchSpec, fork
-from andrea_core.pivot import pivot_run_directory
-from andrea_core.rundir import RunDir
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.ops.pivot import pivot_run_directory
+from andrea_core.run.rundir import RunDir
 
 
 def copy_checkpoint(src: RunDir, step: int, dst: RunDir, new_step: int) -> None:

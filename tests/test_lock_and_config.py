@@ -12,8 +12,8 @@ import yaml
 from conftest import TINY, andrea, start_trainer, wait_for
 
 from andrea_core.config import ConfigError, load_run_config, parse_run_config
-from andrea_core.lock import TrainerIdentity, read_lock
-from andrea_core.rundir import RunDir
+from andrea_core.run.lock import TrainerIdentity, read_lock
+from andrea_core.run.rundir import RunDir
 
 
 def test_second_trainer_on_a_live_run_is_refused(tmp_path):
@@ -106,7 +106,7 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
 def test_shipped_configs_load_and_have_their_sizes():
     import torch
 
-    from andrea_core.model import GPT
+    from andrea_core.model.gpt import GPT
 
     sizes = {}
     for name in ("andrea-tiny", "andrea-12m", "andrea-120m"):

@@ -12,9 +12,9 @@ import uuid
 import pytest
 from conftest import TINY, andrea
 
-from andrea_core import lock
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import LOCK, RunDir
+from andrea_core.run import lock
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import LOCK, RunDir
 
 
 @pytest.fixture(scope="module")

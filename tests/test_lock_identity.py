@@ -20,9 +20,9 @@ import pytest
 from conftest import _env, start_trainer, wait_for
 from s3_server import ThrottledLink
 
-from andrea_core import lock
-from andrea_core.lock import LockError, NotOurTrainer, TrainerIdentity, live_trainer, read_lock
-from andrea_core.rundir import LOCK, RunDir
+from andrea_core.run import lock
+from andrea_core.run.lock import LockError, NotOurTrainer, TrainerIdentity, live_trainer, read_lock
+from andrea_core.run.rundir import LOCK, RunDir
 from tests.tiny import tiny_config
 
 PROCESSES, TRIALS = 6, 30
@@ -130,7 +130,7 @@ def test_a_lock_held_in_another_pid_namespace_is_refused_not_taken_over(tmp_path
         pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode().strip()}")
     run = RunDir(str(tmp_path / "run"))
     holder_code = (
-        "from andrea_core import lock; from andrea_core.rundir import RunDir; import time; "
+        "from andrea_core.run import lock; from andrea_core.run.rundir import RunDir; import time; "
         # A live trainer there renews its lease: that, not its pid, is what this namespace can see.
         f"me = lock.Lease.take(RunDir({run.url!r})).me; print(me.pid, me.pid_ns, flush=True); time.sleep(600)"
     )
@@ -207,7 +207,7 @@ def test_a_forged_lock_naming_a_live_process_of_ours_gets_it_no_signal(victim, t
         for send in (ident.stop, lambda: ident.signal(signal.SIGUSR1)):
             with pytest.raises(NotOurTrainer, match="is not this run's andrea trainer"):
                 send()
-        from andrea_core.supervise import require_live_trainer
+        from andrea_core.ops.supervise import require_live_trainer
 
         with pytest.raises(NotOurTrainer, match="does not carry the lock's trainer nonce"):
             require_live_trainer(run).signal(signal.SIGTERM)

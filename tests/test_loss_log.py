@@ -6,8 +6,8 @@ import json
 
 from conftest import TINY, andrea
 
-from andrea_core.loss_log import LossWriter, canonical, parse_lines, read_history
-from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.run.loss_log import LossWriter, canonical, parse_lines, read_history
+from andrea_core.run.rundir import LOSS_LOG, RunDir
 
 
 def _line(step, loss, segment):

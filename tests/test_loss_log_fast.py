@@ -10,15 +10,8 @@ from __future__ import annotations
 import json
 import math
 
-from andrea_core.loss_log import (
-    LossWriter,
-    _entry,
-    canonical,
-    parse_entries,
-    parse_lines,
-    read_history,
-)
-from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.run.loss_log import LossWriter, _entry, canonical, parse_entries, parse_lines, read_history
+from andrea_core.run.rundir import LOSS_LOG, RunDir
 
 
 def same(a, b) -> bool:

@@ -15,12 +15,13 @@ from conftest import TINY, andrea, start_trainer, wait_for
 from andrea_core import cli
 from andrea_core.checkpoint import checkpoint_name, decode
 from andrea_core.config import load_run_config
-from andrea_core.fork import BranchSpec, fork, fork_records
-from andrea_core.loss_log import LossWriter, canonical, parse_lines, read_history
-from andrea_core.objstore import ConcurrentWriteError
-from andrea_core.pivot import pivot_run_directory
-from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
-from andrea_core.trainer import Trainer
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.ops.pivot import pivot_run_directory
+from andrea_core.run.lineage import fork_records
+from andrea_core.run.loss_log import LossWriter, canonical, parse_lines, read_history
+from andrea_core.run.objstore import ConcurrentWriteError
+from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.train.trainer import Trainer
 
 MiB = 2**20
 

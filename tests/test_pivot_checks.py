@@ -19,12 +19,8 @@ from test_retention import fabricated_run
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError, RetentionConfig
 from andrea_core.data.policy import load_policy
-from andrea_core.lock import live_trainer
-from andrea_core.loss_log import read_history
-from andrea_core.pivot import PIVOT_JSON, clear_pivot, install_policy, record_pivot
-from andrea_core.retention import apply_retention
-from andrea_core.rundir import LOSS_LOG, RunDir
-from andrea_core.supervise import (
+from andrea_core.ops.pivot import install_policy
+from andrea_core.ops.supervise import (
     LossLogSnapshot,
     SupervisionError,
     TrainerProcess,
@@ -32,6 +28,11 @@ from andrea_core.supervise import (
     wait_for_first_entry_after,
     wait_for_new_checkpoint,
 )
+from andrea_core.run.lock import live_trainer
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.pivot_journal import PIVOT_JSON, clear_pivot, record_pivot
+from andrea_core.run.retention import apply_retention
+from andrea_core.run.rundir import LOSS_LOG, RunDir
 from tests.tiny import tiny_config
 
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from andrea_core.pivot import pivot_run_directory
-from andrea_core.rundir import STATE, RunDir
+from andrea_core.ops.pivot import pivot_run_directory
+from andrea_core.run.rundir import STATE, RunDir
 from tests.conftest import andrea
 from tests.tiny import tiny_config
 

@@ -31,15 +31,15 @@ from andrea_core.config import ConfigError
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
 from andrea_core.data.tokens import run_tokenizer
-from andrea_core.fork import BRANCH_NAME_RE
-from andrea_core.lock import live_trainer
-from andrea_core.loss_log import parse_lines, read_history
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer, lr_at
-from andrea_core.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLES, STATE, RunDir
-from andrea_core.runs import read_run
-from andrea_core.supervise import LossLogSnapshot, TrainerProcess, wait_for_first_entry_after
-from andrea_core.trainer import step_seed
+from andrea_core.model.gpt import GPT
+from andrea_core.ops.fork import BRANCH_NAME_RE
+from andrea_core.ops.supervise import LossLogSnapshot, TrainerProcess, wait_for_first_entry_after
+from andrea_core.run.lock import live_trainer
+from andrea_core.run.loss_log import parse_lines, read_history
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLES, STATE, RunDir
+from andrea_core.train.optim import build_optimizer, lr_at
+from andrea_core.train.trainer import step_seed
 from tests.browser import Chromium, chromium_path
 from tests.conftest import REPO, last_logged_step, wait_for
 from tests.tiny import tiny_config
@@ -585,7 +585,7 @@ def test_pivot_of_a_live_run(stack, live_run):
 
     # The first losses are what the pivot checkpoint predicts: its weights give step boundary+1's loss,
     # and its Adam m and v (not fresh zeros) give step boundary+2's.
-    # Bit for bit: the CPU at the run's thread count is deterministic (DESIGN.md "Determinism").
+    # Bit for bit: the CPU at the run's thread count is deterministic (docs/design.md "Determinism").
     actual = [e["loss"] for e in new_entries[:2]]
     assert actual == expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt)
     # With m and v lost (zeros), the first loss is the same (weights alone set it), the second is not.

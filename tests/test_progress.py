@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from andrea_core.progress import Progress
+from andrea_core.train.progress import Progress
 
 
 def test_a_vanished_reader_silences_progress_instead_of_raising():

@@ -13,9 +13,9 @@ from conftest import TINY, andrea, last_logged_step, lock_released, start_traine
 
 from andrea_core.checkpoint import checkpoint_name, encode
 from andrea_core.config import load_run_config
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import LOSS_LOG, RunDir
-from andrea_core.trainer import Trainer
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import LOSS_LOG, RunDir
+from andrea_core.train.trainer import Trainer
 
 PACE = "0.03"  # seconds per step: slow enough to land signals mid-run, 300 steps in ~10 s
 SEED = 20261130  # a fixed seed for the random kill point: a failure reproduces (it is printed)

@@ -12,11 +12,12 @@ from conftest import TINY, andrea
 from andrea_core import cli
 from andrea_core.checkpoint import checkpoint_name, encode
 from andrea_core.config import RetentionConfig, load_run_config
-from andrea_core.fork import BranchSpec, fork, run_n_params
-from andrea_core.pivot import pivot_run_directory
-from andrea_core.retention import apply_retention, plan_retention
-from andrea_core.rundir import RunDir
-from andrea_core.runs import create_run, read_run
+from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.ops.pivot import pivot_run_directory
+from andrea_core.run.record import read_run, run_n_params
+from andrea_core.run.retention import apply_retention, plan_retention
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.setup import create_run
 
 CFG = RetentionConfig(keep_last=3, keep_every=500)
 GRID = list(range(100, 2001, 100))

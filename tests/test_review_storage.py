@@ -9,12 +9,12 @@ import signal
 import pytest
 from conftest import andrea, last_logged_step
 
-from andrea_core.audit import Auditor
 from andrea_core.checkpoint import checkpoint_name, encode_header, step_from_name
 from andrea_core.config import load_run_config
-from andrea_core.retention import apply_retention
-from andrea_core.rundir import RunDir
-from andrea_core.trainer import Trainer
+from andrea_core.run.retention import apply_retention
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.audit import Auditor
+from andrea_core.train.trainer import Trainer
 from tests.tiny import tiny_config
 
 
@@ -152,7 +152,7 @@ def test_a_loss_log_put_whose_reply_is_lost_stops_no_checkpoint(tmp_path, s3_buc
     run = RunDir(url)
     assert len(puts) >= 6  # one publish per checkpoint at least, every one after the lost reply accepted
     assert run.checkpoint_steps() == [10, 20, 30, 40, 50, 60]
-    from andrea_core.loss_log import read_history
+    from andrea_core.run.loss_log import read_history
 
     assert [e.step for e in read_history(run)] == list(range(1, 61))
 
@@ -161,8 +161,8 @@ def test_a_publish_that_committed_but_failed_is_adopted_at_the_next(tmp_path, s3
     """The put reached the store, then the call failed anyway (retries exhausted on a lost reply): the
     next publish finds the store holding this writer's own earlier bytes and goes on from them."""
     monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
-    from andrea_core.objstore import ConcurrentWriteError
-    from andrea_core.rundir import LOSS_LOG
+    from andrea_core.run.objstore import ConcurrentWriteError
+    from andrea_core.run.rundir import LOSS_LOG
 
     run = RunDir(f"{s3_bucket}/run")
     f = run.open_append(LOSS_LOG)
@@ -210,7 +210,7 @@ def paged_s3_server():
 def test_abort_uploads_pages_through_a_truncated_listing(paged_s3_server):
     import fsspec.asyn
 
-    from andrea_core import objstore
+    from andrea_core.run import objstore
 
     fs = paged_s3_server.client()
     fs.mkdir("paged")

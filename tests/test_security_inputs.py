@@ -17,13 +17,12 @@ import pytest
 
 from andrea_core.checkpoint import CheckpointError, encode_header
 from andrea_core.config import ConfigError, load_run_config, parse_run_config
-from andrea_core.data.policy import ArmSpec, load_policy, parse_policy
-from andrea_core.data.sources import SourceUnavailable, open_source
-from andrea_core.fork import fork_records
-from andrea_core.lineage import format_lineage, read_lineage
-from andrea_core.loss_log import parse_entries, parse_lines, read_history
-from andrea_core.retention import protected_steps
-from andrea_core.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.data.policy import ArmSpec, SourceUnavailable, load_policy, parse_policy
+from andrea_core.data.sources import open_source
+from andrea_core.run.lineage import fork_records, format_lineage, read_lineage
+from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
+from andrea_core.run.retention import protected_steps
+from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
 from tests.conftest import REPO, TINY, _env, andrea
 from tests.tiny import tiny_config
 
@@ -266,7 +265,8 @@ def test_sidecar_bound_is_configurable(tmp_path, monkeypatch):
 def test_run_yaml_and_policy_yaml_reads_are_bounded_too(tmp_path, monkeypatch):
     """run.yaml was read whole whatever its size (noted last session): a multi-GB run.yaml planted in
     a shared run directory would have taken the reader's memory before any check."""
-    from andrea_core.runs import read_policy, read_run
+    from andrea_core.data.policy import read_policy
+    from andrea_core.run.record import read_run
 
     run = tmp_path / "run"
     andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "1", "--device", "cpu")
@@ -362,7 +362,7 @@ def test_a_model_too_large_is_refused_before_torch_allocates(monkeypatch):
 
 def test_estimated_parameter_count_is_the_models():
     from andrea_core.config import estimated_n_params
-    from andrea_core.model import GPT
+    from andrea_core.model.gpt import GPT
 
     for name in ("andrea-tiny", "andrea-12m"):
         cfg = load_run_config(name).model
@@ -399,7 +399,7 @@ def test_a_credentials_file_as_policy_does_not_leak_into_the_error(tmp_path):
 def test_loss_log_snapshot_reads_segments_past_a_nested_line(tmp_path):
     """Issue 18.3: the pivot's snapshot reads with the fast reader, which also skips a line that
     json.loads cannot parse without exceeding the recursion limit."""
-    from andrea_core.supervise import LossLogSnapshot
+    from andrea_core.ops.supervise import LossLogSnapshot
 
     lines = [
         b'{"step":1,"loss":2.5,"lr":0.1,"arm":null,"tokens":1,"segment":1,"time":1.0}',

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, _env, andrea, start_trainer
 
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 from tests.tiny import tiny_config
 
 
@@ -112,8 +112,9 @@ def test_the_parameter_count_by_arithmetic_is_the_models(config):
     what GPT allocates, for every shipped config and for odd shapes."""
     import torch
 
-    from andrea_core.config import ModelConfig, estimated_n_params, load_run_config
-    from andrea_core.model import GPT
+    from andrea_core.config import estimated_n_params, load_run_config
+    from andrea_core.model.gpt import GPT
+    from andrea_core.model_config import ModelConfig
 
     shapes = [
         load_run_config(config).model,

@@ -11,13 +11,13 @@ import pytest
 from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
 from tiny import tiny_config
 
-from andrea_core import lock
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import load_run_config
-from andrea_core.loss_log import LossEntry
-from andrea_core.rundir import LOCK, POLICY_YAML, RunDir
-from andrea_core.runs import create_run
-from andrea_core.status import run_status, throughput
+from andrea_core.ops.status import run_status, throughput
+from andrea_core.run import lock
+from andrea_core.run.loss_log import LossEntry
+from andrea_core.run.rundir import LOCK, POLICY_YAML, RunDir
+from andrea_core.train.setup import create_run
 
 EVERY = 20
 MAX = 5000  # run.yaml's max_steps, never reached: the trainer is stopped or killed first

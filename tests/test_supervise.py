@@ -1,4 +1,4 @@
-"""Supervising real trainer processes from outside (andrea_core.supervise, andrea_core.pdeathsig): what
+"""Supervising real trainer processes from outside (andrea_core.ops.supervise, andrea_core.pdeathsig): what
 the Prefect tasks are thin wrappers over, exercised without Prefect."""
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ import time
 import pytest
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.lock import TrainerIdentity, _boot_id, live_trainer, process_start_ticks, read_lock
-from andrea_core.loss_log import read_history
-from andrea_core.rundir import LOSS_LOG, RunDir
-from andrea_core.supervise import (
+from andrea_core.ops.supervise import (
     LossLogSnapshot,
     SupervisionError,
     TrainerProcess,
@@ -25,6 +22,9 @@ from andrea_core.supervise import (
     wait_for_checkpoint,
     wait_for_exit,
 )
+from andrea_core.run.lock import TrainerIdentity, _boot_id, live_trainer, process_start_ticks, read_lock
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import LOSS_LOG, RunDir
 from tests.conftest import REPO, _env, andrea, last_logged_step, wait_for
 from tests.tiny import tiny_config
 

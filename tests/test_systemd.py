@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, _env, last_logged_step, wait_for
 from tiny import tiny_config
 
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 
 UNIT = REPO / "deploy" / "systemd" / "andrea-train@.service"
 INSTALL_ROOT = "/opt/andrea"  # where the unit expects the repository and its .venv

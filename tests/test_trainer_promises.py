@@ -1,4 +1,4 @@
-"""Promises of the README and DESIGN.md that no other test held the code to: the sample audit's window
+"""Promises of the README and docs/design.md that no other test held the code to: the sample audit's window
 and schedule, the device `auto` picks, the resume warnings for another environment, and the GPU slot a
 device string maps to."""
 
@@ -12,9 +12,9 @@ import yaml
 from conftest import andrea
 from tiny import tiny_config
 
-from andrea_core.rundir import RUN_YAML, RunDir
-from andrea_core.samples import read_audits
-from andrea_core.supervise import gpu_slot_name
+from andrea_core.ops.supervise import gpu_slot_name
+from andrea_core.run.rundir import RUN_YAML, RunDir
+from andrea_core.run.samples import read_audits
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 
 DATA_LOG = "data.jsonl"
 

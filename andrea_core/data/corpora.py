@@ -35,8 +35,7 @@ from typing import Any, NamedTuple
 import fsspec
 import numpy as np
 
-from andrea_core.data.policy import ArmSpec
-from andrea_core.data.sources import SourceUnavailable
+from andrea_core.data.policy import ArmSpec, SourceUnavailable
 
 # Part of every corpus fingerprint: bump it when reading changes what a corpus yields.
 CORPUS_FORMAT = 1

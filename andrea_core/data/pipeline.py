@@ -16,13 +16,12 @@ import torch
 from andrea_core.config import RunConfig
 from andrea_core.data.changes import record_data_changes
 from andrea_core.data.mixer import Exp3Mixer, Mixer, UniformMixer
-from andrea_core.data.policy import CORPUS_KINDS, Policy, check_feasible
+from andrea_core.data.policy import CORPUS_KINDS, Policy, SourceUnavailable, check_feasible, read_policy
 from andrea_core.data.shards import ShardedTokens, check_corpus_split, corpus_arm
-from andrea_core.data.sources import SourceUnavailable, open_source
+from andrea_core.data.sources import open_source
 from andrea_core.data.state import BanditStore
 from andrea_core.data.tokens import ByteTokenizer, Tokenizer, run_tokenizer, token_cache
-from andrea_core.rundir import RunDir
-from andrea_core.runs import read_policy
+from andrea_core.run.rundir import RunDir
 
 
 @dataclass

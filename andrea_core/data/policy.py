@@ -14,7 +14,14 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from andrea_core.config import ConfigError, build_dataclass, check_limit, load_yaml, resolve_config_path
+from andrea_core.config import (
+    ConfigError,
+    build_dataclass,
+    check_limit,
+    load_yaml,
+    resolve_config_path,
+)
+from andrea_core.run.rundir import POLICY_YAML, RunDir
 
 # The user's own data, over fsspec URLs (andrea_core/data/corpora.py), beside the embedded defaults.
 CORPUS_KINDS = ("text", "jsonl", "parquet", "tokens")
@@ -154,3 +161,12 @@ def load_policy(name_or_path: str) -> tuple[Policy, str]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     return parse_policy(load_yaml(text, str(path)), str(path)), text
+
+
+def read_policy(run: RunDir) -> Policy:
+    source = run.path(POLICY_YAML)
+    return parse_policy(load_yaml(run.read_text(POLICY_YAML), source), source)
+
+
+class SourceUnavailable(RuntimeError):
+    """An arm's source is gone or empty on this machine (the zombie-arm case)."""

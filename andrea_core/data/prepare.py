@@ -16,10 +16,10 @@ from typing import Any
 
 from andrea_core.config import ConfigError, RunConfig, load_run_config
 from andrea_core.data.pipeline import DataPipeline
-from andrea_core.data.policy import Policy, load_policy
+from andrea_core.data.policy import Policy, load_policy, read_policy
 from andrea_core.data.tokens import BPETokenizer, ByteTokenizer, Tokenizer, new_run_tokenizer, run_tokenizer
-from andrea_core.rundir import RUN_YAML, RunDir
-from andrea_core.runs import read_policy, read_run
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import RUN_YAML, RunDir
 
 
 @dataclass

@@ -44,14 +44,9 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from andrea_core.config import RunConfig
-from andrea_core.data.corpora import (
-    CorpusError,
-    CorpusSource,
-    inspect_shard,
-    is_validation,
-)
+from andrea_core.data.corpora import CorpusError, CorpusSource, inspect_shard, is_validation
 from andrea_core.data.tokens import DOC_SEPARATOR, ByteTokenizer, Tokenizer
-from andrea_core.rundir import cache_dir
+from andrea_core.run.rundir import cache_dir
 
 CACHE_FORMAT = 1  # part of every cache key: bump it when the cache layout or contents change
 SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)

@@ -15,15 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from andrea_core.data.policy import CORPUS_KINDS, ArmSpec, is_plain_package_name
+from andrea_core.data.policy import CORPUS_KINDS, ArmSpec, SourceUnavailable, is_plain_package_name
 
 DEFAULT_DOCSTRING_PACKAGES = ["torch", "numpy", "prefect", "fsspec", "yaml", "pydantic", "sqlalchemy"]
 # Part of every fingerprint: bump it when extraction changes what a source yields, so caches rebuild.
 EXTRACTION_VERSION = 2
-
-
-class SourceUnavailable(RuntimeError):
-    """An arm's source is gone or empty on this machine (the zombie-arm case)."""
 
 
 @dataclass(frozen=True)

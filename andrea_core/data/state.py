@@ -15,7 +15,7 @@ written (retention.py: the newest keep_last, multiples of keep_every, pivot boun
 so that a fork or a resume from any checkpoint on disk restores that checkpoint's bandit, and no
 state outlives its checkpoint for more than one save.
 
-On load (DESIGN.md "Data mixer"): a state written under another policy hash is not loaded (the bandit
+On load (docs/design.md "Data mixer"): a state written under another policy hash is not loaded (the bandit
 starts fresh, as at a pivot) and is moved aside into archive/, never overwritten; an arm of the state
 that the mixer does not have (no longer listed, or its source unavailable or empty now) is a zombie:
 reported by name with its old weight and pulls, dropped, never pulled, its floor released (the mixer
@@ -32,10 +32,10 @@ from typing import Any
 from andrea_core.config import ConfigError, RetentionConfig
 from andrea_core.data.mixer import Mixer
 from andrea_core.data.policy import Policy
-from andrea_core.pivot import phases
-from andrea_core.retention import plan_retention, protected_steps
-from andrea_core.rundir import ARCHIVE, RUN_YAML, STATE, RunDir
-from andrea_core.runs import read_run
+from andrea_core.run.lineage import phases
+from andrea_core.run.record import read_run
+from andrea_core.run.retention import plan_retention, protected_steps
+from andrea_core.run.rundir import ARCHIVE, RUN_YAML, STATE, RunDir
 
 FORMAT = 1
 

@@ -16,9 +16,9 @@ from typing import Protocol
 import numpy as np
 
 from andrea_core.config import ConfigError, RunConfig
-from andrea_core.data.policy import ARM_NAME_RE, ARM_NAME_RULE, Policy
-from andrea_core.data.sources import Source, SourceUnavailable, open_source
-from andrea_core.rundir import TOKENIZER_JSON, RunDir, cache_dir
+from andrea_core.data.policy import ARM_NAME_RE, ARM_NAME_RULE, Policy, SourceUnavailable
+from andrea_core.data.sources import Source, open_source
+from andrea_core.run.rundir import TOKENIZER_JSON, RunDir, cache_dir
 
 DOC_SEPARATOR = "\n\n"
 # Text a BPE is trained on at run creation, over all arms: enough for a few thousand merges, and a

@@ -31,21 +31,25 @@ from dataclasses import dataclass
 
 import torch
 
-from andrea_core import distributed, lock, signals
-from andrea_core.audit import Auditor
+from andrea_core import signals
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
-from andrea_core.checkpointer import Checkpointer
-from andrea_core.config import ConfigError, RunConfig
+from andrea_core.config import RunConfig
 from andrea_core.data.pipeline import Batch, DataPipeline
-from andrea_core.fork import require_fork_point
-from andrea_core.loss_log import LossWriter, read_history
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer, lr_at
-from andrea_core.pivoting import require_no_half_pivot
-from andrea_core.progress import Progress
-from andrea_core.retention import apply_retention
-from andrea_core.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
-from andrea_core.runs import config_differences, create_run, environment, read_run
+from andrea_core.model.device import attention_kernels, pick_device
+from andrea_core.model.gpt import GPT
+from andrea_core.run import lock
+from andrea_core.run.lineage import require_fork_point
+from andrea_core.run.loss_log import LossWriter, read_history
+from andrea_core.run.pivot_journal import require_no_half_pivot
+from andrea_core.run.record import environment, read_run
+from andrea_core.run.retention import apply_retention
+from andrea_core.run.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
+from andrea_core.train import distributed
+from andrea_core.train.audit import Auditor
+from andrea_core.train.checkpoint_writer import Checkpointer
+from andrea_core.train.optim import build_optimizer, lr_at
+from andrea_core.train.progress import Progress
+from andrea_core.train.setup import prepare_run
 
 
 @dataclass
@@ -108,46 +112,9 @@ class _RankZeroOnly:
         return lambda *args, **kwargs: None
 
 
-def pick_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {requested}: CUDA is not available on this machine")
-    if requested != "cpu" and not requested.startswith("cuda"):
-        raise ConfigError(f"--device {requested}: expected auto, cpu or cuda[:N]")
-    return requested
-
-
 def step_seed(seed: int, step: int) -> int:
     """Seed of the global torch RNG for one step (dropout): independent of how the run got there."""
     return (seed * 1_000_003 + step) % (2**63)
-
-
-def attention_kernels(device: str) -> contextlib.AbstractContextManager:
-    """SDPA backends in order of preference on CUDA: flash attention first, then cuDNN and
-    memory-efficient attention, with the math kernel as the last resort."""
-    if not device.startswith("cuda"):
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    return sdpa_kernel([*order, SDPBackend.MATH], set_priority=True)
-
-
-def prepare_run(run: RunDir, cfg: RunConfig | None) -> RunConfig:
-    """The run's frozen config: created from `cfg` for a new run, checked against it for an old one."""
-    if not run.exists(RUN_YAML):
-        if cfg is None:
-            raise ConfigError(f"{run.url}: no run here yet; pass --config to create one")
-        return create_run(run, cfg).config
-    frozen = read_run(run).config
-    if cfg is not None and cfg != frozen:
-        diffs = ", ".join(config_differences(cfg, frozen))
-        raise ConfigError(
-            f"{run.url}: --config differs from the frozen {RUN_YAML} in {diffs}; "
-            "resume without --config, or fork the run to change its config"
-        )
-    return frozen
 
 
 class Trainer:

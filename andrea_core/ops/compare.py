@@ -34,15 +34,15 @@ import torch.nn.functional as F
 from andrea_core.checkpoint import restore
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import DataPipeline
-from andrea_core.data.policy import ArmSpec, Policy
+from andrea_core.data.policy import ArmSpec, Policy, read_policy
 from andrea_core.data.tokens import run_tokenizer
-from andrea_core.fork import BranchSpec, check_destination
-from andrea_core.loss_log import LossEntry, ema, ema_curve, read_history
-from andrea_core.model import GPT
-from andrea_core.optim import build_optimizer
-from andrea_core.pivot import phases
-from andrea_core.rundir import RunDir
-from andrea_core.runs import read_policy, read_run
+from andrea_core.model.gpt import GPT
+from andrea_core.ops.fork import BranchSpec, check_destination
+from andrea_core.run.lineage import phases
+from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.optim import build_optimizer
 
 SIGNIFICANCE = 2.0  # a margin above this many standard errors is called a winner, not noise
 # The data settings that decide which tokens of an arm are held out: a branch must share the parent's.

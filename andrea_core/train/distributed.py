@@ -1,6 +1,6 @@
 """Data-parallel training under torchrun: who this process is, and the few collectives the trainer needs.
 
-The contract (DESIGN.md "Distributed"): `batch_size` is the global batch. Every rank builds the same
+The contract (docs/design.md "Distributed"): `batch_size` is the global batch. Every rank builds the same
 batch of a step (batch selection is a pure function of seed, step and mixer state, and the mixer hears
 the same all-reduced loss on every rank), then trains on its own rows of it; DDP averages the gradients.
 Rank 0 alone owns the run directory: lock, sidecars, checkpoints. Every rank holds the full model, so a
@@ -166,7 +166,7 @@ def torchrun_argv(nproc_per_node: int, train_args: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "andrea_core.distributed",
+        "andrea_core.train.distributed",
         "--standalone",
         f"--nproc-per-node={nproc_per_node}",
         "-m",

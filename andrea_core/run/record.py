@@ -1,19 +1,22 @@
-"""run.yaml (contract): the frozen run config, its lineage and the environment it was created in."""
+"""run.yaml (contract): the frozen run config, its lineage and the environment it was created in; and a
+run's validated checkpoint weights for the commands that read them (`andrea sample`, `andrea export`).
+
+Takes a RunDir; creating a run (which trains its tokenizer) is train/setup.py's."""
 
 from __future__ import annotations
 
 import platform
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import yaml
 
-from andrea_core.config import ConfigError, RunConfig, load_yaml, parse_run_config
-from andrea_core.data.policy import Policy, load_policy, parse_policy
-from andrea_core.data.tokens import BPETokenizer, new_run_tokenizer
-from andrea_core.rundir import POLICY_YAML, RUN_YAML, TOKENIZER_JSON, RunDir
+from andrea_core.checkpoint import Checkpoint, CheckpointError
+from andrea_core.config import ConfigError, RunConfig, estimated_n_params, load_yaml, parse_run_config
+from andrea_core.model_config import ModelConfig
+from andrea_core.run.rundir import RUN_YAML, RunDir
 
 
 def cpu_model() -> str:
@@ -83,45 +86,6 @@ def read_run(run: RunDir) -> RunRecord:
     return RunRecord(parse_run_config(raw, source), lineage, env)
 
 
-def create_run(
-    run: RunDir,
-    cfg: RunConfig,
-    policy_text: str | None = None,
-    lineage: dict | None = None,
-    tokenizer: bytes | None = None,
-) -> RunRecord:
-    """Freeze `cfg` into a new run directory and install its data policy and, for a BPE run, its
-    tokenizer: `tokenizer` (a fork keeps its parent's) or one trained now on the policy's sources."""
-    if run.exists(RUN_YAML):
-        raise ConfigError(f"{run.url} already holds a run ({RUN_YAML} exists)")
-    if policy_text is None:
-        policy, policy_text = load_policy(cfg.data.policy)
-    else:
-        policy = parse_policy(load_yaml(policy_text, "policy"), "policy")
-    if cfg.data.tokenizer != "bytes":
-        if tokenizer is None:
-            tokenizer = new_run_tokenizer(policy, cfg)  # before any write: a failure leaves no half-made run
-        vocab = BPETokenizer(tokenizer).vocab_size
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError(f"{run.url}: a tokenizer of {vocab} tokens exceeds model.vocab_size")
-    record = RunRecord(
-        cfg,
-        {"parent": None, "parent_step": None, "created_at": time.time(), **(lineage or {})},
-        environment(),
-    )
-    run.makedirs()
-    if cfg.data.tokenizer != "bytes":
-        run.write_atomic(TOKENIZER_JSON, tokenizer)
-    run.write_text(POLICY_YAML, policy_text)
-    run.write_text(RUN_YAML, record.to_yaml())
-    return record
-
-
-def read_policy(run: RunDir) -> Policy:
-    source = run.path(POLICY_YAML)
-    return parse_policy(load_yaml(run.read_text(POLICY_YAML), source), source)
-
-
 def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
     """Dotted names of the fields where two configs differ."""
 
@@ -141,3 +105,35 @@ def open_run(url: str) -> tuple[RunDir, RunRecord]:
     if not run.exists(RUN_YAML):
         raise ConfigError(f"{run.url}: not a run directory (no {RUN_YAML})")
     return run, read_run(run)
+
+
+def run_n_params(record) -> int:
+    """The parameter count of a run's model, by arithmetic (config.estimated_n_params, equal to
+    GPT(...).n_params for every shape: tests/test_model.py), so that readers need no torch."""
+    return estimated_n_params(record.config.model)
+
+
+@dataclass
+class RunWeights:
+    run: RunDir
+    record: RunRecord
+    checkpoint: Checkpoint
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.record.config.model
+
+
+def read_weights(url: str, step: int | None = None, warn: Callable[[str], None] | None = None) -> RunWeights:
+    """The checkpoint of `step` (default: the newest valid one) of the run at `url`, validated against
+    the run's model; CheckpointError naming the file and the problem when it cannot be used."""
+    run, record = open_run(url)
+    n_params = run_n_params(record)
+    if step is not None:
+        return RunWeights(run, record, run.read_checkpoint(step, n_params))
+    ckpt = run.newest_valid_checkpoint(n_params, warn=warn)
+    if ckpt is None:
+        found = len(run.checkpoint_steps())
+        why = f"all {found} checkpoint(s) fail validation" if found else "no checkpoint yet"
+        raise CheckpointError(run.url, f"no valid checkpoint ({why})")
+    return RunWeights(run, record, ckpt)

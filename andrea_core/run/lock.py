@@ -42,9 +42,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from andrea_core.command import trainer_run_dir
 from andrea_core.config import ConfigError
-from andrea_core.objstore import ConcurrentWriteError, Version
-from andrea_core.rundir import LOCK, RunDir
+from andrea_core.run.objstore import ConcurrentWriteError, Version
+from andrea_core.run.rundir import LOCK, RunDir
 from andrea_core.signals import NONCE_ENV, environ_of, trainer_nonce
 
 
@@ -233,7 +234,7 @@ class TrainerIdentity:
             return "the lock carries no trainer nonce"
         if not hmac.compare_digest(environ.get(NONCE_ENV, "").encode(), self.nonce.encode()):
             return "it does not carry the lock's trainer nonce"
-        run_dir = _trainer_run_dir(argv)
+        run_dir = trainer_run_dir(argv)
         if run_dir is None:
             return "its command line is not `andrea train --run-dir ...`"
         if "://" not in run_dir:
@@ -288,22 +289,6 @@ def _pidfd_open(pid: int) -> int | None:
         return None
 
 
-def _trainer_run_dir(argv: list[str]) -> str | None:
-    """The --run-dir of an `andrea train` / `python -m andrea_core train` command line, else None."""
-    is_andrea = any(
-        a == "andrea_core" or os.path.basename(a) == "andrea" or a.endswith("andrea_core/__main__.py")
-        for a in argv
-    )
-    if not is_andrea or "train" not in argv:
-        return None
-    for i, a in enumerate(argv):
-        if a == "--run-dir" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--run-dir="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _parse(run: RunDir, data: bytes) -> TrainerIdentity:
     try:
         fields = json.loads(data)
@@ -320,10 +305,32 @@ def read_lock(run: RunDir) -> TrainerIdentity | None:
     return _parse(run, data) if version.exists else None
 
 
-def live_trainer(run: RunDir) -> TrainerIdentity | None:
-    """The trainer that holds `run`, if it is alive; None if no lock or a stale one."""
+@dataclass(frozen=True)
+class Liveness:
+    """The one verdict on a run's trainer (trainer_liveness): `state` ALIVE (its process runs, checked
+    here), DEAD (gone, rebooted, or released at a clean exit), UNKNOWN (another machine or pid
+    namespace: it cannot be checked from here), or None (no lock at all); `why` says how it was told."""
+
+    state: str | None
+    holder: TrainerIdentity | None
+    why: str
+
+
+def trainer_liveness(run: RunDir) -> Liveness:
+    """Whether `run`'s trainer is alive, dead or cannot be checked from here: the one place that judges
+    it, for the pivot, status, the supervisor, gc and fork alike."""
     ident = read_lock(run)
-    return ident if ident is not None and ident.is_alive() else None
+    if ident is None:
+        return Liveness(None, None, f"no {LOCK}")
+    state, why = ident.liveness()
+    return Liveness(state, ident, why)
+
+
+def live_trainer(run: RunDir) -> TrainerIdentity | None:
+    """The trainer that holds `run`, if it is alive as checked from here (trainer_liveness); None if
+    no lock, a stale one, or one that cannot be checked from here."""
+    verdict = trainer_liveness(run)
+    return verdict.holder if verdict.state == ALIVE else None
 
 
 def acquire(

@@ -13,15 +13,15 @@ Speeds are measured on `.loss.json`'s times: tokens per second over the last min
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 
 from andrea_core.checkpoint import checkpoint_name
+from andrea_core.command import process_argv, trainer_max_steps
 from andrea_core.config import ConfigError
-from andrea_core.lock import LockError, TrainerIdentity, read_lock
-from andrea_core.loss_log import LossEntry, read_history
-from andrea_core.rundir import RunDir
+from andrea_core.run.lock import ALIVE, UNKNOWN, Liveness, LockError, TrainerIdentity, trainer_liveness
+from andrea_core.run.loss_log import LossEntry, read_history
+from andrea_core.run.rundir import RunDir
 
 WINDOW_S = 60.0
 
@@ -55,25 +55,6 @@ class RunStatus:
         return asdict(self)
 
 
-def _trainer_max_steps(pid: int) -> int | None:
-    """--max-steps of a live `andrea train` on this host, from its command line."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return None
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if arg == "--max-steps" and i + 1 < len(argv) else None
-        if arg.startswith("--max-steps="):
-            value = arg.split("=", 1)[1]
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
 def throughput(history: list[LossEntry], window_s: float = WINDOW_S) -> tuple[float, float] | None:
     """(tokens/s, steps/s) over the last `window_s` seconds of the newest segment's logging."""
     if not history:
@@ -92,10 +73,10 @@ def _identity(ident: TrainerIdentity) -> dict:
 
 
 def run_status(url: str, now: float | None = None) -> RunStatus:
-    from andrea_core.fork import run_n_params
-    from andrea_core.pivot import phases
-    from andrea_core.runs import open_run, read_policy
-    from andrea_core.samples import read_audits
+    from andrea_core.data.policy import read_policy
+    from andrea_core.run.lineage import phases
+    from andrea_core.run.record import open_run, run_n_params
+    from andrea_core.run.samples import read_audits
 
     now = time.time() if now is None else now
     run, record = open_run(url)
@@ -103,16 +84,17 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
     st = RunStatus(run.url, "stopped", "", max_steps=cfg.train.max_steps)
 
     try:
-        lock = read_lock(run)
+        verdict = trainer_liveness(run)
     except LockError as e:
-        lock = None
+        verdict = Liveness(None, None, str(e))
         st.problems.append(str(e))
+    lock = verdict.holder
     if lock is not None and lock.released:
         lock = None  # left at a clean exit (it keeps the lease's generation): nobody holds the run
-    live = lock is not None and lock.is_alive()
+    live = lock is not None and verdict.state == ALIVE
     if live:
         st.trainer = _identity(lock)
-        cmdline_max = _trainer_max_steps(lock.pid)
+        cmdline_max = trainer_max_steps(process_argv(lock.pid) or [])
         if cmdline_max is not None:
             st.max_steps, st.max_steps_from = cmdline_max, "trainer command line"
     elif lock is not None:
@@ -165,22 +147,22 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
             **{k: m.get(k) for k in ("distinct_2", "repetition", "gzip_ratio")},
         }
 
-    st.state, st.summary = _verdict(st, lock, live, run, now)
+    st.state, st.summary = _verdict(st, lock, verdict, run, now)
     return st
 
 
 def _verdict(
-    st: RunStatus, lock: TrainerIdentity | None, live: bool, run: RunDir, now: float
+    st: RunStatus, lock: TrainerIdentity | None, verdict: Liveness, run: RunDir, now: float
 ) -> tuple[str, str]:
     newest = checkpoint_name(st.newest_checkpoint) if st.newest_checkpoint is not None else None
     resume = f"`andrea train --run-dir {run.url}`"
-    if live:
+    if lock is not None and verdict.state == ALIVE:
         since = f"{_ago(now - st.last_logged_at)} ago" if st.last_logged_at else "not yet"
         return "training", f"trainer pid {lock.pid} on {lock.host} is training; last step logged {since}"
-    if lock is not None and lock.host != socket.gethostname():
+    if lock is not None and verdict.state == UNKNOWN:
         return "remote", (
-            f"locked by trainer pid {lock.pid} on host {lock.host}, which cannot be checked from here "
-            f"(started {_when(lock.started_at)})"
+            f"locked by trainer pid {lock.pid} on host {lock.host}, which cannot be checked from here: "
+            f"{verdict.why} (started {_when(lock.started_at)})"
         )
     if lock is not None:
         base = st.newest_checkpoint or 0

@@ -15,8 +15,9 @@ import torch
 
 from andrea_core.config import ConfigError
 from andrea_core.data.tokens import run_tokenizer
-from andrea_core.model import GPT
-from andrea_core.weights import load_model, read_weights
+from andrea_core.model.gpt import GPT
+from andrea_core.model.weights import load_model
+from andrea_core.run.record import read_weights
 
 
 @dataclass
@@ -62,7 +63,7 @@ def sample(
     warn: Callable[[str], None] | None = None,
 ) -> Sample:
     """Continue `prompt` by `tokens` tokens from the run's checkpoint at `step` (default: newest valid)."""
-    from andrea_core.trainer import pick_device
+    from andrea_core.model.device import pick_device
 
     if tokens < 1:
         raise ConfigError(f"--tokens {tokens}: must be at least 1")
@@ -76,7 +77,7 @@ def sample(
     weights = read_weights(run_url, step, warn=warn)
     tokenizer = run_tokenizer(weights.run, weights.record.config)
     ids = tokenizer.encode(prompt)
-    model = load_model(weights, device)
+    model = load_model(weights.model_config, weights.checkpoint, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     with top_k_only(model, top_k):

@@ -1,7 +1,7 @@
 """Supervising a trainer from outside its process: launch and follow it, wait for its checkpoints and
 its exit, and check that its loss log was only ever appended to.
 
-An orchestrator talks to a trainer only through signals and the run directory (DESIGN.md "Processes").
+An orchestrator talks to a trainer only through signals and the run directory (docs/design.md "Processes").
 Nothing here imports Prefect: the tasks in tasks/ are thin wrappers over these functions, and a shell
 tool could use them just as well.
 """
@@ -13,21 +13,19 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
-from andrea_core.lock import TrainerIdentity, live_trainer
-from andrea_core.loss_log import parse_entries, parse_lines, read_history
-from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.command import trainer_command
+from andrea_core.config import REPO_ROOT
+from andrea_core.run.lock import TrainerIdentity, live_trainer
+from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
+from andrea_core.run.rundir import LOSS_LOG, RunDir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# The trainer's plain log lines (andrea_core/trainer.py, progress.py) that say where it is and how it ended.
+# The trainer's plain log lines (train/trainer.py, train/progress.py) that say where it is and how it ended.
 PROGRESS_RE = re.compile(r"^andrea: step (\d+)/(\d+)\s+loss (\S+)")
 STARTED_RE = re.compile(r"^andrea: training steps (\d+)\.\.(\d+) \(pid (\d+)\)")
 STOPPED_RE = re.compile(r"^andrea: (SIGTERM|SIGINT): stopped at step (\d+), checkpoint (\S+)$")
@@ -42,30 +40,6 @@ class SupervisionError(RuntimeError):
 
 
 # --- a trainer process -----------------------------------------------------------------------------
-
-
-def trainer_command(
-    run_dir: str,
-    *,
-    config: str | None = None,
-    max_steps: int | None = None,
-    device: str = "auto",
-    pace: float = 0.0,
-    python: str = sys.executable,
-    nproc_per_node: int = 1,
-) -> list[str]:
-    """argv of `python -m andrea_core train ...`, behind the parent-death guard (andrea_core.pdeathsig).
-    With nproc_per_node > 1 the trainer execs the torchrun agent (same pid) and that starts the ranks."""
-    argv = [python, "-m", "andrea_core", "train", "--run-dir", run_dir, "--device", device]
-    if nproc_per_node > 1:
-        argv += ["--nproc-per-node", str(nproc_per_node)]
-    if config:
-        argv += ["--config", config]
-    if max_steps is not None:
-        argv += ["--max-steps", str(max_steps)]
-    if pace > 0:
-        argv += ["--pace", str(pace)]
-    return [python, "-m", "andrea_core.pdeathsig", str(os.getpid()), *argv]
 
 
 def trainer_env() -> dict[str, str]:
@@ -436,7 +410,7 @@ def gpu_slot_name(slot: str | None, device: str) -> str | None:
     none on the CPU, or an explicit name (which also lets CPU tests exercise the limit)."""
     if slot != "auto":
         return slot or None
-    from andrea_core.trainer import pick_device  # imports torch: only when asked to resolve a device
+    from andrea_core.model.device import pick_device  # imports torch: only when asked to resolve a device
 
     resolved = pick_device(device)
     if not resolved.startswith("cuda"):

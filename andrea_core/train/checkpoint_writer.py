@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from andrea_core.checkpoint import checkpoint_name, encode_header, n_params_of, snapshot
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 
 Hook = Callable[[int], None]
 

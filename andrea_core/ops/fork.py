@@ -22,16 +22,16 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
-from andrea_core.config import ConfigError, RunConfig, estimated_n_params
+from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.policy import load_policy
-from andrea_core.loss_log import json_lines
-from andrea_core.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
-from andrea_core.runs import create_run, read_run
+from andrea_core.run.lineage import fork_records
+from andrea_core.run.record import read_run, run_n_params
+from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
+from andrea_core.train.setup import create_run
 
 # Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
 BRANCH_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
@@ -208,61 +208,3 @@ def history_up_to(data: bytes, step: int) -> bytes:
         except (ValueError, KeyError, TypeError):
             continue  # a torn or foreign line
     return b"".join(kept)
-
-
-def require_fork_point(run: RunDir, resume: Checkpoint | None) -> None:
-    """The trainer's check before it resumes (or starts) `run`: a branch whose lineage names a fork
-    point must resume from that checkpoint or a later one, never train from step 1."""
-    parent_step = read_run(run).lineage.get("parent_step")
-    if parent_step is None or (resume is not None and resume.step >= parent_step):
-        return
-    lineage = read_run(run).lineage
-    found = "no valid checkpoint" if resume is None else f"only {checkpoint_name(resume.step)}"
-    raise ConfigError(
-        f"{run.url}: this branch of {lineage.get('parent')} was forked at step {parent_step} but holds "
-        f"{found}, not a valid {checkpoint_name(parent_step)} (the fork did not finish): rerun the fork "
-        f"(same step and branch names) to complete it; not training from scratch"
-    )
-
-
-def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list[dict]:
-    """The well-formed lines of the run's forks.jsonl, in order. A malformed line (torn by a crash,
-    junk, the wrong shape) is skipped, and reported through `warn`, like a torn .loss.json line: it
-    must not break lineage, retention or the next fork."""
-    if not run.exists(FORKS):
-        return []
-    parsed, bad = json_lines(run.read_bounded(FORKS))
-    records = []
-    for number, record in parsed:
-        if _is_fork_record(record):
-            records.append(record)
-        else:
-            bad.append(number)
-    if bad and warn is not None:
-        lines = ", ".join(map(str, sorted(bad)))
-        warn(f"{run.path(FORKS)}: skipped {len(bad)} malformed line(s): lines {lines}")
-    return records
-
-
-def _is_fork_record(record: Any) -> bool:
-    def text(v: Any) -> bool:
-        # JSON can escape a lone surrogate (\ud800), which no path or URL can hold.
-        return isinstance(v, str) and not any("\ud800" <= c <= "\udfff" for c in v)
-
-    def strings(value: Any) -> bool:
-        return isinstance(value, list) and all(text(v) for v in value)
-
-    return (
-        isinstance(record, dict)
-        and type(record.get("step")) is int
-        and record["step"] >= 0
-        and strings(record.get("branches"))
-        and ("names" not in record or strings(record["names"]))
-        and isinstance(record.get("time", 0.0), (int, float))
-    )
-
-
-def run_n_params(record) -> int:
-    """The parameter count of a run's model, by arithmetic (config.estimated_n_params, equal to
-    GPT(...).n_params for every shape: tests/test_model.py), so that readers need no torch."""
-    return estimated_n_params(record.config.model)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from andrea_core.config import ConfigError
-from andrea_core.rundir import SAMPLES, RunDir
+from andrea_core.run.rundir import SAMPLES, RunDir
 
 FORMAT = 1
 KEEP_AUDITS = 20

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from andrea_core.config import check_limit
-from andrea_core.rundir import LOSS_LOG, RunDir
+from andrea_core.run.rundir import LOSS_LOG, RunDir
 
 
 class LossEntry(NamedTuple):

@@ -34,7 +34,6 @@ import fsspec
 import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
-from andrea_core import objstore
 from andrea_core.checkpoint import (
     HEADER,
     Checkpoint,
@@ -46,7 +45,8 @@ from andrea_core.checkpoint import (
     step_from_name,
 )
 from andrea_core.config import ConfigError, check_limit, limit
-from andrea_core.objstore import ABSENT, ConcurrentWriteError, Version
+from andrea_core.run import objstore
+from andrea_core.run.objstore import ABSENT, ConcurrentWriteError, Version
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"

@@ -1,4 +1,4 @@
-"""The sample audit: fixed prompts, a fixed seed, metrics that need no external model (DESIGN.md).
+"""The sample audit: fixed prompts, a fixed seed, metrics that need no external model (docs/design.md).
 
 Every `train.sample_every` steps (default: every checkpoint), at every SIGUSR1 checkpoint, at the last
 step and once at step 0 of a new run, the trainer records an audit in `.samples.json`: the samples
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from andrea_core.config import RunConfig
 from andrea_core.data.pipeline import DataPipeline
-from andrea_core.model import GPT
-from andrea_core.rundir import SAMPLES, RunDir
-from andrea_core.samples import FORMAT, KEEP_AUDITS, read_audits, text_metrics
+from andrea_core.model.gpt import GPT
+from andrea_core.run.rundir import SAMPLES, RunDir
+from andrea_core.run.samples import FORMAT, KEEP_AUDITS, read_audits, text_metrics
 
 PROMPTS = ("def ", "import ", "The ", "class ")
 NEW_TOKENS = 64

@@ -27,9 +27,10 @@ import torch
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError
-from andrea_core.model import ModelConfig
-from andrea_core.rundir import TOKENIZER_JSON
-from andrea_core.weights import RunWeights, meta_model, named_weights, read_weights
+from andrea_core.model.weights import meta_model, named_weights
+from andrea_core.model_config import ModelConfig
+from andrea_core.run.record import RunWeights, read_weights
+from andrea_core.run.rundir import TOKENIZER_JSON
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS_FILE = "model.safetensors"

@@ -1,19 +1,29 @@
-"""A run's family tree: its phases (closed at pivots) and the audit forks made from it, recursively.
+"""A run's family tree: its phases (closed at pivots, archive/phase_NNN_step_SSSSSS/) and the audit forks
+made from it (forks.jsonl), each read here once, and the tree of both, recursively (`andrea lineage`).
 
-Built from the run directories alone (archive/phase_NNN_step_SSSSSS/, forks.jsonl, each branch's
-run.yaml lineage), so that `andrea lineage URL` works from any machine that can reach the run.
+Built from the run directories alone (each branch's run.yaml lineage too), so that it works from any
+machine that can reach the run. Takes a RunDir or a URL; retention, the trainer and the pivot read
+phases and fork points from here.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from andrea_core.checkpoint import checkpoint_name
+from andrea_core.checkpoint import Checkpoint, checkpoint_name
 from andrea_core.config import ConfigError, load_yaml
-from andrea_core.fork import fork_records
-from andrea_core.pivot import phases
-from andrea_core.rundir import ARCHIVE, POLICY_YAML, ProtocolNotAllowed, RunDir
-from andrea_core.runs import read_run
+from andrea_core.run.loss_log import json_lines
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import (
+    ARCHIVE,
+    FORKS,
+    POLICY_YAML,
+    ProtocolNotAllowed,
+    RunDir,
+)
 
 
 @dataclass
@@ -158,3 +168,64 @@ def format_lineage(lin: Lineage) -> str:
 
     draw(children, "")
     return "\n".join(lines)
+
+
+PHASE_RE = re.compile(r"^phase_(\d{3,})_step_(\d{6,})$")
+
+
+def phases(run: RunDir) -> list[tuple[int, int]]:
+    """(phase number, boundary step) of every closed phase, oldest first."""
+    found = (PHASE_RE.match(n) for n in run.listdir(ARCHIVE))
+    return sorted((int(m.group(1)), int(m.group(2))) for m in found if m)
+
+
+def require_fork_point(run: RunDir, resume: Checkpoint | None) -> None:
+    """The trainer's check before it resumes (or starts) `run`: a branch whose lineage names a fork
+    point must resume from that checkpoint or a later one, never train from step 1."""
+    parent_step = read_run(run).lineage.get("parent_step")
+    if parent_step is None or (resume is not None and resume.step >= parent_step):
+        return
+    lineage = read_run(run).lineage
+    found = "no valid checkpoint" if resume is None else f"only {checkpoint_name(resume.step)}"
+    raise ConfigError(
+        f"{run.url}: this branch of {lineage.get('parent')} was forked at step {parent_step} but holds "
+        f"{found}, not a valid {checkpoint_name(parent_step)} (the fork did not finish): rerun the fork "
+        f"(same step and branch names) to complete it; not training from scratch"
+    )
+
+
+def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list[dict]:
+    """The well-formed lines of the run's forks.jsonl, in order. A malformed line (torn by a crash,
+    junk, the wrong shape) is skipped, and reported through `warn`, like a torn .loss.json line: it
+    must not break lineage, retention or the next fork."""
+    if not run.exists(FORKS):
+        return []
+    parsed, bad = json_lines(run.read_bounded(FORKS))
+    records = []
+    for number, record in parsed:
+        if _is_fork_record(record):
+            records.append(record)
+        else:
+            bad.append(number)
+    if bad and warn is not None:
+        lines = ", ".join(map(str, sorted(bad)))
+        warn(f"{run.path(FORKS)}: skipped {len(bad)} malformed line(s): lines {lines}")
+    return records
+
+
+def _is_fork_record(record: Any) -> bool:
+    def text(v: Any) -> bool:
+        # JSON can escape a lone surrogate (\ud800), which no path or URL can hold.
+        return isinstance(v, str) and not any("\ud800" <= c <= "\udfff" for c in v)
+
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(text(v) for v in value)
+
+    return (
+        isinstance(record, dict)
+        and type(record.get("step")) is int
+        and record["step"] >= 0
+        and strings(record.get("branches"))
+        and ("names" not in record or strings(record["names"]))
+        and isinstance(record.get("time", 0.0), (int, float))
+    )

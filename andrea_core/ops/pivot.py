@@ -1,17 +1,20 @@
-"""The pivot's six steps, journaled (DESIGN.md "Pivot sequence"), for every front end: the Prefect `pivot`
-flow wraps each step in a task, and `andrea pivot` calls them in a plain shell.
+"""The pivot's six steps, journaled (docs/design.md "Pivot sequence"), for every front end: the Prefect
+`pivot` flow wraps each step in a task, and `andrea pivot` calls them in a plain shell.
 
   1. take the pivot checkpoint (take_pivot_checkpoint)     4. check .loss.json byte for byte (keep_loss_log)
   2. stop the trainer (stop_trainer)                        5. install the new policy (install)
   3. archive the closed phase (archive)                     6. restart and confirm (confirm_resumed)
 
-The journal is pivot.json (andrea_core.pivot.record_pivot): the pivot's intent (policy hash, text and
+The journal is pivot.json (run/pivot_journal.py): the pivot's intent (policy hash, text and
 source, at, restart, boundary) and the last step completed, rewritten atomically after each step. Each
 step reads it first and skips itself if it is done, so rerunning the same pivot after a crash at any
 point completes it exactly once: no second archive folder, no sidecar lost, .loss.json untouched. While
-the trainer is stopped and the new policy not yet installed (pivot.HALF_DONE_STEPS) a trainer refuses
+the trainer is stopped and the new policy not yet installed (pivot_journal.HALF_DONE_STEPS) a trainer refuses
 to start (require_no_half_pivot); `abandon` restores the old phase instead. The journal is removed once
 the pivot is complete (finish_pivot).
+
+Also here: `check_pivot`, every check of a pivot's parameters made before anything is touched, and the
+run-directory steps themselves (archive_phase, install_policy), which run only while no trainer runs.
 """
 
 from __future__ import annotations
@@ -20,31 +23,26 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from andrea_core import supervise
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
-from andrea_core.config import ConfigError
-from andrea_core.lock import LockError, live_trainer
-from andrea_core.pivot import (
-    HALF_DONE_STEPS,
-    PHASE_RE,
+from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
+from andrea_core.data.policy import Policy, load_policy, parse_policy
+from andrea_core.ops import supervise
+from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
+from andrea_core.run.lineage import PHASE_RE, phases
+from andrea_core.run.lock import LockError, live_trainer
+from andrea_core.run.pivot_journal import (
     PIVOT_JSON,
     PIVOT_STEPS,
-    PivotCheck,
-    archive_phase,
-    boundary_after,
     clear_pivot,
-    install_policy,
-    next_phase_folder,
-    parse_policy_text,
     read_pivot,
     record_pivot,
-    require_steps_after,
 )
-from andrea_core.rundir import POLICY_YAML, SAMPLES, STATE, RunDir
-from andrea_core.supervise import LossLogSnapshot, SupervisionError
+from andrea_core.run.rundir import ARCHIVE, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 
 KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
 
@@ -72,29 +70,150 @@ def _snapshot_doc(snapshot: LossLogSnapshot) -> dict:
     return {"size": snapshot.size, "sha256": snapshot.sha256, "segments": snapshot.segments}
 
 
-def half_done_message(run: RunDir, journal: dict) -> str:
-    source = journal.get("source") or journal.get("policy")
-    return (
-        f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} is half done (last step "
-        f"{journal.get('step')!r}, boundary {journal.get('boundary')}): finish it by rerunning the pivot "
-        f"(andrea pivot {run.url} --policy {source}) or abandon it and restore the old phase "
-        f"(andrea pivot {run.url} --abandon)"
-    )
+# --- the checks before anything is touched, and the run directory's steps ----------------------
 
 
-def require_no_half_pivot(run: RunDir) -> None:
-    """The trainer's check before it starts: never train a run directory a pivot left half done (its
-    bandit state archived but the old policy still installed, or a tail checkpoint not yet moved)."""
-    journal = read_pivot(run)
-    if journal is None:
-        return
-    if "unreadable" in journal:
+def boundary_after(step: int, every: int) -> int:
+    """The pivot point for a pivot decided at `step`: the next checkpoint on the grid (or this one)."""
+    return step if step % every == 0 else (step // every + 1) * every
+
+
+def parse_policy_text(text: str, source: str) -> Policy:
+    """Validate a policy before anything is touched: a bad one must not half-pivot a run."""
+    return parse_policy(load_yaml(text, source), source)
+
+
+@dataclass
+class PivotCheck:
+    policy: Policy
+    text: str  # the policy's exact YAML, installed verbatim
+    source: str  # the name or path it was given as
+    max_steps: int  # what the resumed trainer trains to (the run config's when not given)
+    device: str  # the device the resumed trainer will use, resolved here
+
+
+def check_pivot(
+    run: RunDir,
+    policy: str,
+    *,
+    max_steps: int | None = None,
+    device: str = "auto",
+    restart: bool = True,
+    warn: Callable[[str], None] = print,
+) -> PivotCheck:
+    """Every check of a pivot made before anything is touched: the run exists; the new policy parses,
+    is feasible and passes the trainer's own data check on this machine (pipeline.prepare_data: arms
+    with data, enough tokens, caps and floors of the arms left); and, for a restart, the device exists
+    here and max_steps lies beyond where the run already is (require_steps_after checks it again once
+    the pivot point is known)."""
+    from andrea_core.data.pipeline import prepare_data  # the data package imports this module
+    from andrea_core.data.tokens import run_tokenizer
+    from andrea_core.run.record import read_run
+
+    if not run.exists(RUN_YAML):
+        raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
+    cfg = read_run(run).config
+    parsed, text = load_policy(policy)
+    prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
+    target = max_steps if max_steps is not None else cfg.train.max_steps
+    resolved = device
+    if restart:
+        from andrea_core.model.device import pick_device  # imports torch and the trainer: only here
+
+        resolved = pick_device(device)
+        journal = read_pivot(run) or {}
+        if journal.get("boundary") is not None:  # a rerun: the resumed trainer may be past it already
+            require_steps_after(target, journal["boundary"], "the pivot point of the pivot under way")
+        else:
+            steps = run.checkpoint_steps()
+            require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
+    return PivotCheck(parsed, text, policy, target, resolved)
+
+
+def require_steps_after(max_steps: int, step: int, what: str = "the pivot point") -> None:
+    """A resumed trainer with nothing to train would end at once and never confirm the pivot."""
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= step:
         raise ConfigError(
-            f"{journal['unreadable']}: the pivot journal is unreadable, so whether a pivot is half done "
-            f"cannot be told: inspect it, then remove it or run andrea pivot {run.url} --abandon"
+            f"max_steps {max_steps!r} is not beyond {what} (step {step}): the resumed trainer would have "
+            "nothing to train; pass a larger max_steps"
         )
-    if journal.get("step") in HALF_DONE_STEPS:
-        raise ConfigError(half_done_message(run, journal))
+
+
+@dataclass
+class ArchivedPhase:
+    folder: str
+    moved: list[str]
+
+
+def next_phase_folder(run: RunDir, boundary: int) -> str:
+    number = (phases(run)[-1][0] if phases(run) else 0) + 1
+    return f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
+
+
+def archive_phase(
+    run: RunDir,
+    boundary: int,
+    folder: str | None = None,
+    after_move: Callable[[str], None] | None = None,
+) -> ArchivedPhase:
+    """Close the phase that ended at `boundary`: move its policy-scoped sidecars, its policy and any
+    checkpoint newer than the boundary into archive/phase_NNN_step_SSSSSS/. `.loss.json` stays put.
+
+    Idempotent for one `folder` (the pivot journal records it before the first move): a rerun after a
+    crash between two moves moves what is left into the same folder, never into a second one.
+    `after_move(name)` is called after each move (the journal's test hook)."""
+    holder = live_trainer(run)
+    if holder is not None:
+        raise LockError(f"{run.url}: trainer pid {holder.pid} is still running; stop it before archiving")
+    run.read_checkpoint(boundary)  # raises CheckpointError if the pivot point is missing or bad
+    folder = folder or next_phase_folder(run, boundary)
+    number = int(PHASE_RE.match(folder.rsplit("/", 1)[-1]).group(1))
+    run.makedirs(folder)
+    moved = []
+
+    def move(name: str) -> None:
+        target = f"{folder}/{name}"
+        if run.exists(target) and run.read_bytes(target) == run.read_bytes(name):
+            run.remove(name)  # an object store's move copied, then died before the delete
+        else:
+            run.move(name, target)
+        moved.append(name)
+        if after_move is not None:
+            after_move(name)
+
+    for name in (SAMPLES, STATE):
+        if run.exists(name):
+            move(name)
+    # The policy is copied, not moved: the run directory is never without one, even mid-pivot.
+    if run.exists(POLICY_YAML) and not run.exists(f"{folder}/{POLICY_YAML}"):
+        run.write_atomic(f"{folder}/{POLICY_YAML}", run.read_bytes(POLICY_YAML))
+        moved.append(POLICY_YAML)
+    # The closed phase's tail (e.g. the checkpoint SIGTERM wrote): a crash right after the pivot must
+    # resume from the boundary under the new policy, never from the old phase.
+    for step in run.checkpoint_steps():
+        if step > boundary:
+            move(checkpoint_name(step))
+    if not run.exists(f"{folder}/phase.json"):
+        run.write_json(
+            f"{folder}/phase.json", {"phase": number, "boundary": boundary, "closed_at": time.time()}
+        )
+    return ArchivedPhase(folder, moved)
+
+
+def install_policy(run: RunDir, policy_text: str, source: str = "new policy") -> Policy:
+    policy = parse_policy_text(policy_text, source)
+    run.write_text(POLICY_YAML, policy_text)
+    return policy
+
+
+def pivot_run_directory(run: RunDir, boundary: int, policy_text: str) -> ArchivedPhase:
+    """Steps 3-5 in one call for a stopped run: validate, archive, install."""
+    parse_policy_text(policy_text, "new policy")
+    if boundary not in run.checkpoint_steps():
+        raise CheckpointError(run.path(checkpoint_name(boundary)), "pivot checkpoint not on disk")
+    archived = archive_phase(run, boundary)
+    install_policy(run, policy_text)
+    return archived
 
 
 # --- starting or resuming a pivot ----------------------------------------------------------------
@@ -147,7 +266,7 @@ def _record(run: RunDir, journal: dict, step: str, **fields: Any) -> dict:
 def choose_boundary(run: RunDir) -> tuple[int, int]:
     """(decided at, pivot point): the next checkpoint on the grid after the step the live trainer is at
     (a pivot decided at step 112,619 pivots at step_112700.bin)."""
-    from andrea_core.runs import read_run
+    from andrea_core.run.record import read_run
 
     every = read_run(run).config.train.checkpoint_every
     decided_at = supervise.logged_step(run) or 0
@@ -156,8 +275,7 @@ def choose_boundary(run: RunDir) -> tuple[int, int]:
 
 def newest_checkpoint(run: RunDir, log: Log = print) -> int:
     """With no trainer running, the pivot point is the newest valid checkpoint."""
-    from andrea_core.fork import run_n_params
-    from andrea_core.runs import read_run
+    from andrea_core.run.record import read_run, run_n_params
 
     if live_trainer(run) is not None:
         raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
@@ -371,7 +489,7 @@ def start_detached_trainer(
             stderr=subprocess.STDOUT,
             env=supervise.trainer_env(),
             start_new_session=True,
-            cwd=supervise.REPO_ROOT,
+            cwd=REPO_ROOT,
         )
     return proc, path
 

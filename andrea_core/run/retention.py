@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
 from andrea_core.config import RetentionConfig
-from andrea_core.fork import fork_records
-from andrea_core.pivot import phases, pivot_protected_steps
-from andrea_core.rundir import RUN_YAML, RunDir
-from andrea_core.runs import read_run
+from andrea_core.run.lineage import fork_records, phases
+from andrea_core.run.pivot_journal import pivot_protected_steps
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import RUN_YAML, RunDir
 
 
 @dataclass
