@@ -37,6 +37,10 @@ LIMITS = {
     "ANDREA_MAX_POLICY_BYTES": 1 << 20,
     "ANDREA_MAX_SIDECAR_BYTES": 64 << 20,  # run.yaml, policy.yaml, forks.jsonl, .samples.json ...
     "ANDREA_MAX_LOSS_LOG_BYTES": 512 << 20,  # about 4.5 million steps of .loss.json
+    # A user's corpus: one JSON line at most this long (longer: a bad record, skipped as it streams), and
+    # a compressed file expanding to at most this many times its stored size (more: refused by name).
+    "ANDREA_MAX_LINE_BYTES": 64 << 20,
+    "ANDREA_MAX_EXPANSION": 100,
 }
 
 

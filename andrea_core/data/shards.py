@@ -48,7 +48,7 @@ from andrea_core.data.corpora import CorpusError, CorpusSource, inspect_shard, i
 from andrea_core.data.tokens import DOC_SEPARATOR, ByteTokenizer, Tokenizer
 from andrea_core.run.rundir import cache_dir
 
-CACHE_FORMAT = 1  # part of every cache key: bump it when the cache layout or contents change
+CACHE_FORMAT = 2  # part of every cache key: bump it when the cache layout or contents change (2: issue 25)
 SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)
 BATCH_DOCS = 256  # documents (or pieces of one) handed to the tokenizer at once ...
 BATCH_BYTES = 2 << 20  # ... or this much text, whichever comes first: what bounds the builder's memory
