@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from andrea_core.data.changes import DATA_LOG, read_data_log
 from andrea_core.data.corpora import CorpusError, is_validation
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
+from andrea_core.data.tokens import DOC_SEPARATOR
 from andrea_core.rundir import POLICY_YAML, RunDir
 
 CFG = load_run_config("andrea-tiny")
@@ -231,26 +233,22 @@ def test_an_arm_unavailable_at_first_load_refuses_a_pivot_and_a_new_run_before_a
 
 
 def test_an_arm_unavailable_the_first_time_it_appears_is_recorded_in_the_data_log(tmp_path):
+    from andrea_core.runs import create_run
+
     text = (
         "name: p\narms:\n  - {name: stdlib-code, kind: python-stdlib}\n"
         f"  - {{name: notes, kind: text, paths: [{tmp_path}/none]}}\n"
     )
     run = RunDir(str(tmp_path / "run"))
-    run.makedirs()
-    run.write_text(POLICY_YAML, text)
-    run.write_text("run.yaml", "")  # not read by the pipeline's data log
-    from andrea_core.config import load_yaml
-    from andrea_core.data.policy import parse_policy
-    from andrea_core.data.state import BanditStore
-
-    data = DataPipeline(CFG, parse_policy(load_yaml(text, "p"), "p"), QUIET)
-    data.store = BanditStore(run, data.policy, 100, data.unavailable, QUIET)
-    from andrea_core.data.changes import record_data_changes
-
-    record_data_changes(run, data.arms, data.unavailable, 0, QUIET)
+    create_run(run, CFG, policy_text=text)  # as a run made before its arm's data went missing
+    data = DataPipeline.for_run(run, CFG, QUIET)
+    data.resume(0)
     events = [(e["step"], e["arm"], e["event"]) for e in read_data_log(run)]
     assert events == [(0, "stdlib-code", "loaded"), (0, "notes", "unavailable")]
     assert "no .txt/.md/.rst files" in read_data_log(run)[-1]["why"]
+    data = DataPipeline.for_run(run, CFG, QUIET)
+    data.resume(100)
+    assert len(read_data_log(run)) == 2, "recorded once"
 
 
 # --- item 2: compare's held-out set is the parent's, and no branch that trained on it is scored ------
@@ -316,7 +314,8 @@ def test_a_fork_override_is_validated_as_the_same_value_in_a_config_file(tmp_pat
 def test_a_branch_whose_override_changes_nothing_over_its_steps_is_refused_naming_why(tmp_path):
     url = str(tmp_path / "run")
     run = fabricated_run(url, [100, 200])
-    record = run.read_text("run.yaml").replace("lr_decay_steps: 10000", "lr_decay_steps: 200")
+    record = run.read_text("run.yaml").replace("lr_decay_steps: 2000", "lr_decay_steps: 200")
+    assert "lr_decay_steps: 200\n" in record
     run.write_text("run.yaml", record)
     proc = andrea("fork", url, "--branch", "base", "--branch", "hot", "--set", "train.lr=1e-2", check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -369,3 +368,73 @@ def test_a_json_line_over_the_line_bound_is_one_bad_record_read_past_as_it_strea
         "ANDREA_MAX_LINE_BYTES (5,000)"
     ) in "\n".join(lines)
     assert data.arms["j"].info["documents"] == 199 and data.arms["j"].info["bad"] == 1
+
+
+# --- item 7: a remote tokens arm copies only the shard that was added --------------------------------
+
+
+def test_a_remote_tokens_arm_copies_only_an_added_shard_and_drops_a_replaced_ones_copy(tmp_path):
+    import fsspec
+    from corpus_files import byte_tokens, llmc_shard
+
+    fs = fsspec.filesystem("memory")
+    root = f"/h25-shards-{os.getpid()}"
+    shards = {i: llmc_shard(byte_tokens(i, 20_000)) for i in range(6)}
+    fs.pipe(f"{root}/c_val_000000.bin", shards[0])
+    for i in range(1, 4):
+        fs.pipe(f"{root}/c_train_{i:06d}.bin", shards[i])
+    arm = one_arm(tmp_path, f"{{name: l, kind: tokens, tokenizer: bytes, paths: ['memory://{root}']}}")
+    lines: list[str] = []
+    first = DataPipeline(CFG, arm, lines.append).arms["l"]
+    size = len(shards[1])
+    assert f"arm 'l': copied {4 * size / 1e6:,.1f} MB of token shards" in "\n".join(lines)
+    fs.pipe(f"{root}/c_train_000004.bin", shards[4])  # a fifth shard
+    lines.clear()
+    second = DataPipeline(CFG, arm, lines.append).arms["l"]
+    copied = [line for line in lines if "copied" in line]
+    assert copied == [f"arm 'l': copied {size / 1e6:,.1f} MB of token shards into {first.info['cache']}"]
+    assert second.info["cache"] == first.info["cache"] and len(second.train) == 4 * 20_000
+    fs.pipe(f"{root}/c_train_000004.bin", shards[5])  # replaced
+    DataPipeline(CFG, arm, QUIET)
+    assert len(list(Path(first.info["cache"]).glob("c_train_000004.bin.*"))) == 1
+    fs.rm(root, recursive=True)
+
+
+# --- item 5: memory bounded for text without cut points -------------------------------------------
+
+
+CHINESE = "数据混合器在下限和上限之间选择每一步的来源，检查点保存权重和动量，恢复的运行逐位看到相同的批次。"
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_text_without_cut_points_is_cut_within_a_bound_and_counted(tmp_path, monkeypatch, compressed):
+    from andrea_core.data import corpora, shards
+
+    monkeypatch.setattr(shards, "PIECE_CHARS", 20_000)
+    monkeypatch.setattr(corpora, "WHOLE_TEXT_BYTES", 100_000)  # the file streams, never read whole
+    chinese = CHINESE * 8000  # 392,000 characters, 1.2 MB, not one exact cut
+    english = [document(i, 100) for i in range(20)]
+    name = "zh.txt.gz" if compressed else "zh.txt"
+    put(f"{tmp_path}/c/{name}", gzip.compress(chinese.encode()) if compressed else chinese.encode())
+    for i, doc in enumerate(english):
+        put(f"{tmp_path}/c/en{i:02d}.txt", doc.encode())
+    seen: list[int] = []
+    real = shards.batch_encoder
+    monkeypatch.setattr(
+        shards, "batch_encoder",
+        lambda t, d: (lambda enc: lambda texts: (seen.extend(map(len, texts)), enc(texts))[1])(real(t, d)),
+    )  # fmt: skip
+    lines: list[str] = []
+    cfg = CFG.with_overrides({"data.val_fraction": 0.3})
+    arm = DataPipeline(
+        cfg, one_arm(tmp_path, f"{{name: c, kind: text, paths: [{tmp_path}/c]}}"), lines.append
+    )
+    data = arm.arms["c"]
+    assert max(seen) <= 40_000, "no piece longer than 2 x PIECE_CHARS"
+    assert data.info["split_documents"] == 1 and data.info["documents"] == 21
+    assert (
+        "arm 'c': 1 document(s) had no exact cut within 40,000 characters (text without spaces, or a "
+        "tokenizer that admits no cut) and were encoded in pieces of at most that size (9 cuts)"
+    ) in "\n".join(lines)
+    # Bytes are exact at any cut: the cache is still the documents' bytes.
+    assert sorted(cached_text(data).split(DOC_SEPARATOR)[:-1]) == sorted([chinese, *english])
