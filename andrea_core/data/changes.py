@@ -46,7 +46,11 @@ def read_data_log(run: RunDir, warn: Callable[[str], None] | None = None) -> lis
     counted and named by line number."""
     if not run.exists(DATA_LOG):
         return []
-    parsed, bad = json_lines(run.read_bounded(DATA_LOG))
+    return _entries(run, run.read_bounded(DATA_LOG), warn)
+
+
+def _entries(run: RunDir, data: bytes, warn: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    parsed, bad = json_lines(data)
     entries = []
     for number, entry in parsed:
         if _is_entry(entry):
@@ -67,7 +71,8 @@ def record_data_changes(
     warn: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """Append what changed since the run's last start; `arms` map names to objects with a fingerprint."""
-    last = {e["arm"]: e for e in read_data_log(run, warn)}
+    data = run.read_bounded(DATA_LOG) if run.exists(DATA_LOG) else b""
+    last = {e["arm"]: e for e in _entries(run, data, warn)}
     now = time.time()
     new: list[dict[str, Any]] = []
     for name, arm in arms.items():
@@ -90,7 +95,8 @@ def record_data_changes(
             new.append({"step": step, "arm": name, "event": "unavailable", "fingerprint": None, "why": why,
                         "time": now})  # fmt: skip
     if new:
-        run.append(
-            DATA_LOG, "".join(json.dumps(e, sort_keys=True) + "\n" for e in new).encode(), durable=True
-        )
+        # After a torn last line, on a line of its own: never glued onto the torn one.
+        torn = b"\n" if data and not data.endswith(b"\n") else b""
+        lines = "".join(json.dumps(e, sort_keys=True) + "\n" for e in new).encode()
+        run.append(DATA_LOG, torn + lines, durable=True)
     return new
