@@ -266,6 +266,12 @@ def test_compare_refuses_a_branch_that_trains_on_the_parents_held_out_documents(
     narrow = f"name: narrow\narms:\n  - {{name: notes, kind: text, paths: [{tmp_path}/notes/a]}}\n"
     wide = policy_file(tmp_path, "wide", f"  - {{name: notes, kind: text, paths: [{tmp_path}/notes/]}}\n")
     parent = tiny_run(str(tmp_path / "P"), [100], narrow)
+    # A branch that reads the held-out files under the parent's paths, and more besides, is fine.
+    for i in range(5):
+        put(f"{tmp_path}/prose/p{i}.md", (document(900 + i, 200) + "\n").encode())
+    extra = policy_file(tmp_path, "extra", f"  - {{name: notes, kind: text, paths: [{tmp_path}/notes/a]}}\n"
+                        f"  - {{name: more, kind: prose, paths: [{tmp_path}/prose]}}\n")  # fmt: skip
+    check_audit(parent.url, [BranchSpec("base"), BranchSpec("extra", {"data.policy": extra})], 10, 4, None)
     specs = [BranchSpec("base"), BranchSpec("wide", {"data.policy": wide})]
     with pytest.raises(
         ConfigError, match=r"branch 'wide': its arm 'notes' trains on \d+ of the \d+ held-out"

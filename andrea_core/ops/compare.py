@@ -132,6 +132,15 @@ def _listed(arm: ArmSpec) -> list | None:
         return None
 
 
+def _source_files(arm: ArmSpec) -> list:
+    from andrea_core.data.sources import open_source
+
+    try:
+        return open_source(arm, 1).files
+    except SourceUnavailable:
+        return []
+
+
 def trained_on_held_out(held: ArmSpec, arm: ArmSpec, val_fraction: float) -> str | None:
     """How a branch's arm `arm` trains on documents that the evaluation holds out of arm `held`, or
     None if it trains on none of them. A document is held out by the hash of its identity (its file's
@@ -143,8 +152,15 @@ def trained_on_held_out(held: ArmSpec, arm: ArmSpec, val_fraction: float) -> str
     if arm.kind != held.kind:
         return None
     if held.kind not in CORPUS_KINDS:
-        same = (arm.paths, arm.packages) == (held.paths, held.packages)
-        return None if same else f"reads the {held.kind} files of held-out arm {held.name!r} as another list"
+        if (arm.paths, arm.packages) == (held.paths, held.packages):
+            return None  # the same list of files: the same tail held out
+        shared = set(_source_files(held)) & set(_source_files(arm))
+        if not shared:
+            return None
+        return (
+            f"reads {len(shared)} of the files of held-out arm {held.name!r} ({held.kind}) in another list "
+            "of files, which moves the held-out tail of its token stream"
+        )
     if held.kind == "tokens" or (arm.field, arm.column) != (held.field, held.column):
         return None  # shards split by their names; another field or column is another text
     held_files, arm_files = _listed(held), _listed(arm)
