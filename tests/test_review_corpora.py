@@ -23,7 +23,7 @@ from andrea_core.data.corpora import CorpusError, is_validation
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
 from andrea_core.data.tokens import DOC_SEPARATOR
-from andrea_core.rundir import POLICY_YAML, RunDir
+from andrea_core.run.rundir import POLICY_YAML, RunDir
 
 CFG = load_run_config("andrea-tiny")
 QUIET = lambda line: None  # noqa: E731
@@ -91,7 +91,7 @@ def invalid_parquet(docs: list[bytes]) -> bytes:
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_text_that_is_not_valid_unicode_is_a_bad_record_in_every_reader(tmp_path, tokenizer):
-    from andrea_core.runs import create_run
+    from andrea_core.train.setup import create_run
 
     docs = [document(i, 30) for i in range(300)]
     lines = [json.dumps({"text": d}).encode() for d in docs]
@@ -143,7 +143,7 @@ def test_a_glob_that_matches_folders_searches_them_as_a_folder_path_does(tmp_pat
 def test_malformed_data_log_lines_are_skipped_and_counted_not_a_traceback(tmp_path):
     put(f"{tmp_path}/corpus/a.txt", document(1, 300).encode())
     text = f"name: p\narms:\n  - {{name: notes, kind: text, paths: [{tmp_path}/corpus]}}\n"
-    from andrea_core.runs import create_run
+    from andrea_core.train.setup import create_run
 
     run = RunDir(str(tmp_path / "run"))
     create_run(run, CFG.with_overrides({"data.val_fraction": 0.4}), policy_text=text)
@@ -169,8 +169,8 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def tiny_run(url: str, steps: list[int], policy_text: str) -> RunDir:
-    from andrea_core.fork import run_n_params
-    from andrea_core.runs import create_run
+    from andrea_core.run.record import run_n_params
+    from andrea_core.train.setup import create_run
 
     run = RunDir(url)
     record = create_run(run, CFG, policy_text=policy_text)
@@ -233,7 +233,7 @@ def test_an_arm_unavailable_at_first_load_refuses_a_pivot_and_a_new_run_before_a
 
 
 def test_an_arm_unavailable_the_first_time_it_appears_is_recorded_in_the_data_log(tmp_path):
-    from andrea_core.runs import create_run
+    from andrea_core.train.setup import create_run
 
     text = (
         "name: p\narms:\n  - {name: stdlib-code, kind: python-stdlib}\n"
@@ -255,8 +255,8 @@ def test_an_arm_unavailable_the_first_time_it_appears_is_recorded_in_the_data_lo
 
 
 def test_compare_refuses_a_branch_that_trains_on_the_parents_held_out_documents(tmp_path):
-    from andrea_core.compare import check_audit, compare_branches
-    from andrea_core.fork import BranchSpec, fork
+    from andrea_core.ops.compare import check_audit, compare_branches
+    from andrea_core.ops.fork import BranchSpec, fork
 
     for sub in ("a", "b"):
         for i in range(40):

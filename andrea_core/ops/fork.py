@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
-from andrea_core.config import ConfigError, RunConfig
-from andrea_core.data.policy import load_policy
+from andrea_core.config import ConfigError, RunConfig, load_yaml
+from andrea_core.data.policy import load_policy, parse_policy
 from andrea_core.run.lineage import fork_records
-from andrea_core.run.record import read_run, run_n_params
+from andrea_core.run.record import config_differences, read_run, run_n_params
 from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
 from andrea_core.train.setup import create_run
 
@@ -158,7 +158,7 @@ SCHEDULE = ("train.lr", "train.min_lr", "train.warmup_steps", "train.lr_decay_st
 def _same_schedule(a: RunConfig, b: RunConfig, step: int) -> bool:
     """Whether the two learning-rate schedules agree at every step a branch of `step` can train: from
     step + 1 to past both decays' ends (both are constant at min_lr from there on)."""
-    from andrea_core.optim import lr_at  # no torch
+    from andrea_core.train.optim import lr_at  # no torch
 
     end = max(a.train.max_steps, b.train.max_steps, a.train.lr_decay_steps, b.train.lr_decay_steps,
               a.train.warmup_steps, b.train.warmup_steps, step + 1) + 1  # fmt: skip
@@ -166,8 +166,6 @@ def _same_schedule(a: RunConfig, b: RunConfig, step: int) -> bool:
 
 
 def _same_training(a: RunConfig, policy_a: str, b: RunConfig, policy_b: str, step: int) -> bool:
-    from andrea_core.runs import config_differences
-
     learns = [d for d in config_differences(a, b) if d not in NOT_TRAINING and d not in SCHEDULE]
     return not learns and policy_a == policy_b and _same_schedule(a, b, step)
 
@@ -194,10 +192,9 @@ def check_branches_change_training(
     """Refuse a branch whose overrides change nothing it will learn (over the steps from the fork point
     on, it would train exactly as the parent, or as another branch, would): comparing it would only
     measure noise. Named with the setting and why. A branch without overrides is the control."""
-    from andrea_core.pivot import parse_policy_text
 
     def policy_hash(text: str) -> str:
-        return parse_policy_text(text, "policy").hash
+        return parse_policy(load_yaml(text, "policy"), "policy").hash
 
     parent_hash = policy_hash(parent_policy_text)
     hashes = [policy_hash(p.policy_text) for p in plans]
