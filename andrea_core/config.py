@@ -8,6 +8,7 @@ typo such as `lerning_rate` would otherwise train a week with the default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -37,6 +38,10 @@ LIMITS = {
     "ANDREA_MAX_POLICY_BYTES": 1 << 20,
     "ANDREA_MAX_SIDECAR_BYTES": 64 << 20,  # run.yaml, policy.yaml, forks.jsonl, .samples.json ...
     "ANDREA_MAX_LOSS_LOG_BYTES": 512 << 20,  # about 4.5 million steps of .loss.json
+    # A user's corpus: one JSON line at most this long (longer: a bad record, skipped as it streams), and
+    # a compressed file expanding to at most this many times its stored size (more: refused by name).
+    "ANDREA_MAX_LINE_BYTES": 64 << 20,
+    "ANDREA_MAX_EXPANSION": 100,
 }
 
 
@@ -143,6 +148,12 @@ class RunConfig:
                 node = node[key]
             if leaf not in node:
                 raise ConfigError(f"{source}: {dotted}: unknown field")
+            if isinstance(node[leaf], dict):
+                # Replacing a whole section would reset every field of it not given to its default.
+                raise ConfigError(
+                    f"{source}: {dotted}: is a section, not a field; override its fields one by one "
+                    f"({dotted}.FIELD=VALUE)"
+                )
             node[leaf] = value
         return parse_run_config(raw, source)
 
@@ -199,7 +210,19 @@ def estimated_n_params(m: ModelConfig) -> int:
     return 2 * m.vocab_size * m.n_embd + m.block_size * m.n_embd + m.n_layer * per_layer + 2 * m.n_embd
 
 
+def _check_finite(obj: Any, where: str, source: str) -> None:
+    """Every float of the config is a finite number: YAML reads .inf and .nan as floats, and an
+    infinite learning rate trains one step and then fails on the first NaN loss."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{where}{f.name}.", source)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{source}: {where}{f.name} must be a finite number, got {value}")
+
+
 def _check_ranges(cfg: RunConfig, source: str) -> None:
+    _check_finite(cfg, "", source)
     m, t, d, r = cfg.model, cfg.train, cfg.data, cfg.retention
     checks = [
         (m.vocab_size > 0, "model.vocab_size", "must be positive"),
@@ -236,6 +259,7 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         ),
         (d.tokenizer != "bytes" or m.vocab_size == 256, "model.vocab_size", "must be 256 with bytes"),
         (0.0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)"),
+        (d.max_source_bytes > 0, "data.max_source_bytes", "must be positive"),
         # Two, not one: the checkpoint a SIGTERM writes right after a pivot boundary must not push the
         # boundary out before the pivot has archived (and so protected) it.
         (r.keep_last is None or r.keep_last >= 2, "retention.keep_last", "must be >= 2 (or null: keep all)"),

@@ -53,7 +53,7 @@ RESUME_AT = 20  # the base run's newest checkpoint; each example resumes it to R
 HANG_S = 120  # one example (a resume and six CLI readers) takes about a second
 
 JSON_FILES = [".state.json", ".samples.json", "tokenizer.json", ".trainer.json"]
-JSONL_FILES = [".loss.json", "forks.jsonl"]
+JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl"]
 YAML_FILES = ["run.yaml", "policy.yaml"]
 BIN_FILES = ["step_000020.bin", "step_000010.bin"]
 FILES = BIN_FILES + JSON_FILES + JSONL_FILES + YAML_FILES
@@ -71,7 +71,8 @@ CASES = [(f, k) for f in FILES for k in KINDS[f]]
 # A resume may rewrite these (a state or audit it accepted; a stale lock it took over) ...
 REWRITTEN_BY_A_RESUME = {".state.json", ".samples.json", ".trainer.json"}
 # ... and none of these can change what step 21 trains: an accepted one must give the reference bytes.
-NEUTRAL_TO_TRAINING = {"step_000010.bin", ".samples.json", ".trainer.json", "forks.jsonl"}
+NEUTRAL_TO_TRAINING = {"step_000010.bin", ".samples.json", ".trainer.json", "forks.jsonl", "data.jsonl"}
+APPENDED_TO = (".loss.json", "data.jsonl")  # a resume only ever appends to these
 
 TALLY: Counter = Counter()
 
@@ -276,8 +277,8 @@ def _check_evidence(before: dict[str, bytes], run: Path, name: str, resumed: boo
             if f == ".trainer.json" and resumed:
                 continue  # a stale lock, taken over by the resume and released at its exit
             assert data in aside.values(), f"{f} (corrupted: {name}) is gone and was not set aside intact"
-        elif f == ".loss.json":
-            assert after[f].startswith(data), ".loss.json was rewritten, not appended to"
+        elif f in APPENDED_TO:
+            assert after[f].startswith(data), f"{f} was rewritten, not appended to"
         elif f == ".trainer.json" and f != name:
             continue  # the lock itself: every trainer start rewrites it (a lease keeps a released one)
         elif after[f] != data and data not in aside.values():
@@ -386,6 +387,8 @@ def run_case(base: Path, name: str, kind: str, seed: int, readers: bool = True) 
 @example(case=("run.yaml", "other-model"), seed=1)  # CheckpointError traceback from `andrea train`
 @example(case=(".samples.json", "nan-inf"), seed=6)  # TypeError in `andrea audit`'s table
 @example(case=("run.yaml", "wrong-type"), seed=5)  # AttributeError: run.yaml's environment not a mapping
+@example(case=("data.jsonl", "wrong-type"), seed=0)  # TypeError/KeyError reading data.jsonl (issue 25.6)
+@example(case=("data.jsonl", "truncate"), seed=3)  # the next start's line glued onto a torn one
 def test_every_corrupted_run_file_resumes_or_is_refused_by_name(base, case, seed):
     name, kind = case
     outcome = run_case(base, name, kind, seed)

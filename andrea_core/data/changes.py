@@ -4,14 +4,17 @@ At every trainer start, each arm's source fingerprint is compared with the one t
 
   {"step", "arm", "event", "fingerprint", "time"[, "previous", "why"]}    one JSON object per line
 
-  loaded       the first start that saw the arm
+  loaded       the first start that saw the arm with its source available
   changed      files were added, removed or replaced since (the fingerprint differs): the arm's token
                cache is the new source's, rebuilt if this machine had none, and a warning names the arm
-  unavailable  the arm's source is gone (the zombie case: dropped, never pulled; state.py says so too)
+  unavailable  the arm's source is gone (the zombie case: dropped, never pulled; state.py says so too),
+               or was not there the first time the arm appeared (a pivot and a new run refuse that
+               before anything is touched: pipeline.require_available; a trainer records it)
   returned     an arm that was unavailable has its source back
 
-The file is appended to only, like forks.jsonl, and stays where it is across pivots; a torn last line is
-skipped.
+The file is appended to only, like forks.jsonl, and stays where it is across pivots; a line that is not
+such an object (torn by a crash, junk, the wrong shape) is skipped and counted, like a torn .loss.json
+line.
 """
 
 from __future__ import annotations
@@ -21,20 +24,42 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from andrea_core.run.loss_log import json_lines
 from andrea_core.run.rundir import RunDir
 
 DATA_LOG = "data.jsonl"
+EVENTS = ("loaded", "changed", "unavailable", "returned")
 
 
-def read_data_log(run: RunDir) -> list[dict[str, Any]]:
+def _is_entry(e: Any) -> bool:
+    return (
+        isinstance(e, dict)
+        and type(e.get("step")) is int
+        and isinstance(e.get("arm"), str)
+        and e.get("event") in EVENTS
+        and (e.get("fingerprint") is None or isinstance(e.get("fingerprint"), str))
+    )
+
+
+def read_data_log(run: RunDir, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The well-formed entries of data.jsonl, in order; the others are skipped and, through `warn`,
+    counted and named by line number."""
     if not run.exists(DATA_LOG):
         return []
+    return _entries(run, run.read_bounded(DATA_LOG), warn)
+
+
+def _entries(run: RunDir, data: bytes, warn: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    parsed, bad = json_lines(data)
     entries = []
-    for line in run.read_text(DATA_LOG).splitlines():
-        try:
-            entries.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line
+    for number, entry in parsed:
+        if _is_entry(entry):
+            entries.append(entry)
+        else:
+            bad.append(number)
+    if bad and warn is not None:
+        numbers = ", ".join(map(str, sorted(bad)))
+        warn(f"{run.path(DATA_LOG)}: skipped {len(bad)} malformed line(s): lines {numbers}")
     return entries
 
 
@@ -46,7 +71,8 @@ def record_data_changes(
     warn: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """Append what changed since the run's last start; `arms` map names to objects with a fingerprint."""
-    last = {e["arm"]: e for e in read_data_log(run) if "arm" in e}
+    data = run.read_bounded(DATA_LOG) if run.exists(DATA_LOG) else b""
+    last = {e["arm"]: e for e in _entries(run, data, warn)}
     now = time.time()
     new: list[dict[str, Any]] = []
     for name, arm in arms.items():
@@ -65,11 +91,12 @@ def record_data_changes(
             )
     for name, why in unavailable.items():
         prev = last.get(name)
-        if prev is not None and prev.get("event") != "unavailable":
+        if prev is None or prev.get("event") != "unavailable":  # gone, or never there
             new.append({"step": step, "arm": name, "event": "unavailable", "fingerprint": None, "why": why,
                         "time": now})  # fmt: skip
     if new:
-        run.append(
-            DATA_LOG, "".join(json.dumps(e, sort_keys=True) + "\n" for e in new).encode(), durable=True
-        )
+        # After a torn last line, on a line of its own: never glued onto the torn one.
+        torn = b"\n" if data and not data.endswith(b"\n") else b""
+        lines = "".join(json.dumps(e, sort_keys=True) + "\n" for e in new).encode()
+        run.append(DATA_LOG, torn + lines, durable=True)
     return new

@@ -10,8 +10,13 @@ Document kinds (`text`, `jsonl`, `parquet`) yield records. Each record has an id
 path relative to the arm's path plus the record's index in it, and the validation split is chosen by a
 hash of that identity (see `is_validation`): adding files to a corpus never moves a document between
 train and validation. A record that cannot be used (an unreadable file, a bad JSON line, a missing
-field, a value that is not text) is yielded as bad, naming the file and line or row, so that the cache
-builder counts it and refuses an arm where more than 1% of the records are bad.
+field, a value that is not text, text that is not valid Unicode: bytes that are not UTF-8, or a lone
+surrogate that JSON's \\ud83d escapes let through; a JSON line nested too deep or longer than
+ANDREA_MAX_LINE_BYTES) is yielded as bad, naming the file and line or row, and the reader goes on with
+the next one, so that the cache builder counts it and refuses an arm where more than 1% of the records
+are bad. A compressed file is read through a bound on what it expands to (ANDREA_MAX_EXPANSION times
+its stored size, checked as the bytes arrive): a small .gz or .zst that would expand to gigabytes is
+refused by name, not read.
 
 `tokens` arms are shards made by other tools, read as they are: nanoGPT's `train.bin` / `val.bin`
 (raw uint16) and llm.c's shards (a header of 256 int32: magic, version, token count; magic 20240520
@@ -35,6 +40,8 @@ from typing import Any, NamedTuple
 import fsspec
 import numpy as np
 
+from andrea_core.bounded import BoundedReader, LongLine, TooLarge, bounded_lines, read_at_most
+from andrea_core.config import limit
 from andrea_core.data.policy import ArmSpec, SourceUnavailable
 
 # Part of every corpus fingerprint: bump it when reading changes what a corpus yields.
@@ -54,6 +61,8 @@ READ_CHUNK = 1 << 20
 # A text file stored larger than this is not read whole: its document is checked (UTF-8) in one pass
 # and streamed in chunks in a second (Record.chunks), so that one 10 GB file is not 10 GB in memory.
 WHOLE_TEXT_BYTES = 32 << 20
+# A compressed file may expand to ANDREA_MAX_EXPANSION times its stored size, and to at least this.
+EXPANSION_FLOOR_BYTES = 64 << 20
 GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -131,6 +140,9 @@ def list_files(arm: ArmSpec) -> list[CorpusFile]:
             if glob:
                 base = path[: glob.start()].rsplit("/", 1)[0]
                 matches = fs.glob(path, detail=True)
+                # A folder the glob matches is searched, as a folder path is.
+                for folder in [p for p, info in matches.items() if info.get("type") == "directory"]:
+                    matches.update(fs.find(folder, detail=True))
             elif fs.isdir(path):
                 base, matches = path, fs.find(path, detail=True)
             elif fs.exists(path):
@@ -208,17 +220,42 @@ def open_corpus(arm: ArmSpec, max_bytes: int) -> CorpusSource:
 # --- readers -------------------------------------------------------------------------------------
 
 
+class CorpusTooLarge(CorpusError):
+    """A compressed file that expands past its bound: refused by name (a decompression bomb, or a file
+    to allow with ANDREA_MAX_EXPANSION)."""
+
+
+def expansion_bound(f: CorpusFile) -> int:
+    """How many bytes a compressed file may expand to (ANDREA_MAX_EXPANSION x its stored size)."""
+    return max(EXPANSION_FLOOR_BYTES, limit("ANDREA_MAX_EXPANSION") * f.size)
+
+
 def _open_decompressed(f: CorpusFile, raw=None):
-    """The file's bytes, decompressed where its name says; `raw` (an open handle of it) is read from if
-    given, so that its position tells how far through the stored file the reading is."""
+    """The file's bytes, decompressed where its name says, and bounded there (expansion_bound: a read
+    past it raises TooLarge); `raw` (an open handle of it) is read from if given, so that its
+    position tells how far through the stored file the reading is."""
     raw = raw or f.fs.open(f.path, "rb")
     if f.path.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if f.path.endswith(".zst"):
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")
+    elif f.path.endswith(".zst"):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-    return raw
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    else:
+        return raw
+    bound = expansion_bound(f)
+
+    def refusal(seen: int) -> str:
+        return (
+            f"{f.url}: expands past {bound:,} bytes ({limit('ANDREA_MAX_EXPANSION')} times its {f.size:,} "
+            "stored bytes): refused as a decompression bomb; set ANDREA_MAX_EXPANSION to allow more"
+        )
+
+    return BoundedReader(stream, bound, f.url, refusal)
+
+
+def _refused(e: TooLarge) -> CorpusTooLarge:
+    return CorpusTooLarge(str(e))
 
 
 def _until(chunks: Iterator[str], n: int) -> Iterator[str]:
@@ -232,9 +269,12 @@ def _until(chunks: Iterator[str], n: int) -> Iterator[str]:
 
 def _text_chunks(f: CorpusFile) -> Iterator[str]:
     decoder = codecs.getincrementaldecoder("utf-8")()
-    with _open_decompressed(f) as stream:
-        while data := stream.read(READ_CHUNK):
-            yield decoder.decode(data)
+    try:
+        with _open_decompressed(f) as stream:
+            while data := stream.read(READ_CHUNK):
+                yield decoder.decode(data)
+    except TooLarge as e:
+        raise _refused(e) from None
     yield decoder.decode(b"", final=True)
 
 
@@ -247,6 +287,8 @@ def _utf8_problem(f: CorpusFile) -> str | None:
                 decoder.decode(data)
                 at += len(data)
             decoder.decode(b"", final=True)
+    except TooLarge as e:
+        raise _refused(e) from None
     except UnicodeDecodeError as e:
         return f"{f.url}: not UTF-8 text ({e.reason} near byte {at + e.start})"
     except Exception as e:  # gzip, zstd and the stores raise many types; all mean "unreadable"
@@ -257,17 +299,24 @@ def _utf8_problem(f: CorpusFile) -> str | None:
 def _read_text(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
     if skip > 0:
         return  # a text file is one record, already consumed
-    if f.size > WHOLE_TEXT_BYTES:
-        problem = _utf8_problem(f)
-        if problem is not None:
-            yield Record(i, 0, None, problem)
-        else:
-            yield Record(i, 0, None, chunks=lambda: _text_chunks(f))  # read: as it streams
-        return
     try:
-        with _open_decompressed(f) as stream:
-            data = stream.read()
+        # Read whole only while it stays small as decompressed, whatever its stored size says.
+        larger = f.size > WHOLE_TEXT_BYTES
+        if not larger:
+            with _open_decompressed(f) as stream:
+                data, larger = read_at_most(stream, WHOLE_TEXT_BYTES, READ_CHUNK)
+        if larger:
+            problem = _utf8_problem(f)
+            if problem is not None:
+                yield Record(i, 0, None, problem)
+            else:
+                yield Record(i, 0, None, chunks=lambda: _text_chunks(f))  # read: as it streams
+            return
         text = data.decode("utf-8")
+    except TooLarge as e:
+        raise _refused(e) from None
+    except CorpusError:
+        raise
     except UnicodeDecodeError as e:
         yield Record(i, 0, None, f"{f.url}: not UTF-8 text ({e.reason} at byte {e.start})")
         return
@@ -277,15 +326,37 @@ def _read_text(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Recor
     yield Record(i, 0, text, read=f.size)
 
 
-def _lines(stream) -> Iterator[bytes]:
-    """Lines of a binary stream, read a chunk at a time (no whole file in memory)."""
-    tail = b""
-    while chunk := stream.read(READ_CHUNK):
-        parts = (tail + chunk).split(b"\n")
-        tail = parts.pop()
-        yield from parts
-    if tail:
-        yield tail
+def unicode_problem(text: str) -> str | None:
+    """Why a str is not valid Unicode text (a lone surrogate, which no UTF-8 can hold), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+    return None
+
+
+def _json_record(arm: ArmSpec, i: int, n: int, where: str, line: bytes | LongLine, read: int) -> Record:
+    """One JSON line as a record: the document, or a bad record saying what is wrong with the line."""
+    if isinstance(line, LongLine):
+        return Record(i, n, None, f"{where}: a line of {line.size:,} bytes, over ANDREA_MAX_LINE_BYTES "
+                      f"({line.bound:,})")  # fmt: skip
+    try:
+        doc = json.loads(line.decode("utf-8"))  # strict: json.loads(bytes) would let surrogates through
+    except UnicodeDecodeError as e:
+        return Record(i, n, None, f"{where}: not UTF-8 ({e.reason} at byte {e.start})")
+    except RecursionError:
+        return Record(i, n, None, f"{where}: not valid JSON (nested deeper than the parser allows)")
+    except ValueError as e:
+        return Record(i, n, None, f"{where}: not valid JSON ({e})")
+    if not isinstance(doc, dict) or arm.field not in doc:
+        return Record(i, n, None, f"{where}: no field {arm.field!r}")
+    value = doc[arm.field]
+    if not isinstance(value, str):
+        return Record(i, n, None, f"{where}: field {arm.field!r} is {type(value).__name__}, not text")
+    problem = unicode_problem(value)
+    if problem is not None:
+        return Record(i, n, None, f"{where}: field {arm.field!r} is not valid Unicode ({problem})")
+    return Record(i, n, value, read=read)
 
 
 def _read_jsonl(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
@@ -293,24 +364,39 @@ def _read_jsonl(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Reco
     try:
         raw = f.fs.open(f.path, "rb")
         with raw, _open_decompressed(f, raw) as stream:
-            for n, line in enumerate(_lines(stream)):
-                if n < skip or not line.strip():
+            lines = bounded_lines(stream, limit("ANDREA_MAX_LINE_BYTES"), f.url, READ_CHUNK, skip_long=True)
+            for n, line in enumerate(lines):
+                if n < skip or (isinstance(line, bytes) and not line.strip()):
                     continue
-                where = f"{f.url}:{n + 1}"  # line numbers as an editor shows them
-                try:
-                    doc = json.loads(line)
-                except ValueError as e:
-                    yield Record(i, n, None, f"{where}: not valid JSON ({e})")
-                    continue
-                if not isinstance(doc, dict) or arm.field not in doc:
-                    yield Record(i, n, None, f"{where}: no field {arm.field!r}")
-                elif not isinstance(doc[arm.field], str):
-                    kind = type(doc[arm.field]).__name__
-                    yield Record(i, n, None, f"{where}: field {arm.field!r} is {kind}, not text")
-                else:
-                    yield Record(i, n, doc[arm.field], read=raw.tell())
+                # line numbers as an editor shows them
+                yield _json_record(arm, i, n, f"{f.url}:{n + 1}", line, raw.tell())
+    except TooLarge as e:
+        raise _refused(e) from None
     except Exception as e:
         yield Record(i, n + 1, None, f"{f.url}: unreadable after line {n} ({type(e).__name__}: {e})")
+
+
+def _row_values(column: Any, url: str, first_row: int, name: str) -> list[tuple[str | None, str | None]]:
+    """(text, problem) per row of a string column: a value that is not UTF-8 (some writers leave such
+    bytes in a string column) is a bad row of its own, not a bad row group."""
+    import pyarrow as pa
+
+    try:
+        return [(v, None if v is not None else f"{url}: row {first_row + k}: {name!r} is null")
+                for k, v in enumerate(column.to_pylist())]  # fmt: skip
+    except UnicodeDecodeError:
+        pass
+    out: list[tuple[str | None, str | None]] = []
+    for k, v in enumerate(column.cast(pa.binary()).to_pylist()):
+        where = f"{url}: row {first_row + k}: {name!r}"
+        if v is None:
+            out.append((None, f"{where} is null"))
+            continue
+        try:
+            out.append((v.decode("utf-8"), None))
+        except UnicodeDecodeError as e:
+            out.append((None, f"{where} is not UTF-8 ({e.reason} at byte {e.start})"))
+    return out
 
 
 def _read_parquet(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Record]:
@@ -344,15 +430,16 @@ def _read_parquet(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Re
                 row += n_rows
                 continue
             try:
-                values = pf.read_row_group(g, columns=[arm.column]).column(0).to_pylist()
+                values = _row_values(pf.read_row_group(g, columns=[arm.column]).column(0), f.url, row,
+                                     arm.column)  # fmt: skip
             except Exception as e:
                 yield Record(i, row, None, f"{f.url}: row group {g} unreadable ({e})", count=n_rows)
                 row += n_rows
                 continue
-            for value in values:
+            for value, problem in values:  # decoded strictly: no surrogate gets through
                 if row >= skip:
-                    if value is None:
-                        yield Record(i, row, None, f"{f.url}: row {row}: {arm.column!r} is null")
+                    if problem is not None:
+                        yield Record(i, row, None, problem)
                     else:
                         yield Record(i, row, value, read=f.size * (row + 1) // max(1, rows))
                 row += 1

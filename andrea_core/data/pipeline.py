@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from andrea_core.config import RunConfig
+from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.changes import record_data_changes
 from andrea_core.data.mixer import Exp3Mixer, Mixer, UniformMixer
 from andrea_core.data.policy import CORPUS_KINDS, Policy, SourceUnavailable, check_feasible, read_policy
@@ -102,6 +102,18 @@ def prepare_data(
     a pivot runs it on the new policy before it touches anything, so both refuse the same policies."""
     arms, unavailable = load_arms(policy, cfg, tokenizer, warn)
     return arms, unavailable, make_mixer(policy, list(arms), cfg.train.seed)
+
+
+def require_available(policy: Policy, unavailable: dict[str, str], what: str) -> None:
+    """A pivot or a new run starts with every arm of its policy: an arm without data at its first load
+    is refused here, before anything is touched, rather than trained without (and recorded, by a
+    trainer, in data.jsonl)."""
+    if unavailable:
+        arms = "; ".join(f"arm {a!r} is unavailable ({why})" for a, why in unavailable.items())
+        raise ConfigError(
+            f"policy {policy.name!r}: {arms}: {what} is refused before anything is touched (a relative "
+            "path is the policy file's folder's); fix the paths or remove the arm"
+        )
 
 
 def windows(

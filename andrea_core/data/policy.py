@@ -2,6 +2,11 @@
 
 A policy is rejected before any work starts if it cannot be satisfied: floors summing above 1 or caps
 below 1 leave no distribution that meets them all.
+
+An arm's relative paths (and a tokens arm's relative tokenizer path) are the policy file's: load_policy
+resolves them once, against the folder the file is in, and the text it returns (what a run installs as
+its policy.yaml) holds them as absolute paths. A trainer started anywhere (a detached one starts in the
+repository root) then reads the files that were checked, not whatever its working folder holds.
 """
 
 from __future__ import annotations
@@ -10,9 +15,12 @@ import hashlib
 import json
 import keyword
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import yaml
 
 from andrea_core.config import (
     ConfigError,
@@ -151,8 +159,32 @@ def check_feasible(
         raise ConfigError(f"{source}: infeasible policy: caps sum to {cap_sum:.4g} < 1 ({terms})")
 
 
+def _is_relative_path(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and "://" not in value and not os.path.isabs(value)
+
+
+def freeze_relative_paths(raw: Any, folder: str) -> bool:
+    """Resolve, in place, the relative paths of a policy's arms (paths, a tokens arm's tokenizer file)
+    against `folder`; True if any was. Anything that is not a plain policy is left to parse_policy."""
+    changed = False
+    arms = raw.get("arms") if isinstance(raw, dict) else None
+    for arm in arms if isinstance(arms, list) else []:
+        if not isinstance(arm, dict):
+            continue
+        paths = arm.get("paths")
+        if isinstance(paths, list) and any(_is_relative_path(p) for p in paths):
+            arm["paths"] = [os.path.join(folder, p) if _is_relative_path(p) else p for p in paths]
+            changed = True
+        tok = arm.get("tokenizer")
+        if arm.get("kind") == "tokens" and _is_relative_path(tok) and tok.endswith(".json"):
+            arm["tokenizer"] = os.path.join(folder, tok)
+            changed = True
+    return changed
+
+
 def load_policy(name_or_path: str) -> tuple[Policy, str]:
-    """The parsed policy and its YAML text (installed verbatim as the run's policy.yaml)."""
+    """The parsed policy and its YAML text (installed as the run's policy.yaml): verbatim, or, where
+    its arms name relative paths, the same policy with those resolved against the file's folder."""
     path = resolve_config_path(name_or_path, "policies")
     size = path.stat().st_size
     check_limit(size, "ANDREA_MAX_POLICY_BYTES", f"{path}: {size} bytes")
@@ -160,7 +192,13 @@ def load_policy(name_or_path: str) -> tuple[Policy, str]:
         text = path.read_bytes().decode()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    return parse_policy(load_yaml(text, str(path)), str(path)), text
+    raw = load_yaml(text, str(path))
+    folder = os.path.dirname(os.path.abspath(path))
+    if freeze_relative_paths(raw, folder):
+        text = "# relative paths resolved against the policy file's folder\n" + yaml.safe_dump(
+            raw, sort_keys=False
+        )
+    return parse_policy(raw, str(path)), text
 
 
 def read_policy(run: RunDir) -> Policy:

@@ -78,6 +78,7 @@ def arm_stats(target: Target, pipeline: DataPipeline) -> list[dict[str, Any]]:
                 "kind": spec.kind,
                 "documents": arm.info.get("documents"),
                 "bad_records": arm.info.get("bad", 0),
+                "split_documents": arm.info.get("split_documents", 0),
                 "train_tokens": train,
                 "val_tokens": val,
                 "cache_bytes": int(cache_bytes),
@@ -114,6 +115,8 @@ def format_stats(target: Target, rows: list[dict[str, Any]]) -> str:
         )
         if r["bad_records"]:
             lines[-1] += f"  [{r['bad_records']:,} bad records skipped]"
+        if r["split_documents"]:
+            lines[-1] += f"  [{r['split_documents']:,} documents cut without an exact cut]"
     return "\n".join(lines)
 
 

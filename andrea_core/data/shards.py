@@ -15,14 +15,20 @@ interrupted build resumes after the last published shard. The documents stream t
 in bounded batches and straight to disk, so memory stays bounded whatever the corpus size; the
 tokenizer (`tokenizers` encodes a batch on every core) is where the time goes. A long document is
 encoded in pieces where that gives exactly its whole tokens (`document_pieces`): `tokenizers` holds
-about 270 bytes per token while it encodes, so a 4 MB document alone would cost 430 MB.
+about 270 bytes per token while it encodes, so a 4 MB document alone would cost 430 MB. Where no such
+cut lies within 2 x PIECE_CHARS characters (Chinese, Japanese or Thai text has no spaces to cut at; a
+tokenizer that sees the whole text admits no cut at all), the document is cut at that size all the
+same: memory stays bounded for every script, the document stays one document (no separator is added),
+its tokens at those cuts differ from the whole's, and the cache's manifest and `andrea data stats`
+count the documents so split.
 
 The caches hold the documents' tokens in corpus order, each followed by DOC_SEPARATOR, as one stream
 split into files; `ShardedTokens` reads the shards back as that one stream, so where a shard ends
 changes nothing a batch sees.
 
 `tokens` arms are not built: their shards are used as they are (memory-mapped in place when local,
-copied into the cache directory, atomically and one file at a time, when remote).
+copied into the cache directory, atomically and one file at a time, when remote: each copy named by
+the shard's own fingerprint, so that adding a shard copies that one only).
 """
 
 from __future__ import annotations
@@ -44,15 +50,16 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from andrea_core.config import RunConfig
-from andrea_core.data.corpora import CorpusError, CorpusSource, inspect_shard, is_validation
+from andrea_core.data.corpora import CorpusError, CorpusFile, CorpusSource, inspect_shard, is_validation
 from andrea_core.data.tokens import DOC_SEPARATOR, ByteTokenizer, Tokenizer
 from andrea_core.run.rundir import cache_dir
 
-CACHE_FORMAT = 1  # part of every cache key: bump it when the cache layout or contents change
+CACHE_FORMAT = 2  # part of every cache key: bump it when the cache layout or contents change (2: issue 25)
 SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)
 BATCH_DOCS = 256  # documents (or pieces of one) handed to the tokenizer at once ...
 BATCH_BYTES = 2 << 20  # ... or this much text, whichever comes first: what bounds the builder's memory
 PIECE_CHARS = 256 << 10  # a longer document is encoded in pieces of about this size, where that is exact
+# ... and in pieces of at most twice that where no exact cut is (build_corpus_cache: counted in the stats)
 BAD_FRACTION = 0.01  # more bad records than this refuses the arm
 NAMED_BAD = 5  # bad records named in the log (all are counted)
 PROGRESS_EVERY_S = 2.0
@@ -132,35 +139,66 @@ def _next_cut(text: str, at: int, end: int, added: tuple[str, ...]) -> int | Non
     return None
 
 
-def document_pieces(text: str, size: int = PIECE_CHARS, added: tuple[str, ...] = ()) -> Iterator[str]:
+def document_pieces(
+    text: str,
+    size: int = PIECE_CHARS,
+    added: tuple[str, ...] = (),
+    bound: int | None = None,
+    cuts: dict[str, int] | None = None,
+) -> Iterator[str]:
     """`text` in pieces of about `size` characters, cut only where the tokens of the pieces,
     concatenated, are the tokens of the whole (for a tokenizer that `exact_cuts` admits, with the
-    added tokens it names)."""
-    start = 0
-    while len(text) - start > size and (cut := _next_cut(text, start + size, len(text), added)) is not None:
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
+    added tokens it names). With a `bound`, where no such cut lies within `bound` characters (text
+    without spaces: Chinese, Japanese, Thai) the text is cut at the bound all the same, each such cut
+    counted in `cuts["forced"]`: a bound on memory for every script, at the price of those cuts."""
+    return streamed_pieces([text], size, added, bound, cuts)
 
 
 def streamed_pieces(
-    chunks: Iterable[str], size: int = PIECE_CHARS, added: tuple[str, ...] = ()
+    chunks: Iterable[str],
+    size: int = PIECE_CHARS,
+    added: tuple[str, ...] = (),
+    bound: int | None = None,
+    cuts: dict[str, int] | None = None,
 ) -> Iterator[str]:
-    """`document_pieces` of the concatenation of `chunks`, holding about `size` characters plus a chunk:
-    a cut is taken only where enough text follows it to tell that no added token starts there."""
+    """`document_pieces` of the concatenation of `chunks`, holding about `size` (at most `bound`)
+    characters plus a chunk: an exact cut is taken only where enough text follows it to tell that no
+    added token starts there."""
     margin = max(map(len, added), default=0) + 2
+    buffer = ""
+    for chunk in itertools.chain(chunks, [None]):
+        end = chunk is None
+        buffer += chunk or ""
+        start = 0
+        while len(buffer) - start > (size if end else size + margin):
+            seen = len(buffer) if end else len(buffer) - margin
+            cut = _next_cut(buffer, start + size, seen if bound is None else min(seen, start + bound), added)
+            if cut is None:
+                if bound is None or len(buffer) - start <= (bound if end else bound + margin):
+                    break  # no exact cut yet: wait for more text (or end within the bound)
+                cut = start + bound
+                if cuts is not None:
+                    cuts["forced"] = cuts.get("forced", 0) + 1
+            yield buffer[start:cut]
+            start = cut
+        buffer = buffer[start:]
+    yield buffer
+
+
+def fixed_pieces(chunks: Iterable[str], size: int, cuts: dict[str, int] | None = None) -> Iterator[str]:
+    """The concatenation of `chunks` in pieces of exactly `size` characters (the last: what is left),
+    for a tokenizer that admits no exact cut; each cut counted in `cuts["forced"]`."""
     buffer = ""
     for chunk in chunks:
         buffer += chunk
         start = 0
-        while len(buffer) - start > size + margin:
-            cut = _next_cut(buffer, start + size, len(buffer) - margin, added)
-            if cut is None:
-                break
-            yield buffer[start:cut]
-            start = cut
+        while len(buffer) - start > size:
+            yield buffer[start : start + size]
+            start += size
+            if cuts is not None:
+                cuts["forced"] = cuts.get("forced", 0) + 1
         buffer = buffer[start:]
-    yield from document_pieces(buffer, size, added)
+    yield buffer
 
 
 def exact_cuts(tokenizer: Tokenizer) -> tuple[str, ...] | None:
@@ -325,6 +363,15 @@ def bad_summary(name: str, totals: dict[str, Any]) -> str:
     return f"arm {name!r}: {bad:,} of {records:,} records ({pct:.2f}%) are bad (first: {first})"
 
 
+def split_summary(name: str, totals: dict[str, Any]) -> str:
+    return (
+        f"arm {name!r}: {totals['split_documents']:,} document(s) had no exact cut within "
+        f"{2 * PIECE_CHARS:,} characters (text without spaces, or a tokenizer that admits no cut) and were "
+        f"encoded in pieces of at most that size ({totals['forced_cuts']:,} cuts): their tokens at those "
+        "cuts are not the whole document's"
+    )
+
+
 def build_corpus_cache(
     source: CorpusSource, tokenizer: Tokenizer, val_fraction: float, folder: Path, warn: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -371,13 +418,16 @@ def build_corpus_cache(
                 continue
             totals["documents"] += 1
             val = is_validation(rec.identity(files), val_fraction)
-            chunks = rec.chunks() if rec.chunks is not None else [rec.text]
+            chunks = itertools.chain(rec.chunks() if rec.chunks is not None else [rec.text], [DOC_SEPARATOR])
             # In pieces cut where the tokens stay exactly the document's (a large text file streams
-            # through them, never whole); whole for a tokenizer that allows no such cut.
+            # through them, never whole), within MAX_PIECE_CHARS all the same where no such cut is
+            # (text without spaces, or a tokenizer that allows none): counted, and said in the stats.
+            cuts: dict[str, int] = {}
+            bound = 2 * PIECE_CHARS
             pieces = (
-                ["".join(chunks) + DOC_SEPARATOR]
+                fixed_pieces(chunks, bound, cuts)
                 if added is None
-                else streamed_pieces(itertools.chain(chunks, [DOC_SEPARATOR]), PIECE_CHARS, added)
+                else streamed_pieces(chunks, PIECE_CHARS, added, bound, cuts)
             )
             for piece in pieces:
                 size = len(piece.encode("utf-8", "replace"))
@@ -387,6 +437,9 @@ def build_corpus_cache(
                 if len(pending) >= BATCH_DOCS or pending_bytes >= BATCH_BYTES:
                     progress.update(rec.file, rec.read, totals, flush())
             totals["text_bytes"] -= len(DOC_SEPARATOR)  # counted with the last piece: not text
+            if cuts.get("forced"):
+                totals["split_documents"] = totals.get("split_documents", 0) + 1
+                totals["forced_cuts"] = totals.get("forced_cuts", 0) + cuts["forced"]
             # Bytes bound the tokens of a batch (one token per byte at most, for byte-level tokenizers):
             # flushing once they could fill the shard keeps shards near their size on small corpora too.
             # A shard holds whole documents: it is published only here, between two of them.
@@ -413,6 +466,8 @@ def build_corpus_cache(
         )
     if totals["bad"]:
         warn(f"{bad_summary(name, totals)}; they were skipped")
+    if totals.get("split_documents"):
+        warn(split_summary(name, totals))
     manifest = {
         "format": CACHE_FORMAT,
         "arm": name,
@@ -474,6 +529,7 @@ def corpus_cache(
                 parts.append(np.memmap(path, dtype=dtype, mode="r"))
         splits[split] = ShardedTokens(parts)
     info = {k: manifest[k] for k in ("documents", "records", "bad", "shards")}
+    info["split_documents"] = manifest.get("split_documents", 0)
     info["cache_bytes"] = splits["train"].nbytes + splits["val"].nbytes
     info["cache"] = str(folder)
     return ArmData(splits["train"], splits["val"], info)
@@ -499,6 +555,11 @@ def declared_tokenizer_hash(declared: str) -> str:
         raise CorpusError(f"tokenizer {declared!r}: cannot read it ({e})") from None
 
 
+def shard_fingerprint(f: CorpusFile) -> str:
+    """One shard's identity (URL, size, version): its copy is reused exactly while this is the same."""
+    return hashlib.sha256(f"{f.url}|{f.size}|{f.version}".encode()).hexdigest()[:16]
+
+
 def check_tokens_tokenizer(source: CorpusSource, tokenizer: Tokenizer) -> None:
     declared = source.arm.tokenizer
     want = declared_tokenizer_hash(declared)
@@ -520,17 +581,23 @@ def token_shards(
     """A tokens arm's shards, checked (headers, sizes, tokenizer, token ids) and memory-mapped."""
     check_tokens_tokenizer(source, tokenizer)
     shards = [inspect_shard(f) for f in source.files]
-    folder = cache_dir() / "tokens" / f"{source.arm.name}-{source.fingerprint}"
+    # One folder per arm and list of paths; in it, each remote shard is a copy named by its own
+    # fingerprint, so that a shard added to the arm is the only one copied, and a replaced one's old
+    # copy is removed.
+    where = hashlib.sha256("\n".join(source.arm.paths).encode()).hexdigest()[:16]
+    folder = cache_dir() / "tokens" / f"{source.arm.name}-{where}"
     folder.mkdir(parents=True, exist_ok=True)
     maxima = _read_json(folder / "maxima.json") or {}
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    copied = 0
+    copied, keys = 0, set()
     for sh in shards:
         f = sh.file
+        key = f"{f.rel.replace('/', '__')}.{shard_fingerprint(f)}"
+        keys.add(key)
         if isinstance(f.fs, LocalFileSystem):
             path = Path(f.path)
         else:
-            path = folder / f.rel.replace("/", "__")
+            path = folder / key
             if not path.exists() or path.stat().st_size != f.size:
                 tmp = folder / f".{path.name}.{os.getpid()}.tmp"
                 f.fs.get_file(f.path, str(tmp))  # streamed to disk, never whole in memory
@@ -542,15 +609,18 @@ def token_shards(
         if sh.count == 0:
             continue
         arr = np.memmap(path, dtype=sh.dtype, mode="r", offset=sh.offset, shape=(sh.count,))
-        if f.rel not in maxima:
-            maxima[f.rel] = _chunked_max(arr)
-        if maxima[f.rel] >= vocab_size:
+        if key not in maxima:
+            maxima[key] = _chunked_max(arr)
+        if maxima[key] >= vocab_size:
             raise CorpusError(
-                f"{f.url}: token id {maxima[f.rel]} is outside the model's vocabulary (model.vocab_size "
+                f"{f.url}: token id {maxima[key]} is outside the model's vocabulary (model.vocab_size "
                 f"{vocab_size}); the shard was made with another tokenizer"
             )
         parts[sh.split].append(arr)
-    _write_json_atomic(folder / "maxima.json", maxima)
+    _write_json_atomic(folder / "maxima.json", {k: v for k, v in maxima.items() if k in keys})
+    for p in folder.iterdir():  # copies of shards the arm no longer has (replaced or removed)
+        if p.name != "maxima.json" and not p.name.startswith(".") and p.name not in keys:
+            p.unlink(missing_ok=True)
     if copied:
         warn(f"arm {source.arm.name!r}: copied {copied / 1e6:,.1f} MB of token shards into {folder}")
     for split, what in (("val", "val.bin or *_val_*"), ("train", "train.bin or *_train_*")):

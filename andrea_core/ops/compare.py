@@ -1,10 +1,12 @@
 """Audit-fork comparison: which branch converges, judged on the same held-out data for every branch.
 
 Each branch's newest checkpoint is scored on one fixed validation batch per arm (the union of the
-branches' arms, drawn from the parent's data config), so that the branches differ only in what they
-learned. That held-out data is outside every branch's training split only while every branch splits its
-arms as the parent does: a branch that changes the split (data.val_fraction, data.max_source_bytes) is
-refused (held_out_differences), not scored on data it trained on.
+branches' arms, each split as the parent's sources split it, drawn from the parent's data config), so that
+the branches differ only in what they learned. That held-out data is outside every branch's training
+split only while every branch splits its arms as the parent does: a branch that changes the split
+(data.val_fraction, data.max_source_bytes), or whose policy reads the held-out documents' files under
+other identities (a wider folder: trained_on_held_out), is refused naming the branch and the arm, not
+scored on data it trained on.
 
 The leader has the lowest mean held-out loss; the margin is its lead over the runner-up, and the noise is
 the standard error of the paired per-sequence difference (same sequences, so the sequence-to-sequence
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from andrea_core.checkpoint import restore
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import DataPipeline
-from andrea_core.data.policy import ArmSpec, Policy, read_policy
+from andrea_core.data.policy import CORPUS_KINDS, ArmSpec, Policy, SourceUnavailable, load_policy, read_policy
 from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
 from andrea_core.ops.fork import BranchSpec, check_destination
@@ -97,13 +99,17 @@ class Comparison:
         return out
 
 
-def evaluation_policy(policies: list[Policy]) -> Policy:
+def evaluation_policy(policies: list[Policy], parent: Policy | None = None) -> Policy:
     """Every arm any branch draws from, without floors or caps: the held-out data is per arm, and the
-    bounds only matter for sampling training batches."""
+    bounds only matter for sampling training batches. An arm the parent has is held out as the
+    parent's sources split it (its spec, whatever a branch's says); an arm new in the branches, as the
+    first branch that has it (check_held_out refuses any other branch that splits it differently)."""
+    parents = {a.name: a for a in parent.arms} if parent is not None else {}
     arms: dict[str, ArmSpec] = {}
     for policy in policies:
         for arm in policy.arms:
-            arms.setdefault(arm.name, dataclasses.replace(arm, floor=0.0, cap=1.0))
+            spec = parents.get(arm.name, arm)
+            arms.setdefault(arm.name, dataclasses.replace(spec, floor=0.0, cap=1.0))
     return Policy(name="audit-evaluation", arms=list(arms.values()), mixer="uniform")
 
 
@@ -117,14 +123,105 @@ def held_out_differences(parent: RunConfig, branch: RunConfig) -> list[str]:
     ]
 
 
-def check_held_out(parent: RunConfig, branches: dict[str, RunConfig]) -> None:
-    """Refuse branches that would be scored on data they trained on (see held_out_differences)."""
+def _listed(arm: ArmSpec) -> list | None:
+    from andrea_core.data.corpora import list_files
+
+    try:
+        return list_files(arm)
+    except SourceUnavailable:
+        return None
+
+
+def _source_files(arm: ArmSpec) -> list:
+    from andrea_core.data.sources import open_source
+
+    try:
+        return open_source(arm, 1).files
+    except SourceUnavailable:
+        return []
+
+
+def trained_on_held_out(held: ArmSpec, arm: ArmSpec, val_fraction: float) -> str | None:
+    """How a branch's arm `arm` trains on documents that the evaluation holds out of arm `held`, or
+    None if it trains on none of them. A document is held out by the hash of its identity (its file's
+    path relative to the arm's path, and its index), so an arm that reads the same file under another
+    path (a wider folder, say) splits that file's documents differently; a built-in arm is held out
+    as the tail of its token stream, which another list of files moves."""
+    from andrea_core.data.corpora import READERS, is_validation
+
+    if arm.kind != held.kind:
+        return None
+    if held.kind not in CORPUS_KINDS:
+        if (arm.paths, arm.packages) == (held.paths, held.packages):
+            return None  # the same list of files: the same tail held out
+        shared = set(_source_files(held)) & set(_source_files(arm))
+        if not shared:
+            return None
+        return (
+            f"reads {len(shared)} of the files of held-out arm {held.name!r} ({held.kind}) in another list "
+            "of files, which moves the held-out tail of its token stream"
+        )
+    if held.kind == "tokens" or (arm.field, arm.column) != (held.field, held.column):
+        return None  # shards split by their names; another field or column is another text
+    held_files, arm_files = _listed(held), _listed(arm)
+    if not held_files or not arm_files:
+        return None  # no documents: nothing held out, or nothing trained on
+    rel = {f.url: f.rel for f in held_files}
+    moved = [f for f in arm_files if f.url in rel and rel[f.url] != f.rel]
+    if held.kind == "text":  # one document per file: counted exactly, cheaply
+        held_out = [f for f in held_files if is_validation(f"{f.rel}:0", val_fraction)]
+        trained = [f for f in moved if is_validation(f"{rel[f.url]}:0", val_fraction)
+                   and not is_validation(f"{f.rel}:0", val_fraction)]  # fmt: skip
+        if not trained:
+            return None
+        return (
+            f"trains on {len(trained)} of the {len(held_out)} held-out documents of arm {held.name!r} "
+            f"(it reads {trained[0].url} as {trained[0].rel}, held out as {rel[trained[0].url]})"
+        )
+    for f in moved:  # many documents per file: the first one trained on is proof enough
+        for rec in READERS[held.kind](held, 0, f, 0):
+            if rec.bad:
+                continue
+            if is_validation(f"{rel[f.url]}:{rec.index}", val_fraction) and not is_validation(
+                f"{f.rel}:{rec.index}", val_fraction
+            ):
+                return (
+                    f"trains on held-out documents of arm {held.name!r} (first: record {rec.index} of "
+                    f"{f.url}, held out as {rel[f.url]}:{rec.index}, trained on as {f.rel}:{rec.index})"
+                )
+    return None
+
+
+def check_held_out(
+    parent: RunConfig,
+    branches: dict[str, RunConfig],
+    policies: dict[str, Policy] | None = None,
+    parent_policy: Policy | None = None,
+) -> None:
+    """Refuse branches that would be scored on data they trained on: a branch that splits the data
+    differently (held_out_differences), or whose arms (`policies`) train on documents the evaluation
+    holds out (trained_on_held_out), named with the arm."""
     problems = [f"branch {name!r}: {', '.join(d)}" for name, cfg in branches.items()
                 if (d := held_out_differences(parent, cfg))]  # fmt: skip
     if problems:
         raise ConfigError(
             "an audit fork scores every branch on the parent's held-out split, and these branches split "
             f"the data differently (they would be scored on data they trained on): {'; '.join(problems)}"
+        )
+    if not policies:
+        return
+    evaluated = evaluation_policy(list(policies.values()), parent_policy)
+    for name, policy in policies.items():
+        for arm in policy.arms:
+            for held in evaluated.arms:
+                why = trained_on_held_out(held, arm, parent.data.val_fraction)
+                if why is not None:
+                    problems.append(f"branch {name!r}: its arm {arm.name!r} {why}")
+    if problems:
+        raise ConfigError(
+            "an audit fork scores every branch on held-out documents no branch trained on, and these "
+            f"branches train on some of them: {'; '.join(problems)}; give the branch a policy whose "
+            "arms read those files under the parent's paths"
         )
 
 
@@ -147,9 +244,15 @@ def check_audit(
             raise ConfigError(f"{name}: expected a whole number {bound}, got {value!r}")
     if report_dir is not None:
         check_destination(report_dir, "report_dir")
-    parent = read_run(RunDir(parent_url)).config
+    parent_run = RunDir(parent_url)
+    parent = read_run(parent_run).config
     configs = {b.name: parent.with_overrides(b.overrides, f"branch {b.name!r}") for b in branches}
-    check_held_out(parent, configs)
+    in_force = read_policy(parent_run)
+    policies = {
+        b.name: load_policy(configs[b.name].data.policy)[0] if "data.policy" in b.overrides else in_force
+        for b in branches
+    }
+    check_held_out(parent, configs, policies, in_force)
 
 
 def default_report_dir(parent_url: str, fork_step: int) -> str:
@@ -181,11 +284,13 @@ def compare_branches(
     parent_cfg = read_run(parent).config
     branches = [RunDir(u) for u in branch_urls]
     records = [read_run(b) for b in branches]
+    names = [r.lineage.get("branch") or b.url for b, r in zip(branches, records, strict=True)]
+    policies = {name: read_policy(b) for name, b in zip(names, branches, strict=True)}
+    parent_policy = read_policy(parent)
     check_held_out(
-        parent_cfg,
-        {r.lineage.get("branch") or b.url: r.config for b, r in zip(branches, records, strict=True)},
+        parent_cfg, {n: r.config for n, r in zip(names, records, strict=True)}, policies, parent_policy
     )
-    policy = evaluation_policy([read_policy(b) for b in branches])
+    policy = evaluation_policy(list(policies.values()), parent_policy)
     data = DataPipeline(parent_cfg, policy, warn, run_tokenizer(parent, parent_cfg))
     arms = list(data.arms)
     batches = {arm: data.val_batch(arm, val_sequences) for arm in arms}
@@ -410,7 +515,8 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
         f"Held-out data: {c.val_sequences} sequences of {c.block_size} tokens from the validation split of "
         f"each arm under the parent's data settings, the same for every branch. No branch trained on it: "
         f"every branch splits its arms as the parent does (a branch that changes "
-        f"{' or '.join('data.' + f for f in SPLIT_FIELDS)} is refused). Margin: the runner-up's mean "
+        f"{' or '.join('data.' + f for f in SPLIT_FIELDS)}, or whose arms read the held-out documents' "
+        f"files under other paths, is refused). Margin: the runner-up's mean "
         f"held-out loss minus the leader's ({_fmt(c.margin)}); noise: standard error of the paired "
         f"per-sequence difference ({_fmt(c.noise)}). A margin above {SIGNIFICANCE:g}x the noise names a "
         f"winner; below, there is no winner (within noise).",

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
-from andrea_core.config import ConfigError, RunConfig
-from andrea_core.data.policy import load_policy
+from andrea_core.config import ConfigError, RunConfig, load_yaml
+from andrea_core.data.policy import load_policy, parse_policy
 from andrea_core.run.lineage import fork_records
-from andrea_core.run.record import read_run, run_n_params
+from andrea_core.run.record import config_differences, read_run, run_n_params
 from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
 from andrea_core.train.setup import create_run
 
@@ -127,6 +127,7 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
         complete = _branch_state(branch, spec, parent, step, n_params, cfg, earlier is not None)
         plans.append(_Plan(spec, cfg, branch, policy_text, complete))
 
+    check_branches_change_training(record.config, parent.read_text(POLICY_YAML), plans, step)
     if earlier is None:
         # The fork point is protected from here on, before anything is copied (retention reads this).
         line = {"step": step, "branches": urls, "names": names, "time": time.time()}
@@ -135,6 +136,86 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
         if not plan.complete:
             _build_branch(parent, plan, ckpt)
     return urls
+
+
+# Settings that change how a run is run, never what it learns (the same steps, the same weights).
+NOT_TRAINING = {
+    "train.checkpoint_every": "when checkpoints are written",
+    "train.sample_every": "when audits are made",
+    "train.log_every": "how often progress is printed",
+    "train.num_threads": "how many threads compute the same steps",
+    "train.compile": "how the same model is compiled",
+    "train.compile_mode": "how the same model is compiled",
+    "train.loss_chunk_tokens": "how the same loss is computed",
+    "train.async_checkpoint": "how checkpoints are written",
+    "train.audit_async": "where audits run",
+    "retention.keep_last": "which checkpoints are kept",
+    "retention.keep_every": "which checkpoints are kept",
+}
+SCHEDULE = ("train.lr", "train.min_lr", "train.warmup_steps", "train.lr_decay_steps")
+
+
+def _same_schedule(a: RunConfig, b: RunConfig, step: int) -> bool:
+    """Whether the two learning-rate schedules agree at every step a branch of `step` can train: from
+    step + 1 to past both decays' ends (both are constant at min_lr from there on)."""
+    from andrea_core.train.optim import lr_at  # no torch
+
+    end = max(a.train.max_steps, b.train.max_steps, a.train.lr_decay_steps, b.train.lr_decay_steps,
+              a.train.warmup_steps, b.train.warmup_steps, step + 1) + 1  # fmt: skip
+    return all(lr_at(s, a.train) == lr_at(s, b.train) for s in range(step + 1, end + 1))
+
+
+def _same_training(a: RunConfig, policy_a: str, b: RunConfig, policy_b: str, step: int) -> bool:
+    learns = [d for d in config_differences(a, b) if d not in NOT_TRAINING and d not in SCHEDULE]
+    return not learns and policy_a == policy_b and _same_schedule(a, b, step)
+
+
+def _why_nothing(key: str, parent: RunConfig, cfg: RunConfig, step: int) -> str:
+    if key in NOT_TRAINING:
+        return f"{key} only changes {NOT_TRAINING[key]}"
+    if key in SCHEDULE:
+        t = cfg.train
+        if step >= t.lr_decay_steps and step >= parent.train.lr_decay_steps:
+            return (
+                f"the learning rate is train.min_lr from train.lr_decay_steps={t.lr_decay_steps} on; set "
+                "train.min_lr or train.lr_decay_steps"
+            )
+        return "the learning rate is the same at every one of those steps"
+    if key == "data.policy":
+        return "it names the policy the parent trains on already"
+    return f"{key} is the parent's value already"
+
+
+def check_branches_change_training(
+    parent: RunConfig, parent_policy_text: str, plans: list[_Plan], step: int
+) -> None:
+    """Refuse a branch whose overrides change nothing it will learn (over the steps from the fork point
+    on, it would train exactly as the parent, or as another branch, would): comparing it would only
+    measure noise. Named with the setting and why. A branch without overrides is the control."""
+
+    def policy_hash(text: str) -> str:
+        return parse_policy(load_yaml(text, "policy"), "policy").hash
+
+    parent_hash = policy_hash(parent_policy_text)
+    hashes = [policy_hash(p.policy_text) for p in plans]
+    for i, plan in enumerate(plans):
+        if not plan.spec.overrides:
+            continue
+        last = plan.cfg.train.max_steps
+        steps = f"{step + 1} to {last}" if last > step else f"from {step + 1} on"
+        what = ", ".join(f"{k}={v}" for k, v in plan.spec.overrides.items())
+        if _same_training(parent, parent_hash, plan.cfg, hashes[i], step):
+            whys = dict.fromkeys(_why_nothing(k, parent, plan.cfg, step) for k in plan.spec.overrides)
+            raise ConfigError(
+                f"branch {plan.spec.name!r}: {what} changes nothing over the steps it trains ({steps}): "
+                + "; ".join(whys)
+            )
+        for other, other_hash in zip(plans[:i], hashes[:i], strict=True):
+            if _same_training(other.cfg, other_hash, plan.cfg, hashes[i], step):
+                raise ConfigError(
+                    f"branch {plan.spec.name!r}: {what} trains exactly as branch {other.spec.name!r} over "
+                    f"the steps it trains ({steps}): their settings differ only where nothing is learned"
+                )
 
 
 def _branch_state(

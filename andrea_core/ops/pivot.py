@@ -103,10 +103,11 @@ def check_pivot(
 ) -> PivotCheck:
     """Every check of a pivot made before anything is touched: the run exists; the new policy parses,
     is feasible and passes the trainer's own data check on this machine (pipeline.prepare_data: arms
-    with data, enough tokens, caps and floors of the arms left); and, for a restart, the device exists
-    here and max_steps lies beyond where the run already is (require_steps_after checks it again once
-    the pivot point is known)."""
-    from andrea_core.data.pipeline import prepare_data  # the data package imports this module
+    with data, enough tokens, caps and floors of the arms left), with every arm's data here
+    (require_available: never a pivot that would train without one of its arms); and, for a restart,
+    the device exists here and max_steps lies beyond where the run already is (require_steps_after
+    checks it again once the pivot point is known)."""
+    from andrea_core.data.pipeline import prepare_data, require_available  # data imports this module
     from andrea_core.data.tokens import run_tokenizer
     from andrea_core.run.record import read_run
 
@@ -114,7 +115,8 @@ def check_pivot(
         raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
     cfg = read_run(run).config
     parsed, text = load_policy(policy)
-    prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
+    _, unavailable, _ = prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
+    require_available(parsed, unavailable, "a pivot")
     target = max_steps if max_steps is not None else cfg.train.max_steps
     resolved = device
     if restart:

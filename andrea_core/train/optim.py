@@ -1,15 +1,16 @@
-"""AdamW and the learning-rate schedule, a pure function of the step."""
+"""AdamW and the learning-rate schedule, a pure function of the step (lr_at needs no torch: a fork
+checks a branch's schedule with it before anything else is loaded)."""
 
 from __future__ import annotations
 
 import math
 
-import torch
-
 from andrea_core.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:  # noqa: F821
+    import torch
+
     # Decay matrices (linear and embedding weights), not norms: the usual GPT recipe.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
