@@ -198,9 +198,13 @@ def forged_lock_naming(run: RunDir, pid: int, nonce: str | None = "0" * 40) -> T
 @pytest.mark.parametrize("victim", ["sleep", "bash"])
 def test_a_forged_lock_naming_a_live_process_of_ours_gets_it_no_signal(victim, tmp_path):
     run = RunDir(str(tmp_path / "run"))
-    argv = ["sleep", "600"] if victim == "sleep" else ["bash", "-c", "sleep 600"]
+    # `bash -c "sleep 600"` would exec sleep in bash's place: a second command keeps bash itself alive.
+    argv = ["sleep", "600"] if victim == "sleep" else ["bash", "-c", "sleep 600; exit 0"]
     proc = subprocess.Popen(argv)
     try:
+        comm = Path(f"/proc/{proc.pid}/comm")
+        wait_for(lambda: comm.read_text().strip() in ("sleep", "bash"), what="the victim's exec")
+        assert comm.read_text().strip() == victim  # the process signals would reach is that program
         forged_lock_naming(run, proc.pid)
         ident = live_trainer(run)
         assert ident is not None and ident.pid == proc.pid  # it looks alive: pid, boot id, start time
