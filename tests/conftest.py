@@ -120,3 +120,18 @@ def s3_bucket(s3_server, request) -> str:
     name = f"{name}-{next(_bucket_numbers)}"
     s3_server.client().mkdir(name)
     return f"s3://{name}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A skip is never silent: every skipped test, and why, in a banner at the end of the run (before
+    pytest's own short summary and closing line), so that CI output shows what this machine did not
+    check (a missing systemd-analyze, no CAP_SYS_ADMIN for a tmpfs, no unshare)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.write_sep(
+        "!", f"{len(skipped)} TESTS SKIPPED: NOT CHECKED ON THIS MACHINE", red=True, bold=True
+    )
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason.removeprefix('Skipped: ')}", red=True)
