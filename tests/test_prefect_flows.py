@@ -51,6 +51,7 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 OUT = REPO / "test-output" / "prefect"
 LIVE_PACE = 0.1  # 10 steps/s at most: a checkpoint every 10 s, little CPU on a small machine
 TIMINGS: dict[str, float] = {}
+CRASH_AFTER_S = 60
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
 
@@ -81,6 +82,8 @@ class Stack:
             "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
             "PREFECT_WORKER_QUERY_SECONDS": "2",
+            # The crash automation's window, 90 s for an operator: 60 here (heartbeats come every 30 s).
+            "ANDREA_CRASH_AFTER_S": str(CRASH_AFTER_S),
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
             "PYTHONUNBUFFERED": "1",
         }
@@ -301,6 +304,8 @@ def test_prefect_deploy_all_creates_the_deployments(stack):
         assert fork.parameters["run_dir"] == "runs/andrea-12m" and len(fork.parameters["branches"]) == 2
         (automation,) = c.read_automations_by_name("andrea-crash-silent-train-runs")
         assert automation.enabled and automation.actions[0].type == "change-flow-run-state"
+        assert automation.trigger.within.total_seconds() == CRASH_AFTER_S  # ANDREA_CRASH_AFTER_S
+        assert f"No heartbeat for {CRASH_AFTER_S} s" in automation.actions[0].message
 
 
 def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack):
@@ -761,7 +766,7 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
 
     run = wait_for_final(live["flow_run_id"], timeout=300)
     _timed("crash: flow-run process SIGKILL to Crashed (s)", time.monotonic() - t0)
-    assert run.state.type.value == "CRASHED" and "No heartbeat" in run.state.message
+    assert run.state.type.value == "CRASHED" and f"No heartbeat for {CRASH_AFTER_S} s" in run.state.message
 
     # A later `train` run resumes from that checkpoint (called in this process: the worker is gone).
     from flows.train import train
