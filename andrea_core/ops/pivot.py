@@ -114,10 +114,9 @@ def check_pivot(
         raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
     cfg = read_run(run).config
     parsed, text = load_policy(policy)
-    prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
     target = max_steps if max_steps is not None else cfg.train.max_steps
     resolved = device
-    if restart:
+    if restart:  # before the data check, which may tokenize new arms for minutes
         from andrea_core.model.device import pick_device  # imports torch and the trainer: only here
 
         resolved = pick_device(device)
@@ -127,6 +126,7 @@ def check_pivot(
         else:
             steps = run.checkpoint_steps()
             require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
+    prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
     return PivotCheck(parsed, text, policy, target, resolved)
 
 
