@@ -42,7 +42,7 @@ def test_a_released_lock_keeps_its_generation(tmp_path):
 
 def test_lease_timing_is_checked():
     env = {**os.environ, "ANDREA_LEASE_RENEW_S": "10", "ANDREA_LEASE_TTL_S": "15"}
-    code = "from andrea_core import lock; lock.lease_timing()"
+    code = "from andrea_core.run import lock; lock.lease_timing()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
     assert "ANDREA_LEASE_RENEW_S=10, ANDREA_LEASE_TTL_S=15" in proc.stderr
     assert "at least twice the renewal" in proc.stderr

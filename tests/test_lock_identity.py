@@ -31,8 +31,8 @@ PROCESSES, TRIALS = 6, 30
 RACER = textwrap.dedent(
     """
     import json, os, sys, time
-    from andrea_core import lock
-    from andrea_core.rundir import RunDir
+    from andrea_core.run import lock
+    from andrea_core.run.rundir import RunDir
     base, sync, me, n, trials = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     results = []
     for t in range(trials):
