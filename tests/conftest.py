@@ -99,6 +99,16 @@ def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = 
 
 
 @pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> Path:
+    """andrea-tiny trained straight to step 300 on the CPU (checkpoints 100, 200, 300), once per session:
+    the uninterrupted run that resume tests compare against, wherever their own run lives (checkpoint
+    bytes do not depend on the store). Read it; copy it before changing anything."""
+    run = tmp_path_factory.mktemp("tiny-reference") / "run"
+    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "300", "--device", "cpu")
+    return run
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's server mode, its own process on 127.0.0.1) for the session.
     This process and every trainer it starts reach it through s3fs: FSSPEC_S3_ENDPOINT_URL, AWS_*."""
