@@ -54,7 +54,7 @@ RESUME_AT = 20  # the base run's newest checkpoint; each example resumes it to R
 HANG_S = 120  # one example (a resume and six CLI readers) takes about a second
 
 JSON_FILES = [".state.json", ".samples.json", "tokenizer.json", ".trainer.json", "pivot.json"]
-JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl"]
+JSONL_FILES = [".loss.json", "forks.jsonl"]
 YAML_FILES = ["run.yaml", "policy.yaml"]
 BIN_FILES = ["step_000020.bin", "step_000010.bin"]
 FILES = BIN_FILES + JSON_FILES + JSONL_FILES + YAML_FILES
@@ -73,8 +73,6 @@ CASES = [(f, k) for f in FILES for k in KINDS[f]]
 REWRITTEN_BY_A_RESUME = {".state.json", ".samples.json", ".trainer.json"}
 # ... and none of these can change what step 21 trains: an accepted one must give the reference bytes.
 NEUTRAL_TO_TRAINING = {"step_000010.bin", ".samples.json", ".trainer.json", "forks.jsonl", "pivot.json"}
-# ... and these a resume may append to, never rewrite.
-APPENDED_BY_A_RESUME = {".loss.json", "data.jsonl"}
 
 TALLY: Counter = Counter()
 
@@ -121,7 +119,6 @@ def build_base(root: Path) -> Path:
     )
     assert _cli("train", "--config", cfg, "--run-dir", str(root / "run"), "--device", "cpu")[0] == 0
     fork(str(root / "run"), [BranchSpec("a", {"train.lr": 1e-3})], step=10)
-    assert (root / "run" / "data.jsonl").exists()  # written at the trainer's start
     # What `andrea pivot` leaves when it dies after its checkpoint (docs/design.md, the pivot journal):
     # read at every trainer start, which may resume (the pivot had not stopped it yet).
     now = time.time()
@@ -300,8 +297,8 @@ def _check_evidence(before: dict[str, bytes], run: Path, name: str, resumed: boo
             if f == ".trainer.json" and resumed:
                 continue  # a stale lock, taken over by the resume and released at its exit
             assert data in aside.values(), f"{f} (corrupted: {name}) is gone and was not set aside intact"
-        elif f in APPENDED_BY_A_RESUME:
-            assert after[f].startswith(data), f"{f} was rewritten, not appended to"
+        elif f == ".loss.json":
+            assert after[f].startswith(data), ".loss.json was rewritten, not appended to"
         elif f == ".trainer.json" and f != name:
             continue  # the lock itself: every trainer start rewrites it (a lease keeps a released one)
         elif after[f] != data and data not in aside.values():
