@@ -137,13 +137,16 @@ def test_data_prepare_of_a_run_builds_the_caches_its_trainer_then_reuses(tmp_pat
     run = tmp_path / "run"
     andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", "1")  # the session's caches
     # Another machine, with no caches yet: prepare builds them, for the run's own tokenizer.
-    env = _env() | {"ANDREA_CACHE_DIR": str(tmp_path / "cache")}
+    cache = tmp_path / "cache"
+    env = _env() | {"ANDREA_CACHE_DIR": str(cache)}
     prepared = andrea("data", "prepare", str(run), "--json", env=env)
-    assert "building its token cache" in prepared.stderr
     rows = json.loads(prepared.stdout)
     assert sorted(r["arm"] for r in rows) == sorted(a.name for a in load_policy("tiny-mix")[0].arms)
+    built = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    assert len([p for p in built if p.suffix == ".u16"]) == len(rows), built  # one per arm, for its BPE
     resumed = andrea("train", "--run-dir", str(run), "--max-steps", "2", env=env)
-    assert "building its token cache" not in resumed.stdout + resumed.stderr  # prepared: reused
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == built  # reused as built
+    assert "resuming" in resumed.stdout
     proc = andrea("data", "prepare", str(run), "--config", cfg, check=False, env=env)
     refused(proc, f"{run} is a run", "drop --config")
 
