@@ -3,11 +3,15 @@ limits for this machine's GPUs, and the automations in automations/ (created, or
 Then deploy the flows with `prefect deploy --all` (see docs/operations.md).
 
     PREFECT_API_URL=http://127.0.0.1:4200/api python scripts/prefect_setup.py [--pool andrea] [--gpus N]
+
+ANDREA_CRASH_AFTER_S sets the crash automation's window (automations/crash-silent-train-runs.yaml: 90 s
+after a train run's last heartbeat); it must exceed the 30 s between heartbeats (tests shorten it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +22,28 @@ from prefect.events.schemas.automations import AutomationCore
 from prefect.exceptions import ObjectNotFound
 
 REPO = Path(__file__).resolve().parent.parent
+CRASH_AUTOMATION = "andrea-crash-silent-train-runs"
+CRASH_AFTER_ENV = "ANDREA_CRASH_AFTER_S"
+HEARTBEAT_S = 30  # prefect.yaml's PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+
+def with_crash_window(doc: dict) -> dict:
+    """The crash automation with ANDREA_CRASH_AFTER_S as its window (and in its message), if set."""
+    text = os.environ.get(CRASH_AFTER_ENV)
+    if doc.get("name") != CRASH_AUTOMATION or not text:
+        return doc
+    if not text.isdigit() or int(text) <= HEARTBEAT_S:
+        print(f"prefect_setup: error: {CRASH_AFTER_ENV}={text!r}: expected whole seconds over {HEARTBEAT_S}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    old = doc["trigger"]["within"]
+    doc["trigger"]["within"] = int(text)
+    for action in doc["actions"]:
+        if "message" in action:
+            action["message"] = action["message"].replace(
+                f"No heartbeat for {old} s", f"No heartbeat for {text} s"
+            )
+    return doc
 
 
 def gpu_count() -> int:
@@ -50,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"concurrency limit {name!r}: created (1 slot: one trainer per GPU)")
 
         for path in sorted((REPO / "automations").glob("*.yaml")):
-            automation = AutomationCore.model_validate(yaml.safe_load(path.read_text()))
+            automation = AutomationCore.model_validate(with_crash_window(yaml.safe_load(path.read_text())))
             existing = client.read_automations_by_name(automation.name)
             if existing:
                 client.update_automation(existing[0].id, automation)

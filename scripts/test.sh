@@ -5,12 +5,20 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 mkdir -p "$PREFECT_HOME"
-# The Prefect UI test drives a headless Chromium (Debian's package); install it once.
-if ! command -v chromium >/dev/null 2>&1; then
-  echo "test: installing chromium for the UI test"
+# Programs some tests need, from Debian's packages where missing, once: the Prefect UI test drives a
+# headless Chromium, the systemd unit test runs systemd-analyze, the pid-namespace lock test unshare(1).
+# A test whose program is still missing is skipped, and named with its reason in the banner pytest prints
+# at the end (tests/conftest.py); a tmpfs for the full-disk tests needs CAP_SYS_ADMIN, which no package
+# gives.
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+command -v unshare >/dev/null 2>&1 || missing+=(util-linux)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "test: installing ${missing[*]} for the tests that need them"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
-    || echo "test: could not install chromium; the UI test will fail saying so" >&2
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
+    || echo "test: could not install ${missing[*]}; the tests needing them fail or skip, saying so" >&2
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

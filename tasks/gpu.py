@@ -3,13 +3,15 @@ slot, held for as long as a trainer runs on it. Together with the run lock (.tra
 two trainers off one run directory, it keeps a scheduled audit fork off the GPU of the main run.
 
 The slot is a lease that this flow-run process renews; if the process dies, the lease runs out after
-LEASE_S and the slot frees itself. With the server's lease storage on the filesystem
+ANDREA_GPU_SLOT_LEASE_S (default LEASE_S, 60 s: the least the server accepts) and the slot frees itself.
+With the server's lease storage on the filesystem
 (PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem), a
 server restart neither forgets a held slot nor leaks it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 from prefect import get_run_logger
@@ -21,6 +23,19 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from andrea_core.ops.supervise import gpu_slot_name, gpu_slot_names
 
 LEASE_S = 60.0
+LEASE_ENV = "ANDREA_GPU_SLOT_LEASE_S"
+
+
+def lease_s() -> float:
+    """The slot's lease: ANDREA_GPU_SLOT_LEASE_S seconds, else LEASE_S; never under the server's 60."""
+    text = os.environ.get(LEASE_ENV) or str(LEASE_S)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 60:
+        raise ValueError(f"{LEASE_ENV}={text!r}: expected seconds, at least 60 (the server's minimum)")
+    return value
 
 
 class GpuBusy(RuntimeError):
@@ -57,7 +72,7 @@ def holding_gpu_slot(slot: str | None, device: str, timeout_s: float | None) -> 
                     occupy=1,
                     timeout_seconds=timeout_s,
                     strict=True,
-                    lease_duration=LEASE_S,
+                    lease_duration=lease_s(),
                     raise_on_lease_renewal_failure=False,
                 )
             )

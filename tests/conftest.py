@@ -99,6 +99,16 @@ def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = 
 
 
 @pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> Path:
+    """andrea-tiny trained straight to step 300 on the CPU (checkpoints 100, 200, 300), once per session:
+    the uninterrupted run that resume tests compare against, wherever their own run lives (checkpoint
+    bytes do not depend on the store). Read it; copy it before changing anything."""
+    run = tmp_path_factory.mktemp("tiny-reference") / "run"
+    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "300", "--device", "cpu")
+    return run
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's server mode, its own process on 127.0.0.1) for the session.
     This process and every trainer it starts reach it through s3fs: FSSPEC_S3_ENDPOINT_URL, AWS_*."""
@@ -120,3 +130,18 @@ def s3_bucket(s3_server, request) -> str:
     name = f"{name}-{next(_bucket_numbers)}"
     s3_server.client().mkdir(name)
     return f"s3://{name}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A skip is never silent: every skipped test, and why, in a banner at the end of the run (before
+    pytest's own short summary and closing line), so that CI output shows what this machine did not
+    check (a missing systemd-analyze, no CAP_SYS_ADMIN for a tmpfs, no unshare)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.write_sep(
+        "!", f"{len(skipped)} TESTS SKIPPED: NOT CHECKED ON THIS MACHINE", red=True, bold=True
+    )
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason.removeprefix('Skipped: ')}", red=True)

@@ -386,8 +386,8 @@ def test_bit_exact_resume_across_signals_and_kill(tmp_path, reference):
     run = tmp_path / "run"
     run.mkdir()
 
-    def start(*extra: str):
-        return start_trainer(*extra, "--run-dir", str(run), "--max-steps", "70", "--pace", "0.05")
+    def start(*extra: str, pace: str = "0.05"):
+        return start_trainer(*extra, "--run-dir", str(run), "--max-steps", "70", "--pace", pace)
 
     proc = start("--config", tiny_config(tmp_path))
     wait_for(lambda: last_logged_step(run) >= 12, timeout=SLOW, what="step 12")
@@ -396,15 +396,17 @@ def test_bit_exact_resume_across_signals_and_kill(tmp_path, reference):
     stopped = RunDir(run).checkpoint_steps()[-1]
     assert stopped == last_logged_step(run) >= 12, "SIGTERM checkpoints the step in flight"
 
-    proc = start()
-    wait_for(lambda: last_logged_step(run) >= 31, timeout=SLOW, what="step 31")
-    proc.send_signal(signal.SIGUSR1)  # 9 steps (>= 0.45 s) before the grid's step 40
+    proc = start(pace="0.1")
+    after = max(21, stopped + 1)  # a step of this trainer's: its handlers are installed
+    wait_for(lambda: last_logged_step(run) >= after, timeout=SLOW, what=f"step {after}")
+    # Up to 19 steps (>= 1.9 s, however loaded the machine) before the grid's step 40.
+    proc.send_signal(signal.SIGUSR1)
     usr1 = wait_for(
-        lambda: [s for s in RunDir(run).checkpoint_steps() if s > 31 and s % EVERY],
+        lambda: [s for s in RunDir(run).checkpoint_steps() if s >= after and s % EVERY],
         timeout=SLOW,
         what="the SIGUSR1 checkpoint of the step in flight, off the grid",
     )[0]
-    assert usr1 < 40, f"the SIGUSR1 checkpoint is of the step in flight (31-39), not step {usr1}"
+    assert usr1 < 40, f"the SIGUSR1 checkpoint is of the step in flight ({after}-39), not step {usr1}"
     RunDir(run).read_checkpoint(usr1)
     wait_for(lambda: last_logged_step(run) >= 50, timeout=SLOW, what="step 50")
     assert proc.poll() is None, "SIGUSR1 does not stop the trainer"

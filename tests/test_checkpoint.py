@@ -157,10 +157,8 @@ PROBLEMS = {
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("bad") / "run"
-    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "300")
-    return run
+def trained_run(tiny_reference) -> Path:
+    return tiny_reference  # copied by each test before it corrupts anything
 
 
 @pytest.mark.parametrize("kind", list(PROBLEMS))
@@ -177,7 +175,7 @@ def test_bad_newest_checkpoint_is_refused_and_resume_falls_back(trained_run, tmp
     assert "step_000300.bin" in str(err.value) and PROBLEMS[kind] in str(err.value)
     assert RunDir(str(run)).newest_valid_checkpoint(n_params).step == 200
 
-    proc = andrea("train", "--run-dir", str(run), "--max-steps", "250")
+    proc = andrea("train", "--run-dir", str(run), "--max-steps", "250", "--device", "cpu")
     assert "refusing checkpoint" in proc.stdout and "step_000300.bin" in proc.stdout
     assert "resuming" in proc.stdout and "from step_000200.bin" in proc.stdout
     # Nothing deleted: the refused file is set aside byte for byte, the older ones untouched.

@@ -146,12 +146,21 @@ def test_a_pivot_killed_after_any_step_completes_exactly_once_when_rerun(trained
     for name in (".samples.json", ".state.json", "policy.yaml"):
         assert (reference / ARCHIVE_1 / name).read_bytes() == (trained / name).read_bytes()
     assert not (reference / PIVOT_JSON).exists()
+    # Killed before "installed", a pivot has not reached its restart: those points are checked with
+    # --no-restart against a reference pivot without one (the rerun's restart is the same code as the
+    # uninterrupted one's, which the later points check), sparing a trainer start each.
+    unrestarted = copy_run(trained, tmp_path / "reference-no-restart")
+    andrea("pivot", str(unrestarted), *pivot, "--no-restart")
+    expected_unrestarted = end_state(unrestarted, base_log)
+    assert expected_unrestarted["new_steps"] == [] and expected_unrestarted["lock_released"]
 
     # ANDREA_TEST_KILL_POINTS=a,b: only those (when debugging one).
     for point in os.environ.get("ANDREA_TEST_KILL_POINTS", ",".join(KILL_POINTS)).split(","):
         run = copy_run(trained, tmp_path / point)
+        early = KILL_POINTS.index(point) < KILL_POINTS.index("installed")
+        flags = (*pivot, "--no-restart") if early else pivot
         killed = subprocess.run(
-            [sys.executable, "-m", "andrea_core", "pivot", str(run), *pivot],
+            [sys.executable, "-m", "andrea_core", "pivot", str(run), *flags],
             env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": point},
             cwd=REPO,
             capture_output=True,
@@ -169,9 +178,9 @@ def test_a_pivot_killed_after_any_step_completes_exactly_once_when_rerun(trained
             assert f"andrea pivot {run} --policy tiny-mix" in refused.stderr
             assert f"andrea pivot {run} --abandon" in refused.stderr
         wait_until_stopped(run)  # after "restarted" the resumed trainer may still be finishing
-        andrea("pivot", str(run), *pivot)
+        andrea("pivot", str(run), *flags)
         wait_until_stopped(run)
-        assert end_state(run, base_log) == expected, point
+        assert end_state(run, base_log) == (expected_unrestarted if early else expected), point
         assert os.listdir(run / "archive") == ["phase_001_step_000200"], point
 
 

@@ -4,8 +4,10 @@ the split by document, bad records, shard headers, tokenizers, and a source that
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from corpus_files import (
 )
 
 from andrea_core.config import ConfigError, load_run_config, load_yaml
-from andrea_core.data import shards
+from andrea_core.data import corpora, shards
 from andrea_core.data.changes import DATA_LOG, read_data_log
 from andrea_core.data.corpora import CorpusError, is_validation
 from andrea_core.data.pipeline import DataPipeline
@@ -415,8 +417,14 @@ def test_building_shows_progress_with_an_eta_inside_a_single_file(tmp_path, monk
     through that file the build is, not wait for the file to end."""
     monkeypatch.setattr(shards, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.setattr(shards, "BATCH_DOCS", 20)
+    monkeypatch.setattr(corpora, "READ_CHUNK", 1 << 14)  # the file is read in many chunks, as a large one is
+    # The builder's clock, made to advance 1000 s per reading: at its k-th progress line 1000*k seconds
+    # have passed, so each ETA tells how far through the file's stored bytes the build says it is.
+    ticks = itertools.count()
+    monkeypatch.setattr(shards, "time", types.SimpleNamespace(monotonic=lambda: 1000.0 * next(ticks)))
     root = str(tmp_path / "corpus")
-    raw = jsonl_bytes([document(i, 200) for i in range(400)])
+    n, words = (400, 1000) if compress == ".zst" else (400, 200)  # zstandard reads 128 KiB at a time
+    raw = jsonl_bytes([document(i, words) for i in range(n)])
     put(f"{root}/posts.jsonl{compress}", {"": raw, ".gz": gzip.compress(raw), ".zst": zstd(raw)}[compress])
     lines: list[str] = []
     DataPipeline(CFG, one_arm(f'{{name: posts, kind: jsonl, paths: ["{root}"]}}'), lines.append)
@@ -425,5 +433,10 @@ def test_building_shows_progress_with_an_eta_inside_a_single_file(tmp_path, monk
     etas = [line.rsplit("ETA ", 1)[1] for line in progress]
     assert etas[-1] == "0s" and "documents" in progress[-1] and "tokens/s" in progress[-1]
     assert all(e.endswith("s") and e[:-1].replace(",", "").isdigit() for e in etas[1:]), etas
+    # elapsed / (elapsed + ETA): the fraction done, which grows through the file and is 1 only at its end.
+    done = [1000 * k / (1000 * k + int(e[:-1].replace(",", ""))) for k, e in enumerate(etas, 1) if e != "?"]
+    assert all(a <= b + 1e-4 for a, b in itertools.pairwise(done)), etas  # ETAs: rounded to seconds
+    assert done[-1] == 1 and 0 < done[0] < 0.5, etas
+    assert len({round(f, 2) for f in done}) >= 3, f"the ETA does not follow the bytes read: {etas}"
     docs = [int(line.split("cache: ")[1].split(" documents")[0].replace(",", "")) for line in progress]
-    assert docs == sorted(docs) and docs[-1] == 400
+    assert docs == sorted(docs) and docs[-1] == n

@@ -136,15 +136,30 @@ def test_batch_that_does_not_split_evenly_is_refused_naming_the_fields():
 # --- slow: real torchrun jobs ----------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("accum", [1, 2])
-def test_two_ranks_compute_what_one_process_does(tmp_path, accum):
-    """Same global batch, same maths: the same arm at every step, losses and the final weights, m and v
-    equal to float32 rounding (measured: loss within 1 ulp, 4.8e-7; weights within 1.2e-7)."""
-    config = _config(tmp_path, 30, 10, train__grad_accum_steps=accum)
-    one, two = tmp_path / "one", tmp_path / "two"
+@pytest.fixture(scope="module")
+def runs_30(tmp_path_factory) -> tuple[str, Path, Path]:
+    """The module's shared pair: andrea-tiny, 30 steps, checkpoint_every 10, trained once by one process
+    and once by two ranks. Its config and the two run directories; read them, never train them on."""
+    folder = tmp_path_factory.mktemp("distributed-30")
+    config = _config(folder, 30, 10)
+    one, two = folder / "one", folder / "two"
     _train(config, one)
     _train(config, two, 2)
+    return config, one, two
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", [1, 2])
+def test_two_ranks_compute_what_one_process_does(tmp_path, accum, runs_30):
+    """Same global batch, same maths: the same arm at every step, losses and the final weights, m and v
+    equal to float32 rounding (measured: loss within 1 ulp, 4.8e-7; weights within 1.2e-7)."""
+    if accum == 1:
+        _, one, two = runs_30
+    else:
+        config = _config(tmp_path, 30, 10, train__grad_accum_steps=accum)
+        one, two = tmp_path / "one", tmp_path / "two"
+        _train(config, one)
+        _train(config, two, 2)
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == list(range(1, 31))
     assert [a[s][1] for s in a] == [b[s][1] for s in a]  # one mixer decision per step, on every rank
@@ -218,12 +233,10 @@ def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_at_another_world_size(tmp_path):
+def test_checkpoint_resumes_at_another_world_size(tmp_path, runs_30):
     """2 ranks -> 1 and 1 -> 2: the file holds the full weights, m and v; the loss runs on as in an
     uninterrupted run (to float32 rounding: the world size changes how a gradient is summed)."""
-    config = _config(tmp_path, 30, 10)
-    straight = tmp_path / "straight"
-    _train(config, straight)
+    config, straight, _ = runs_30
     ref = _losses(straight)
     for first, then in ((2, 1), (1, 2)):
         run = tmp_path / f"from{first}to{then}"
@@ -236,12 +249,10 @@ def test_checkpoint_resumes_at_another_world_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_node_stand_in(tmp_path):
+def test_two_node_stand_in(tmp_path, runs_30):
     """Two torchrun agents with --nnodes 2 on 127.0.0.1 (c10d rendezvous, gloo), one rank each: the
     same checkpoint, byte for byte, as one agent with two ranks."""
-    config = _config(tmp_path, 20, 10)
-    single = tmp_path / "single"
-    _train(config, single, 2)
+    config, _, single = runs_30
     run = tmp_path / "two-nodes"
     port = _free_port()
     agents = []
@@ -253,9 +264,9 @@ def test_two_node_stand_in(tmp_path):
         agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO))
     for node, agent in enumerate(agents):
         assert agent.wait(300) == 0, (tmp_path / f"node{node}.log").read_text()
-    final = checkpoint_name(20)
+    final = checkpoint_name(30)
     assert (run / final).read_bytes() == (single / final).read_bytes()
-    assert sorted(p.name for p in run.glob("step_*.bin")) == [checkpoint_name(10), final]
+    assert sorted(p.name for p in run.glob("step_*.bin")) == [checkpoint_name(s) for s in (10, 20, 30)]
 
 
 # --- what Prefect's train flow runs: TrainerProcess over an agent of 2 ranks -------------------------

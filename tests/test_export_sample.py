@@ -217,10 +217,20 @@ def test_export_of_a_bpe_run_carries_its_tokenizer(tmp_path):
 def reference_sample(
     run_dir: Path, step: int, prompt: str, tokens: int, temperature: float, seed: int
 ) -> str:
+    """The sampler's contract written out, apart from `GPT.generate` (no KV cache, no batching): all
+    `tokens` uniform numbers drawn up front from a generator seeded with `seed`, and token t the first
+    whose cumulative softmax(logits / temperature) passes the t-th of them, over a full forward pass of
+    the newest block_size tokens."""
     model = reference_model(run_dir, step)
-    idx = torch.tensor([list(prompt.encode())])
-    out = model.generate(idx, tokens, temperature=temperature, generator=torch.Generator().manual_seed(seed))
-    return prompt + bytes(out[0].tolist()[idx.shape[1] :]).decode("utf-8", errors="replace")
+    block = model.cfg.block_size
+    idx = list(prompt.encode())
+    u = torch.rand(1, tokens, generator=torch.Generator().manual_seed(seed))[0]
+    with torch.no_grad():
+        for t in range(tokens):
+            logits, _ = model(torch.tensor([idx[-block:]]))
+            cdf = torch.softmax(logits[0, -1].float() / temperature, dim=-1).cumsum(0)
+            idx.append(min(int((cdf <= u[t] * cdf[-1]).sum()), len(cdf) - 1))
+    return bytes(idx).decode("utf-8", errors="replace")
 
 
 def sampled(*args: str) -> dict:

@@ -21,6 +21,7 @@ from andrea_core.model.gpt import GPT
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
 from andrea_core.run.samples import read_audits
+from andrea_core.train import audit as audit_module
 from andrea_core.train.audit import generate_samples, prompt_generator, validation_losses
 from andrea_core.train.trainer import Trainer
 
@@ -245,3 +246,51 @@ def test_background_audits_are_the_same_audits_and_change_nothing_of_training(tm
         (e.step, e.loss) for e in read_history(RunDir(str(background)))
     ]
     assert (sync / checkpoint_name(60)).read_bytes() == (background / checkpoint_name(60)).read_bytes()
+
+
+class AuditWatchingTrainer(Trainer):
+    """The real trainer; each step notes itself, and each audit of a step before the last waits (up to
+    60 s) until the trainer has taken a later step: only an audit in the background lets it."""
+
+    def _build(self) -> None:
+        super()._build()
+        self.steps_taken = 0
+        self.audits: list[tuple[int, str, bool]] = []  # (step, thread, whether training went on meanwhile)
+        self.stepped = threading.Condition()
+        real = audit_module.run_audit
+
+        def watched_audit(model, data, cfg, step, device, **kw):
+            with self.stepped:
+                at = self.steps_taken
+                went_on = step == self.max_steps or self.stepped.wait_for(
+                    lambda: self.steps_taken > at, timeout=60
+                )
+            self.audits.append((step, threading.current_thread().name, went_on))
+            return real(model, data, cfg, step, device, **kw)
+
+        self._unpatch = lambda: setattr(audit_module, "run_audit", real)
+        audit_module.run_audit = watched_audit
+
+    def _step(self, x, y):
+        loss = super()._step(x, y)
+        with self.stepped:
+            self.steps_taken += 1
+            self.stepped.notify_all()
+        return loss
+
+
+def test_audit_async_audits_on_a_thread_while_the_trainer_takes_its_next_steps(tmp_path):
+    cfg = load_run_config(tiny_config(tmp_path, train__audit_async=True, train__checkpoint_every=10))
+    trainer = AuditWatchingTrainer(str(tmp_path / "run"), cfg, max_steps=30, log=lambda line: None)
+    try:
+        trainer.train()
+    finally:
+        trainer._unpatch()
+    # Step 0's audit (the untrained baseline) is taken as the trainer is built; the others are the
+    # background's, each with the trainer a step further on before it began.
+    assert trainer.audits == [
+        (10, "andrea-audit", True),
+        (20, "andrea-audit", True),
+        (30, "andrea-audit", True),
+    ]
+    assert [a["step"] for a in read_audits(RunDir(str(tmp_path / "run")))] == [0, 10, 20, 30]

@@ -17,11 +17,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from conftest import _env, start_trainer, wait_for
+from conftest import _env, last_logged_step, start_trainer, wait_for
 from s3_server import ThrottledLink
 
 from andrea_core.run import lock
 from andrea_core.run.lock import LockError, NotOurTrainer, TrainerIdentity, live_trainer, read_lock
+from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import LOCK, RunDir
 from tests.tiny import tiny_config
 
@@ -30,8 +31,8 @@ PROCESSES, TRIALS = 6, 30
 RACER = textwrap.dedent(
     """
     import json, os, sys, time
-    from andrea_core import lock
-    from andrea_core.rundir import RunDir
+    from andrea_core.run import lock
+    from andrea_core.run.rundir import RunDir
     base, sync, me, n, trials = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     results = []
     for t in range(trials):
@@ -104,6 +105,51 @@ def test_exactly_one_of_many_racing_trainers_gets_the_lock(kind, stale, tmp_path
     assert winners == [1] * TRIALS, f"winners per round: {winners}"
     if stale:  # the winner's takeover raised the generation
         assert {read_lock(RunDir(f"{base}/trial{t}")).generation for t in range(TRIALS)} == {2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh", [True, False], ids=["new-run", "resume"])
+def test_exactly_one_of_many_real_trainers_started_together_trains(fresh, tmp_path):
+    """The same race between real `andrea train` processes started at once on one run directory (a
+    new one, created by whichever wins, or one to resume): one trains, every other exits 2 naming the
+    winner, and the winner's run is whole."""
+    run = RunDir(str(tmp_path / "run"))
+    cfg = tiny_config(tmp_path, train__checkpoint_every=5)
+    if not fresh:
+        andrea_train = start_trainer("--config", cfg, "--run-dir", run.url, "--max-steps", "5")
+        assert andrea_train.wait(timeout=600) == 0
+    # Paced so that the winner still trains when the last of the others looks at the lock.
+    args = ["--config", cfg, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.1"]
+    logs = [tmp_path / f"trainer-{i}.log" for i in range(3)]
+    procs = [start_trainer(*args, log=log) for log in logs]
+    try:
+        losers: list[subprocess.Popen] = []
+        deadline = time.monotonic() + 600
+        while len(losers) < len(procs) - 1 and time.monotonic() < deadline:
+            done = [p for p in procs if p.poll() is not None and p not in losers]
+            if any(p.returncode != 2 for p in done):
+                break
+            losers += done
+            time.sleep(0.1)
+        winner = [p for p in procs if p not in losers]
+        assert len(winner) == 1 and winner[0].poll() is None, [p.poll() for p in procs]
+        (winner,) = winner
+        ident = wait_for(lambda: live_trainer(run), timeout=600, what="the winner's lock")
+        assert ident.pid == winner.pid
+        for p in losers:
+            text = logs[procs.index(p)].read_text()
+            assert f"andrea: error: {run.url} is in use by trainer pid {winner.pid}" in text, text
+        start = 5 if not fresh else 0
+        wait_for(lambda: last_logged_step(run) >= start + 3, timeout=600, what="the winner's steps")
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(timeout=600) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    steps = [e.step for e in read_history(run)]
+    assert steps == list(range(1, steps[-1] + 1)) and run.checkpoint_steps()[-1] == steps[-1] > start + 3
 
 
 def test_a_lock_create_whose_reply_is_lost_is_still_ours(s3_bucket, monkeypatch):
@@ -198,9 +244,13 @@ def forged_lock_naming(run: RunDir, pid: int, nonce: str | None = "0" * 40) -> T
 @pytest.mark.parametrize("victim", ["sleep", "bash"])
 def test_a_forged_lock_naming_a_live_process_of_ours_gets_it_no_signal(victim, tmp_path):
     run = RunDir(str(tmp_path / "run"))
-    argv = ["sleep", "600"] if victim == "sleep" else ["bash", "-c", "sleep 600"]
+    # `bash -c "sleep 600"` would exec sleep in bash's place: a second command keeps bash itself alive.
+    argv = ["sleep", "600"] if victim == "sleep" else ["bash", "-c", "sleep 600; exit 0"]
     proc = subprocess.Popen(argv)
     try:
+        comm = Path(f"/proc/{proc.pid}/comm")
+        wait_for(lambda: comm.read_text().strip() in ("sleep", "bash"), what="the victim's exec")
+        assert comm.read_text().strip() == victim  # the process signals would reach is that program
         forged_lock_naming(run, proc.pid)
         ident = live_trainer(run)
         assert ident is not None and ident.pid == proc.pid  # it looks alive: pid, boot id, start time

@@ -256,8 +256,10 @@ def history_of(url: str) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_bit_exact_resume_with_the_run_directory_on_s3(s3_bucket, s3_server, tmp_path, monkeypatch):
-    """A runs uninterrupted; B is SIGTERM'd, restarted, SIGKILLed after a checkpoint, and finished on
+def test_bit_exact_resume_with_the_run_directory_on_s3(
+    s3_bucket, s3_server, tmp_path, monkeypatch, tiny_reference
+):
+    """A ran uninterrupted; B is SIGTERM'd, restarted, SIGKILLed after a checkpoint, and finished on
     "another machine" (a fresh run cache, only the URL). Final checkpoints byte-identical, canonical
     loss histories equal, and every version .loss.json ever had on the store a prefix of the next."""
     client = s3_server.client()
@@ -266,8 +268,7 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(s3_bucket, s3_server, tmp
         Bucket=s3_bucket.removeprefix("s3://"),
         VersioningConfiguration={"Status": "Enabled"},
     )
-    a, b = f"{s3_bucket}/a", f"{s3_bucket}/b"
-    andrea("train", "--config", TINY, "--run-dir", a, "--max-steps", "300", "--device", "cpu", timeout=900)
+    a, b = str(tiny_reference), f"{s3_bucket}/b"  # A: the session's uninterrupted run, on local disk
 
     def steps_of_b() -> list[int]:
         return RunDir(b).checkpoint_steps()

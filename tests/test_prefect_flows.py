@@ -38,6 +38,7 @@ from andrea_core.run.lock import live_trainer
 from andrea_core.run.loss_log import parse_lines, read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLES, STATE, RunDir
+from andrea_core.run.samples import read_audits
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.trainer import step_seed
 from tests.browser import Chromium, chromium_path
@@ -50,6 +51,7 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 OUT = REPO / "test-output" / "prefect"
 LIVE_PACE = 0.1  # 10 steps/s at most: a checkpoint every 10 s, little CPU on a small machine
 TIMINGS: dict[str, float] = {}
+CRASH_AFTER_S = 60
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
 
@@ -80,6 +82,8 @@ class Stack:
             "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
             "PREFECT_WORKER_QUERY_SECONDS": "2",
+            # The crash automation's window, 90 s for an operator: 60 here (heartbeats come every 30 s).
+            "ANDREA_CRASH_AFTER_S": str(CRASH_AFTER_S),
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
             "PYTHONUNBUFFERED": "1",
         }
@@ -300,6 +304,8 @@ def test_prefect_deploy_all_creates_the_deployments(stack):
         assert fork.parameters["run_dir"] == "runs/andrea-12m" and len(fork.parameters["branches"]) == 2
         (automation,) = c.read_automations_by_name("andrea-crash-silent-train-runs")
         assert automation.enabled and automation.actions[0].type == "change-flow-run-state"
+        assert automation.trigger.within.total_seconds() == CRASH_AFTER_S  # ANDREA_CRASH_AFTER_S
+        assert f"No heartbeat for {CRASH_AFTER_S} s" in automation.actions[0].message
 
 
 def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack):
@@ -524,13 +530,11 @@ def test_pivot_of_a_live_run(stack, live_run):
     live = ensure_live_train(stack, live_run)
     old_trainer = live_trainer(live_run)
     old_policy = live_run.read_bytes(POLICY_YAML)
-    # The sidecars of the closing phase (the bandit's .state.json and the audit's .samples.json): a
-    # trainer without them yet gets stand-ins, so that the archive step has them to move.
-    planted = {}
-    for name in (SAMPLES, STATE):
-        if not live_run.exists(name):
-            planted[name] = json.dumps({"stand-in for the test": name, "policy": "stdlib-only"}).encode()
-            live_run.write_atomic(name, planted[name])
+    # The sidecars of the closing phase, the trainer's own: its bandit's .state.json (written with each
+    # checkpoint, before it) and its audit's .samples.json (step 0's, before the first step).
+    assert live_run.exists(SAMPLES) and live_run.exists(STATE), live_run.listdir("")
+    old_hash = json.loads(live_run.read_bytes(STATE))["policy_hash"]
+    assert old_hash == load_policy("stdlib-only")[0].hash
     loss_before = live_run.read_bytes(LOSS_LOG)
     new_policy, new_policy_text = load_policy("polish")
 
@@ -558,10 +562,9 @@ def test_pivot_of_a_live_run(stack, live_run):
     (folder,) = [f for f in live_run.listdir(ARCHIVE) if f.endswith(f"_step_{boundary:06d}")]
     archive = RunDir(live_run.path(f"{ARCHIVE}/{folder}"))
     assert archive.read_bytes(POLICY_YAML) == old_policy
-    for name in (SAMPLES, STATE):
-        assert archive.exists(name)
-        if name in planted:
-            assert archive.read_bytes(name) == planted[name]
+    archived = json.loads(archive.read_bytes(STATE))  # the old phase's bandit, as the trainer left it
+    assert archived["policy_hash"] == old_hash and archived["step"] >= boundary
+    assert read_audits(archive), "the old phase's audits were not archived"
     assert all(s > boundary for s in archive.checkpoint_steps())
     assert "SIGTERM" in flow_run_logs(live["flow_run_id"])
 
@@ -573,7 +576,7 @@ def test_pivot_of_a_live_run(stack, live_run):
     # is written with the first checkpoint after the boundary.
     wait_for(lambda: live_run.exists(STATE), timeout=300, what="the new phase's first .state.json")
     state = json.loads(live_run.read_bytes(STATE))
-    assert state["policy_hash"] == new_policy.hash != json.loads(archive.read_bytes(STATE)).get("policy_hash")
+    assert state["policy_hash"] == new_policy.hash != old_hash
     assert state["step"] > boundary and all(e["step"] > boundary for e in state.get("previous", []))
     wait_for(lambda: read_history(live_run)[-1].step >= boundary + 2, timeout=120, what="two new steps")
     loss_now = live_run.read_bytes(LOSS_LOG)
@@ -763,7 +766,7 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
 
     run = wait_for_final(live["flow_run_id"], timeout=300)
     _timed("crash: flow-run process SIGKILL to Crashed (s)", time.monotonic() - t0)
-    assert run.state.type.value == "CRASHED" and "No heartbeat" in run.state.message
+    assert run.state.type.value == "CRASHED" and f"No heartbeat for {CRASH_AFTER_S} s" in run.state.message
 
     # A later `train` run resumes from that checkpoint (called in this process: the worker is gone).
     from flows.train import train

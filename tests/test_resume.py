@@ -26,12 +26,12 @@ def canonical(run) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_sigterm_sigusr1_sigkill_restarts_resume_bit_exactly(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    andrea("train", "--config", TINY, "--run-dir", str(a), "--max-steps", "300")
+def test_sigterm_sigusr1_sigkill_restarts_resume_bit_exactly(tmp_path, tiny_reference):
+    a, b = tiny_reference, tmp_path / "b"
 
     # 1. SIGTERM mid-run: exit 0, checkpoint of the step in flight.
-    proc = start_trainer("--config", TINY, "--run-dir", str(b), "--pace", PACE, log=tmp_path / "b1.log")
+    proc = start_trainer("--config", TINY, "--run-dir", str(b), "--pace", PACE, "--device", "cpu",
+                         log=tmp_path / "b1.log")  # fmt: skip
     wait_for(lambda: last_logged_step(b) >= 40, what="B to pass step 40")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
@@ -40,7 +40,7 @@ def test_sigterm_sigusr1_sigkill_restarts_resume_bit_exactly(tmp_path):
     assert f"SIGTERM: stopped at step {stopped}" in (tmp_path / "b1.log").read_text()
 
     # 2. Restart, SIGUSR1 off the grid: the checkpoint of the step in flight appears, training goes on.
-    proc = start_trainer("--run-dir", str(b), "--pace", PACE, log=tmp_path / "b2.log")
+    proc = start_trainer("--run-dir", str(b), "--pace", PACE, "--device", "cpu", log=tmp_path / "b2.log")
     wait_for(lambda: last_logged_step(b) >= 130 and last_logged_step(b) % 100 > 5, what="step 130+")
     before = set(RunDir(str(b)).checkpoint_steps())
     proc.send_signal(signal.SIGUSR1)
@@ -59,7 +59,7 @@ def test_sigterm_sigusr1_sigkill_restarts_resume_bit_exactly(tmp_path):
     assert last_logged_step(b) < 300
 
     # 4. Restart and finish.
-    andrea("train", "--run-dir", str(b))
+    andrea("train", "--run-dir", str(b), "--device", "cpu")
 
     final = checkpoint_name(300)
     assert (a / final).read_bytes() == (b / final).read_bytes()

@@ -102,32 +102,33 @@ def test_gc_dry_run_shows_and_gc_does(tmp_path, capsys):
 
 
 def retention_config(tmp_path: Path) -> str:
-    """andrea-tiny, narrower and shorter-context (2,000 steps must stay cheap), with keep_last 3 and
-    keep_every 500."""
+    """andrea-tiny, narrower and shorter-context, on a grid 10x finer than a real run's: checkpoint_every
+    10, keep_last 3, keep_every 50 (the plan of checkpoint_every 100, keep_every 500 in a tenth of the
+    steps)."""
     doc = yaml.safe_load(Path(TINY).read_text())
     doc["model"].update(n_layer=1, n_embd=32, block_size=32)
-    doc["train"].update(batch_size=4, log_every=500)
-    doc["retention"] = {"keep_last": 3, "keep_every": 500}
+    doc["train"].update(batch_size=4, log_every=50, checkpoint_every=10)
+    doc["retention"] = {"keep_last": 3, "keep_every": 50}
     path = tmp_path / "retention.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
 
 
 @pytest.mark.slow
-def test_retention_over_a_2000_step_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path):
+def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path):
     parent, config = f"{s3_bucket}/run", retention_config(tmp_path)
 
     def train(url: str, to: int, *extra: str) -> None:
         andrea("train", *extra, "--run-dir", url, "--max-steps", str(to), "--device", "cpu", timeout=900)
 
-    train(parent, 400, "--config", config)
-    assert RunDir(parent).checkpoint_steps() == [200, 300, 400]
-    (branch,) = fork(parent, [BranchSpec("a")], step=300)
-    train(parent, 1100)
-    assert RunDir(parent).checkpoint_steps() == [300, 500, 900, 1000, 1100]
-    pivot_run_directory(RunDir(parent), 1100, (Path(TINY).parent / "policies" / "default.yaml").read_text())
-    train(parent, 2000)
-    train(branch, 800)
+    train(parent, 40, "--config", config)
+    assert RunDir(parent).checkpoint_steps() == [20, 30, 40]
+    (branch,) = fork(parent, [BranchSpec("a")], step=30)
+    train(parent, 110)
+    assert RunDir(parent).checkpoint_steps() == [30, 50, 90, 100, 110]
+    pivot_run_directory(RunDir(parent), 110, (Path(TINY).parent / "policies" / "default.yaml").read_text())
+    train(parent, 200)
+    train(branch, 80)
 
     def files(url: str) -> set[str]:
         run = RunDir(url)
@@ -139,30 +140,30 @@ def test_retention_over_a_2000_step_run_with_a_pivot_and_a_fork_on_s3(s3_bucket,
         "policy.yaml",
         ".loss.json",
         "forks.jsonl",
-        "archive/phase_001_step_001100/policy.yaml",
-        "archive/phase_001_step_001100/phase.json",
+        "archive/phase_001_step_000110/policy.yaml",
+        "archive/phase_001_step_000110/phase.json",
         ".trainer.json",  # left released at each clean exit (its generation kept)
         "data.jsonl",  # the arms each trainer start loaded
-    } | {checkpoint_name(s) for s in (300, 500, 1000, 1100, 1500, 1800, 1900, 2000)}
+    } | {checkpoint_name(s) for s in (30, 50, 100, 110, 150, 180, 190, 200)}
     assert (
-        files(parent) - sidecars - {f"archive/phase_001_step_001100/{s}" for s in sidecars} == expected_parent
+        files(parent) - sidecars - {f"archive/phase_001_step_000110/{s}" for s in sidecars} == expected_parent
     )
     expected_branch = {"run.yaml", "policy.yaml", ".loss.json", ".trainer.json", "data.jsonl"} | {
         checkpoint_name(s)
-        for s in (300, 500, 600, 700, 800)  # 300: where the branch was forked
+        for s in (30, 50, 60, 70, 80)  # 30: where the branch was forked
     }
     assert files(branch) - sidecars == expected_branch
 
     dry = andrea("gc", parent, "--dry-run").stdout
-    assert "  step_000300.bin  keep          fork point (a)\n" in dry
-    assert "  step_001100.bin  keep          pivot boundary (phase 1)\n" in dry
+    assert "  step_000030.bin  keep          fork point (a)\n" in dry
+    assert "  step_000110.bin  keep          pivot boundary (phase 1)\n" in dry
     assert dry.endswith("8 kept, 0 would delete\n")
     lineage = andrea("lineage", parent).stdout
     assert lineage == (
-        f"{parent}  newest checkpoint step_002000.bin\n"
-        "├── phase 1  steps 0..1100  policy stdlib-only  [archive/phase_001_step_001100]\n"
-        "│   └── fork at step 300: a\n"
-        f"│       └── {branch}  newest checkpoint step_000800.bin\n"
-        "│           └── phase 1  steps 300..800 (current)  policy stdlib-only\n"
-        "└── phase 2  steps 1100..2000 (current)  policy default\n"
+        f"{parent}  newest checkpoint step_000200.bin\n"
+        "├── phase 1  steps 0..110  policy stdlib-only  [archive/phase_001_step_000110]\n"
+        "│   └── fork at step 30: a\n"
+        f"│       └── {branch}  newest checkpoint step_000080.bin\n"
+        "│           └── phase 1  steps 30..80 (current)  policy stdlib-only\n"
+        "└── phase 2  steps 110..200 (current)  policy default\n"
     )

@@ -12,6 +12,8 @@ import yaml
 from conftest import andrea
 from tiny import tiny_config
 
+from andrea_core.config import ConfigError
+from andrea_core.model.device import pick_device
 from andrea_core.ops.supervise import gpu_slot_name
 from andrea_core.run.rundir import RUN_YAML, RunDir
 from andrea_core.run.samples import read_audits
@@ -35,10 +37,17 @@ def test_samples_json_keeps_the_newest_20_audits_of_a_non_default_schedule(audit
     assert run.checkpoint_steps() == [100, 110]
 
 
-def test_device_auto_picks_cuda_when_present_else_the_cpu(audited):
+def test_device_auto_picks_cuda_when_present_else_the_cpu(audited, monkeypatch):
     _, out = audited
     here = "cuda" if torch.cuda.is_available() else "cpu"
-    assert f"parameters on {here}\n" in out
+    assert f"parameters on {here}\n" in out  # what the trainer used, on this machine
+    # Both branches wherever the suite runs: the choice depends on whether CUDA is there, nothing else.
+    for available, picked in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert pick_device("auto") == picked
+        assert pick_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="--device cuda:1: CUDA is not available on this machine"):
+        pick_device("cuda:1")
 
 
 def test_a_resume_in_another_environment_warns_naming_the_difference(tmp_path):

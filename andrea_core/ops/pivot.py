@@ -115,11 +115,9 @@ def check_pivot(
         raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
     cfg = read_run(run).config
     parsed, text = load_policy(policy)
-    _, unavailable, _ = prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
-    require_available(parsed, unavailable, "a pivot")
     target = max_steps if max_steps is not None else cfg.train.max_steps
     resolved = device
-    if restart:
+    if restart:  # before the data check, which may tokenize new arms for minutes
         from andrea_core.model.device import pick_device  # imports torch and the trainer: only here
 
         resolved = pick_device(device)
@@ -129,6 +127,8 @@ def check_pivot(
         else:
             steps = run.checkpoint_steps()
             require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
+    _, unavailable, _ = prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
+    require_available(parsed, unavailable, "a pivot")
     return PivotCheck(parsed, text, policy, target, resolved)
 
 
