@@ -10,7 +10,9 @@ Files appear under their final names only whole:
                   stores (S3, GCS, Azure, memory) publish a put whole or not at all; a filesystem
                   whose put can tear (ftp, sftp) gets no more than that from fsspec.
 
-The append-only files (`.loss.json`, `forks.jsonl`) are appended to in place on local disk. A store
+The append-only files (`.loss.json`, `forks.jsonl`, `data.jsonl`: JSON Lines, every one) are appended
+to through `open_append` alone, which ends a torn last line (a crash mid-append) before the first new
+byte, so that a record is never glued onto it. They are appended to in place on local disk. A store
 without append keeps them in a local mirror in the run cache and publishes the mirror whole, by one
 atomic put, at each durable write (every checkpoint, and exit): the published file only ever grows by
 a prefix extension of itself, and a crash loses at most what was written since the last durable write.
@@ -401,7 +403,9 @@ class AppendFile:
         self.path = path
         self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
         self._f = open(path, "ab", buffering=0)
-        self._pending = b""  # bytes accepted by write() that have not reached the file yet
+        # Bytes accepted by write() that have not reached the file yet; first of all the newline that
+        # ends a torn last line, sent with the first record (in one write: never a line of its own).
+        self._pending = _line_end(_last_byte(path))
         self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
 
     def read(self) -> bytes:
@@ -409,10 +413,12 @@ class AppendFile:
             return f.read()
 
     def write(self, data: bytes, durable: bool = False) -> None:
-        if self._fenced is not None:
-            self._fenced()
         with self._lock:
             self._pending += data
+        if self._fenced is not None:
+            # A fence that cannot confirm the lease now refuses like a full disk: the bytes stay pending.
+            self._fenced()
+        with self._lock:
             while self._pending:
                 written = self._f.write(self._pending) or 0  # raises OSError (ENOSPC) with nothing written
                 self._pending = self._pending[written:]
@@ -447,6 +453,7 @@ class MirroredAppendFile:
         self._f.write(data)
         self._f.flush()
         self._size = len(data)
+        self._torn_end = _line_end(data[-1:])  # ends a torn last line, with the first write
         # The trainer appends on its thread while the checkpoint writer publishes on its own.
         self._lock = threading.Lock()
 
@@ -461,6 +468,7 @@ class MirroredAppendFile:
 
     def write(self, data: bytes, durable: bool = False) -> None:
         with self._lock:
+            data, self._torn_end = self._torn_end + data, b""
             self._f.write(data)
             self._f.flush()
             self._size += len(data)
@@ -501,6 +509,25 @@ class MirroredAppendFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _last_byte(path: str) -> bytes:
+    """The last byte of a local file (b"" if it is empty or absent)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return b""
+            f.seek(-1, os.SEEK_END)
+            return f.read(1)
+    except FileNotFoundError:
+        return b""
+
+
+def _line_end(last: bytes) -> bytes:
+    """What an append to a JSON Lines file ending in `last` must send first: a newline after a torn
+    line (its own record stays torn and skipped by readers), nothing after a whole one or none."""
+    return b"\n" if last and last != b"\n" else b""
 
 
 def _write_local(final: str, views: Iterable[memoryview]) -> int:
