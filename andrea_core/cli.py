@@ -59,6 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         pace=args.pace,
         keep_signal_handlers=True,
+        train_args=getattr(args, "train_args", None),
     )
     result = trainer.train()
     return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
@@ -528,7 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         # This process is a trainer: before anything else (and before torch), hold the trainer signals,
         # take a nonce (andrea_core.signals) and install the handlers that turn a signal into a flag.
         signals.become_trainer_process()
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
+    if args.command == "train":  # its options, as given: recorded in the lock for a pivot's restart
+        args.train_args = raw[raw.index("train") + 1 :]
     try:
         return args.fn(args)
     except Exception as e:

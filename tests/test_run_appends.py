@@ -10,9 +10,9 @@ import pytest
 from conftest import andrea
 from test_retention import fabricated_run
 
-from andrea_core.fork import fork_records
-from andrea_core.loss_log import json_lines
-from andrea_core.rundir import FORKS, RunDir
+from andrea_core.run.lineage import fork_records
+from andrea_core.run.loss_log import json_lines
+from andrea_core.run.rundir import FORKS, RunDir
 
 TORN = b'{"step": 200, "branches": ["x"], "na'
 

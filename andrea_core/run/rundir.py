@@ -28,6 +28,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -287,17 +288,13 @@ class RunDir:
         if self.is_s3:
             return self._put(name, data, expect=expect)
         if self.is_local:
-            guard = _DirectoryLock(posixpath.dirname(final))
-        else:
-            guard = _IN_PROCESS
-        with guard:
+            _replace_local_if_unchanged(final, data, expect)
+            return Version(len(data), _sha256(data))
+        with _IN_PROCESS:
             held, version = self._read_versioned(name)
             if not version.exists or version.etag != expect.etag:
                 raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
-            if self.is_local:
-                _write_local(final, [memoryview(data)])
-            else:
-                self.fs.pipe_file(final, data)
+            self.fs.pipe_file(final, data)
         return Version(len(data), _sha256(data))
 
     # --- publishing, per kind of filesystem ---------------------------------------------------
@@ -559,19 +556,90 @@ def _sha256(data: bytes) -> str:
 _IN_PROCESS = threading.Lock()
 
 
+class ReplacePaused(ConcurrentWriteError):
+    """A compare-and-replace on local disk ran past its time bound after its rename: this process was
+    paused in it, and a waiter may have replaced the file meanwhile, so what it replaced is not known."""
+
+
+# The compare-and-replace's time bounds on local disk (issue 23.5). Its critical section is a read of a
+# small file and a rename (the new bytes are fsynced before it): a holder longer than HOLD_S was paused
+# there (SIGSTOP, a frozen VM). A waiter polls the flock for WAIT_S > HOLD_S, then goes on without it,
+# so that no paused process blocks a takeover for longer; the paused one, when it runs again, finds its
+# bound exceeded and either writes nothing (before its rename) or reports ReplacePaused (after it).
+REPLACE_HOLD_S, REPLACE_WAIT_S = 1.0, 2.5
+TEST_HOLD_ENV = "ANDREA_TEST_REPLACE_HELD"  # tests only: a file created while the flock is held
+
+
 class _DirectoryLock:
-    """flock(2) on a directory: serialises the processes of this kernel that compare-and-replace a
-    file in it (the lock takeover), without adding a file to the run directory."""
+    """flock(2) on a directory, held for at most REPLACE_HOLD_S and waited for at most REPLACE_WAIT_S:
+    serialises the processes of this kernel that compare-and-replace a file in it (renewal, takeover)
+    without adding a file to the run directory, and without letting a paused holder block the others."""
 
     def __init__(self, folder: str):
         self.folder = folder
+        self.guarded = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _DirectoryLock:
         self.fd = os.open(self.folder, os.O_RDONLY)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + REPLACE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.guarded = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break  # its holder is paused past its own bound: it will write nothing now
+                time.sleep(0.01)
+        self.since = time.monotonic()
+        held = os.environ.get(TEST_HOLD_ENV)
+        if held:
+            with open(held, "a"):
+                pass
+            time.sleep(REPLACE_HOLD_S / 2)
+        return self
+
+    def within_bound(self) -> bool:
+        return time.monotonic() - self.since < REPLACE_HOLD_S
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)  # closing drops the flock
+
+
+def _replace_local_if_unchanged(final: str, data: bytes, expect: Version) -> None:
+    """Compare-and-replace on local disk: the bytes are written and fsynced under a temporary name
+    first; under the directory's flock only the compare and the rename remain, each checked against
+    the time bound (see _DirectoryLock)."""
+    folder = posixpath.dirname(final)
+    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with _DirectoryLock(folder) as guard:
+            try:
+                with open(final, "rb") as f:
+                    held = f.read()
+            except FileNotFoundError:
+                held = None
+            if held is None or _sha256(held) != expect.etag:
+                raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
+            if not guard.within_bound():
+                raise ConcurrentWriteError(
+                    f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s while "
+                    "replacing it (another may have replaced it meanwhile); not replacing it"
+                )
+            os.replace(tmp, final)
+            if not guard.within_bound():
+                raise ReplacePaused(
+                    f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s while "
+                    "replacing it: a waiter may have replaced it meanwhile, and been overwritten"
+                )
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(folder)
 
 
 def _create_local(final: str, data: bytes) -> int:

@@ -128,8 +128,10 @@ class Trainer:
         pace: float = 0.0,
         log: Callable[[str], None] | None = None,
         keep_signal_handlers: bool = False,
+        train_args: list[str] | None = None,
     ):
         self.run = RunDir(run_url)
+        self.train_args = train_args  # its command line's options, recorded in the lock (pivot restarts)
         self.world = distributed.world_from_env()
         self.device = distributed.rank_device(self.world, pick_device(device))
         distributed.init(self.world, self.device)
@@ -410,16 +412,27 @@ class Trainer:
         return TrainResult(step, reason, last_saved)
 
     def train(self) -> TrainResult:
+        flags = signals.install()
         # The lock as a lease: renewed on its own thread, checked before every publish (lock.Lease).
         # Under torchrun rank 0 holds it for the job: the other ranks never write the run directory.
-        self.lease = (
-            lock.Lease.take(
-                self.run, log=self.log, world_size=self.world.world_size, agent_pid=self.world.agent_pid
-            )
-            if self.world.is_main
-            else None
-        )
-        flags = signals.install()
+        # A stop while it waits for another trainer's lease ends the wait: nothing was started.
+        self.lease = None
+        if self.world.is_main:
+            try:
+                self.lease = lock.Lease.take(
+                    self.run,
+                    log=self.log,
+                    world_size=self.world.world_size,
+                    agent_pid=self.world.agent_pid,
+                    stopped=lambda: flags.stop,
+                    train_args=self.train_args,
+                )
+            except lock.StoppedWaiting as e:
+                self.log(f"{flags.stop} before the first step: {e}")
+                distributed.shutdown(self.world, clean=True)
+                if not self.keep_signal_handlers:
+                    signals.uninstall()
+                return TrainResult(0, flags.stop, None)
         try:
             require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
