@@ -84,7 +84,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import fsspec
 
     from andrea_core.checkpoint import region_stats
+    from andrea_core.config import ConfigError
 
+    fs, path = fsspec.core.url_to_fs(args.file)
+    if fs.isdir(path):
+        raise ConfigError(
+            f"{args.file}: a directory (a run directory?), not a checkpoint file: "
+            f"inspect takes one, e.g. {args.file.rstrip('/')}/step_000100.bin"
+        )
     with fsspec.open(args.file, "rb") as f:
         data = f.read()
     report = region_stats(data, posixpath.basename(args.file.rstrip("/")))

@@ -34,7 +34,7 @@ from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
 from andrea_core.run.lineage import PHASE_RE, phases
-from andrea_core.run.lock import LockError, live_trainer
+from andrea_core.run.lock import ALIVE, LockError, live_trainer, require_not_elsewhere
 from andrea_core.run.pivot_journal import (
     PIVOT_JSON,
     PIVOT_STEPS,
@@ -162,8 +162,9 @@ def archive_phase(
     Idempotent for one `folder` (the pivot journal records it before the first move): a rerun after a
     crash between two moves moves what is left into the same folder, never into a second one.
     `after_move(name)` is called after each move (the journal's test hook)."""
-    holder = live_trainer(run)
-    if holder is not None:
+    verdict = require_not_elsewhere(run, "archiving the phase")
+    holder = verdict.holder
+    if verdict.state == ALIVE:
         raise LockError(f"{run.url}: trainer pid {holder.pid} is still running; stop it before archiving")
     run.read_checkpoint(boundary)  # raises CheckpointError if the pivot point is missing or bad
     folder = folder or next_phase_folder(run, boundary)
@@ -277,7 +278,7 @@ def newest_checkpoint(run: RunDir, log: Log = print) -> int:
     """With no trainer running, the pivot point is the newest valid checkpoint."""
     from andrea_core.run.record import read_run, run_n_params
 
-    if live_trainer(run) is not None:
+    if require_not_elsewhere(run, "pivoting").state == ALIVE:
         raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
     ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=log)
     if ckpt is None:
@@ -305,8 +306,10 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
     no trainer running the newest valid one. A failure here leaves the run as it was (no journal)."""
     if _reached(journal, "checkpointed"):
         return journal["boundary"]
+    # A trainer that cannot be checked from here is refused before anything is written.
+    verdict = require_not_elsewhere(run, "pivoting")
+    trainer = verdict.holder if verdict.state == ALIVE else None
     try:
-        trainer = live_trainer(run)
         if trainer is None:
             boundary = newest_checkpoint(run, log)
             log(f"no trainer running: pivoting at the newest valid checkpoint, step {boundary}")
@@ -371,8 +374,10 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
 
 def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
     """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
-    checkpointed the step in flight. A run with no live trainer is left alone."""
-    trainer = live_trainer(run)
+    checkpointed the step in flight. A run with no live trainer is left alone; one whose trainer
+    cannot be checked from here is refused (TrainerElsewhere), touching nothing."""
+    verdict = require_not_elsewhere(run, "stopping its trainer")
+    trainer = verdict.holder if verdict.state == ALIVE else None
     waited = 0.0
     if trainer is not None:
         trainer.stop()
@@ -584,11 +589,19 @@ def run_pivot(
 
 def abandon(run: RunDir, log: Log = print) -> dict:
     """Undo a pivot that stopped part-way: move the archived sidecars and tail checkpoints back, put the
-    old policy back, remove the phase folder and the journal. The run is then the old phase again."""
+    old policy back, remove the phase folder and the journal. The run is then the old phase again.
+
+    Nothing is deleted unless a byte-identical copy stays: an archived file is removed only where the
+    run holds the same bytes under its name. Once the new phase has trained (its .state.json,
+    .samples.json or a checkpoint past the boundary are not the archived old phase's), abandoning would
+    discard that training or resume the old policy from the new phase's files: it is refused before
+    anything is touched (the pivot is complete in all but its journal: rerun it to finish it). A dead
+    writer's temporary file in the phase folder (a SIGKILL during a write there) is cleared."""
     journal = read_pivot(run)
     if journal is None:
         raise ConfigError(f"{run.url}: no pivot under way (no {PIVOT_JSON}): nothing to abandon")
-    trainer = live_trainer(run)
+    verdict = require_not_elsewhere(run, "abandoning the pivot")
+    trainer = verdict.holder if verdict.state == ALIVE else None
     step = journal.get("step")
     if trainer is not None and step not in (None, "intent", "checkpointed"):
         raise LockError(
@@ -598,18 +611,21 @@ def abandon(run: RunDir, log: Log = print) -> dict:
     restored = []
     folder = journal.get("archive")
     if trainer is None and isinstance(folder, str) and PHASE_RE.match(folder.rsplit("/", 1)[-1]):
-        for name in run.listdir(folder):
-            if name in (SAMPLES, STATE) or name.startswith("step_"):
-                if not run.exists(name):
-                    run.move(f"{folder}/{name}", name)
-                else:
-                    run.remove(f"{folder}/{name}")
-                restored.append(name)
-        if run.exists(f"{folder}/{POLICY_YAML}"):
+        plan = _abandon_plan(run, journal, folder)
+        for name in plan["temporary"]:
+            run.remove(f"{folder}/{name}")
+            log(f"removed {run.path(f'{folder}/{name}')}, left by a writer that did not finish")
+        for name in plan["back"]:
+            if name in plan["same"]:
+                run.remove(f"{folder}/{name}")  # the run holds these very bytes
+            else:
+                run.move(f"{folder}/{name}", name)
+            restored.append(name)
+        if POLICY_YAML in plan["names"]:
             run.write_atomic(POLICY_YAML, run.read_bytes(f"{folder}/{POLICY_YAML}"))
             run.remove(f"{folder}/{POLICY_YAML}")
             restored.append(POLICY_YAML)
-        if run.exists(f"{folder}/phase.json"):
+        if "phase.json" in plan["names"]:
             run.remove(f"{folder}/phase.json")
         if run.is_local and run.fs.exists(run.path(folder)):
             run.fs.rmdir(run.path(folder))
@@ -619,3 +635,45 @@ def abandon(run: RunDir, log: Log = print) -> dict:
         f"restored {restored or 'nothing'}"
     )
     return {"policy": journal.get("policy"), "step": step, "restored": restored}
+
+
+def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
+    """What abandoning moves back, checked whole before anything is touched: raises ConfigError for a
+    phase folder holding a file abandon does not know, and for a new phase that has trained."""
+    from andrea_core.checkpoint import step_from_name
+    from andrea_core.run.loss_log import read_history
+    from andrea_core.run.rundir import TEMP_RE
+
+    names = run.listdir(folder)
+    temporary = [n for n in names if TEMP_RE.match(n)]
+    back = [n for n in names if n in (SAMPLES, STATE) or step_from_name(n) is not None]
+    unknown = sorted(set(names) - set(temporary) - set(back) - {POLICY_YAML, "phase.json"})
+    if unknown:
+        raise ConfigError(
+            f"{run.path(folder)}: holds {', '.join(unknown)}, which no pivot writes there: not abandoning "
+            "(nothing was changed); move them out of the phase folder first"
+        )
+    same = {n for n in back if run.exists(n) and run.read_bytes(n) == run.read_bytes(f"{folder}/{n}")}
+    boundary = journal.get("boundary")
+    # Files of the run that abandoning would overwrite with other bytes; and once the new policy is
+    # installed (a trainer may start from then on, never before), the new phase's own files that would
+    # be left beside the restored old phase.
+    ours = [n for n in back if run.exists(n) and n not in same]
+    if _reached(journal, "installed"):
+        ours += [n for n in (SAMPLES, STATE) if run.exists(n) and n not in back]
+        ours += [
+            checkpoint_name(s)
+            for s in run.checkpoint_steps()
+            if boundary is not None and s > boundary and checkpoint_name(s) not in back
+        ]
+    if ours:
+        history = read_history(run)
+        newest = max([e.step for e in history] + [step_from_name(n) or 0 for n in ours])
+        trained = f"steps {boundary + 1}..{newest}" if boundary is not None and newest > boundary else "steps"
+        raise ConfigError(
+            f"{run.url}: the new phase trained {trained} (policy {journal.get('policy')!r}, pivot step "
+            f"{journal.get('step')!r}; {', '.join(sorted(ours))}: its own, not the archived old phase's); "
+            "abandoning would discard them: nothing was changed. The pivot is complete but for its journal: "
+            f"finish it (andrea pivot {run.url} --policy {journal.get('source') or journal.get('policy')})"
+        )
+    return {"names": names, "temporary": temporary, "back": back, "same": same}

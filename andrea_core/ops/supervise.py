@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
-from andrea_core.run.lock import TrainerIdentity, live_trainer
+from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
 
@@ -225,10 +225,11 @@ class TrainerProcess:
 
 
 def require_live_trainer(run: RunDir) -> TrainerIdentity:
-    ident = live_trainer(run)
-    if ident is None:
-        raise SupervisionError(f"{run.url}: no live trainer (no lock, or its process is gone)")
-    return ident
+    """The run's trainer, alive as checked here; one that cannot be checked is refused by name."""
+    verdict = require_not_elsewhere(run, "signalling its trainer")
+    if verdict.state != ALIVE:
+        raise SupervisionError(f"{run.url}: no live trainer ({verdict.why})")
+    return verdict.holder
 
 
 def logged_step(run: RunDir) -> int | None:

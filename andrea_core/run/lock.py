@@ -346,6 +346,39 @@ def live_trainer(run: RunDir) -> TrainerIdentity | None:
     return verdict.holder if verdict.state == ALIVE else None
 
 
+def lease_said(ident: TrainerIdentity) -> str:
+    """How recently a lock's lease was renewed, as its holder's lock says (its clock, not ours)."""
+    if ident.lease_ttl_s is None:
+        return f"its lock (generation {ident.generation}) has no lease: it never expires"
+    renewed = ident.renewed_at if ident.renewed_at is not None else ident.started_at
+    return (
+        f"its lease (generation {ident.generation}, {ident.renewals} renewals, ttl {ident.lease_ttl_s:g}s) "
+        f"was last renewed at {time.strftime('%H:%M:%S UTC', time.gmtime(renewed))} by its own clock "
+        f"({max(0.0, time.time() - renewed):.0f}s ago by this machine's)"
+    )
+
+
+class TrainerElsewhere(LockError):
+    """A trainer that cannot be checked from here holds the run: a command that would move, delete or
+    stop anything refuses, touching nothing."""
+
+
+def require_not_elsewhere(run: RunDir, doing: str) -> Liveness:
+    """trainer_liveness, refusing (TrainerElsewhere) a trainer that cannot be checked from here: as
+    far as anyone here can tell it is a live trainer elsewhere, renewing its lease, and nothing of the
+    run may be moved, deleted or stopped from here. The error names its host, the lease generation and
+    how recently its lock says it was renewed."""
+    verdict = trainer_liveness(run)
+    if verdict.state == UNKNOWN:
+        held = verdict.holder
+        raise TrainerElsewhere(
+            f"{run.url}: not {doing}: trainer pid {held.pid} on host {held.host} cannot be checked from "
+            f"here ({verdict.why}); {lease_said(held)}. It counts as a live trainer elsewhere: stop it "
+            "there first, or run this where it can be checked"
+        )
+    return verdict
+
+
 def acquire(
     run: RunDir, log=print, attempts: int = 5, world_size: int = 1, agent_pid: int | None = None
 ) -> TrainerIdentity:
