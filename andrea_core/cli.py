@@ -306,7 +306,6 @@ def cmd_pivot(args: argparse.Namespace) -> int:
             checked,
             at=args.at,
             restart=args.restart,
-            device=args.device,
             timeout_s=args.timeout,
             log=log,
         )
@@ -493,8 +492,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-restart leaves it stopped (systemd starts it)",
     )
     pv.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for each step (1800)")
-    pv.add_argument("--max-steps", type=int, help="the resumed trainer trains to this step")
-    pv.add_argument("--device", default="auto", help="the resumed trainer's device (default auto)")
+    pv.add_argument(
+        "--max-steps",
+        type=int,
+        help="the resumed trainer trains to this step (default: the stopped trainer's --max-steps)",
+    )
+    pv.add_argument(
+        "--device",
+        help="the resumed trainer's device (default: the stopped trainer's, as its lock recorded it)",
+    )
     pv.add_argument(
         "--abandon", action="store_true", help="undo a pivot that stopped part-way: restore the old phase"
     )

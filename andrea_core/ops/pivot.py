@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from andrea_core.run.pivot_journal import (
     read_pivot,
     record_pivot,
 )
-from andrea_core.run.rundir import ARCHIVE, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
+from andrea_core.run.rundir import ARCHIVE, LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 
 KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
 
@@ -90,6 +89,9 @@ class PivotCheck:
     source: str  # the name or path it was given as
     max_steps: int  # what the resumed trainer trains to (the run config's when not given)
     device: str  # the device the resumed trainer will use, resolved here
+    # The resumed trainer's options (command.train_options): the stopped trainer's, as its lock
+    # recorded them, with --max-steps (and --device) replaced only where the pivot was given them.
+    train: dict | None = None
 
 
 def check_pivot(
@@ -97,7 +99,7 @@ def check_pivot(
     policy: str,
     *,
     max_steps: int | None = None,
-    device: str = "auto",
+    device: str | None = None,
     restart: bool = True,
     warn: Callable[[str], None] = print,
 ) -> PivotCheck:
@@ -115,19 +117,46 @@ def check_pivot(
     cfg = read_run(run).config
     parsed, text = load_policy(policy)
     prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
-    target = max_steps if max_steps is not None else cfg.train.max_steps
-    resolved = device
+    train = recorded_train_options(run)
+    if max_steps is not None:
+        train["max_steps"] = max_steps
+    if device is not None:
+        train["device"] = device
+    target = train["max_steps"] if train["max_steps"] is not None else cfg.train.max_steps
+    train["max_steps"] = target
+    resolved = train["device"]
     if restart:
         from andrea_core.model.device import pick_device  # imports torch and the trainer: only here
 
-        resolved = pick_device(device)
+        resolved = pick_device(train["device"])
         journal = read_pivot(run) or {}
         if journal.get("boundary") is not None:  # a rerun: the resumed trainer may be past it already
             require_steps_after(target, journal["boundary"], "the pivot point of the pivot under way")
         else:
             steps = run.checkpoint_steps()
             require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
-    return PivotCheck(parsed, text, policy, target, resolved)
+    return PivotCheck(parsed, text, policy, target, resolved, train)
+
+
+def recorded_train_options(run: RunDir) -> dict:
+    """The options of the run's last trainer (its lock, live or released: `train_args` and its world
+    size), parsed and checked (command.train_options); the defaults where none were recorded. A lock
+    is someone else's input: options that do not parse are refused by name, never run."""
+    from andrea_core.command import train_options
+    from andrea_core.run.lock import read_lock
+
+    held = read_lock(run)
+    args = held.train_args if held is not None and held.train_args is not None else []
+    try:
+        options = train_options(args)
+    except ValueError as e:
+        raise ConfigError(
+            f"{run.path(LOCK)}: the trainer's recorded command line cannot be restarted ({e}); "
+            "pass --no-restart and start the trainer yourself"
+        ) from None
+    if held is not None and held.world_size > 1:
+        options["nproc_per_node"] = held.world_size  # torchrun's ranks do not carry the flag
+    return options
 
 
 def require_steps_after(max_steps: int, step: int, what: str = "the pivot point") -> None:
@@ -245,6 +274,7 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
         "at": at,
         "restart": restart,
         "max_steps": checked.max_steps,
+        "train_options": checked.train,
         "loss_before": _snapshot_doc(LossLogSnapshot.take(run)),
     }
 
@@ -463,28 +493,29 @@ def install(run: RunDir, journal: dict) -> str:
 
 
 def trainer_log_path(run: RunDir) -> str:
-    """Where a detached trainer writes its output: RUN/trainer.log (this directory for a remote run)."""
+    """Where a detached trainer writes its output: RUN/trainer.log; for a run on an object store (which
+    has no appends) trainer.log in this machine's cache of the run (RunDir.cache_path), printed."""
     if run.is_local:
         return run.path("trainer.log")
-    return os.path.abspath(f"trainer-{run.url.rstrip('/').rsplit('/', 1)[-1]}.log")
+    path = run.cache_path("trainer.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
-def start_detached_trainer(
-    run: RunDir,
-    max_steps: int | None = None,
-    device: str = "auto",
-    pace: float = 0.0,
-    nproc_per_node: int = 1,
-) -> tuple[subprocess.Popen, str]:
-    """The resumed trainer as a process of its own session, outliving the shell that started it, its
-    output appended to trainer_log_path(run). Returns the process and the log's path."""
-    argv = [sys.executable, "-m", "andrea_core", "train", "--run-dir", run.url, "--device", device]
-    if max_steps is not None:
-        argv += ["--max-steps", str(max_steps)]
-    if pace > 0:
-        argv += ["--pace", str(pace)]
-    if nproc_per_node > 1:
-        argv += ["--nproc-per-node", str(nproc_per_node)]
+def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """The resumed trainer as a process of its own session, outliving the shell that started it, with
+    `options` (recorded_train_options: the stopped trainer's command line), its output appended to
+    trainer_log_path(run). Returns the process and the log's path."""
+    from andrea_core.command import train_argv
+
+    o = {"device": "auto", "max_steps": None, "pace": 0.0, "nproc_per_node": 1, **(options or {})}
+    argv = train_argv(
+        run.url,
+        device=o["device"],
+        max_steps=o["max_steps"],
+        pace=o["pace"],
+        nproc_per_node=o["nproc_per_node"],
+    )
     path = trainer_log_path(run)
     with open(path, "ab") as out:
         proc = subprocess.Popen(
@@ -542,12 +573,12 @@ def run_pivot(
     *,
     at: str = "boundary",
     restart: bool = True,
-    device: str = "auto",
     timeout_s: float = 1800.0,
     log: Log = print,
 ) -> dict:
     """The six steps for `andrea pivot`: against the live trainer (or the newest valid checkpoint when
-    none runs); with `restart`, a detached resumed trainer, confirmed by its first step."""
+    none runs); with `restart`, a detached resumed trainer, confirmed by its first step, run with the
+    stopped trainer's command line (checked.train; --max-steps as the journal says)."""
     journal = begin_pivot(run, checked, at, "detached" if restart else "none", log)
     boundary = take_pivot_checkpoint(run, journal, timeout_s, log)
     stopped = stop_trainer(run, journal, log=log)
@@ -563,10 +594,13 @@ def run_pivot(
         proc = None
         trainer = live_trainer(run)
         if trainer is None:
-            proc, path = start_detached_trainer(
-                run, journal.get("max_steps"), device, nproc_per_node=journal.get("stopped_world_size", 1)
+            options = dict(journal.get("train_options") or checked.train or {})
+            options["max_steps"] = journal.get("max_steps")
+            options["nproc_per_node"] = max(
+                journal.get("stopped_world_size") or 1, options.get("nproc_per_node") or 1
             )
-            log(f"resumed trainer pid {proc.pid}, output in {path}")
+            proc, path = start_detached_trainer(run, options)
+            log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
 
         def ended() -> str | None:
             if proc is None or proc.poll() is None:
