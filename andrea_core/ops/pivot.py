@@ -33,7 +33,17 @@ from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
 from andrea_core.run.lineage import PHASE_RE, phases
-from andrea_core.run.lock import ALIVE, LockError, live_trainer, require_not_elsewhere
+from andrea_core.run.lock import (
+    ALIVE,
+    REQUEST,
+    UNKNOWN,
+    LockError,
+    TrainerIdentity,
+    live_trainer,
+    require_not_elsewhere,
+    send_request,
+    trainer_liveness,
+)
 from andrea_core.run.pivot_journal import (
     PIVOT_JSON,
     PIVOT_STEPS,
@@ -318,7 +328,18 @@ def newest_checkpoint(run: RunDir, log: Log = print) -> int:
 
 def signal_live_trainer(run: RunDir, signal_name: str) -> dict:
     """Signal the trainer that holds the run's lock (identity-checked: a recycled pid is never
-    signalled). Returns what the run looked like just before, for waiting on the signal's effect."""
+    signalled); one that cannot be checked from here (another machine, another pid namespace) is asked
+    through the run directory instead (lock.send_request: SIGUSR1 a checkpoint, SIGTERM a stop), which
+    it reads at its next lease renewal. Returns what the run looked like just before, for waiting on
+    the signal's effect."""
+    verdict = trainer_liveness(run)
+    if verdict.state == UNKNOWN and signal_name in ("SIGUSR1", "SIGTERM"):
+        trainer = verdict.holder
+        request = "checkpoint" if signal_name == "SIGUSR1" else "stop"
+        receipt = {"pid": trainer.pid, "signal": signal_name, "request": request}
+        receipt |= {"logged_step": supervise.logged_step(run), "checkpoints": run.checkpoint_steps()}
+        receipt["request_id"] = send_request(run, trainer, request)
+        return receipt
     trainer = supervise.require_live_trainer(run)
     receipt = {
         "pid": trainer.pid,
@@ -330,15 +351,20 @@ def signal_live_trainer(run: RunDir, signal_name: str) -> dict:
     return receipt
 
 
+def _holder(run: RunDir) -> TrainerIdentity | None:
+    """The trainer holding the run: alive here, or one that cannot be checked from here (then reached
+    through the run directory: signal_live_trainer); None when none holds it."""
+    verdict = trainer_liveness(run)
+    return verdict.holder if verdict.state in (ALIVE, UNKNOWN) else None
+
+
 def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log = print) -> int:
     """Step 1: the pivot checkpoint, protected by the journal (retention keeps it) before the trainer is
     stopped: the next one on the grid (at="boundary"), one written now (at="now", SIGUSR1), or with
     no trainer running the newest valid one. A failure here leaves the run as it was (no journal)."""
     if _reached(journal, "checkpointed"):
         return journal["boundary"]
-    # A trainer that cannot be checked from here is refused before anything is written.
-    verdict = require_not_elsewhere(run, "pivoting")
-    trainer = verdict.holder if verdict.state == ALIVE else None
+    trainer = _holder(run)
     try:
         if trainer is None:
             boundary = newest_checkpoint(run, log)
@@ -347,7 +373,8 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
             # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
             _record(run, journal, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
             receipt = signal_live_trainer(run, "SIGUSR1")
-            log(f"sent SIGUSR1 to trainer pid {receipt['pid']}: a checkpoint of the step in flight")
+            how = f"asked ({REQUEST})" if receipt.get("request") else "sent SIGUSR1 to"
+            log(f"{how} trainer pid {receipt['pid']} on {trainer.host}: a checkpoint of the step in flight")
             boundary = supervise.wait_for_new_checkpoint(
                 run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=trainer
             ).step
@@ -404,19 +431,24 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
 
 def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
     """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
-    checkpointed the step in flight. A run with no live trainer is left alone; one whose trainer
-    cannot be checked from here is refused (TrainerElsewhere), touching nothing."""
-    verdict = require_not_elsewhere(run, "stopping its trainer")
-    trainer = verdict.holder if verdict.state == ALIVE else None
+    checkpointed the step in flight. One that cannot be checked from here is asked to stop through the
+    run directory (signal_live_trainer) and waited for until it releases the lock. A run with no live
+    trainer is left alone."""
+    trainer = _holder(run)
     waited = 0.0
     if trainer is not None:
-        trainer.stop()
-        waited = supervise.wait_for_exit(trainer, timeout_s)
+        receipt = signal_live_trainer(run, "SIGTERM")
+        if receipt.get("request"):
+            log(f"asked trainer pid {trainer.pid} on {trainer.host} to stop ({run.path(REQUEST)})")
+        waited = supervise.wait_for_exit(trainer, timeout_s, run=run)
     newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
     if trainer is None:
         log(f"{run.url}: no live trainer to stop")
     else:
-        log(f"trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {newest}")
+        log(
+            f"trainer pid {trainer.pid} on {trainer.host} exited {waited:.1f}s after being asked to stop; "
+            f"newest checkpoint {newest}"
+        )
     pid = trainer.pid if trainer is not None else None
     # A torchrun job is restarted at its own world size (its lock records it; 1 for a plain trainer).
     world_size = trainer.world_size if trainer is not None else 1

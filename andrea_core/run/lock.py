@@ -35,6 +35,7 @@ import hmac
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -316,6 +317,57 @@ def _parse(run: RunDir, data: bytes) -> TrainerIdentity:
 def read_lock(run: RunDir) -> TrainerIdentity | None:
     data, version = run.read_versioned(LOCK)
     return _parse(run, data) if version.exists else None
+
+
+# --- asking a trainer through the run directory (one that cannot be signalled from here) ------------
+
+REQUEST = ".trainer-request.json"  # {"format", "request", "generation", "id", "by", "at"}
+REQUESTS = ("checkpoint", "stop")  # act as on SIGUSR1 / SIGTERM, at the next step boundary
+
+
+def send_request(run: RunDir, holder: TrainerIdentity, request: str) -> str:
+    """Ask the trainer holding `holder`'s lease to checkpoint or stop: a request file it reads at each
+    lease renewal and acts on at its next step boundary, as on SIGUSR1 / SIGTERM. Addressed to that
+    lease's generation (a later trainer ignores it). Returns the request's id."""
+    if request not in REQUESTS:
+        raise ValueError(f"request {request!r}: expected one of {REQUESTS}")
+    rid = secrets.token_hex(8)
+    doc = {"format": 1, "request": request, "generation": holder.generation, "id": rid}
+    run.write_json(REQUEST, doc | {"by": _host(), "at": time.time()})
+    return rid
+
+
+def read_request(run: RunDir, generation: int) -> dict | None:
+    """The request addressed to lease `generation`, or None (none, another generation's, or one that
+    is not a request: the file is anyone's input, read bounded and checked field by field)."""
+    if not run.exists(REQUEST):
+        return None
+    try:
+        doc = run.read_json(REQUEST)
+    except (ValueError, ConfigError, OSError):
+        return None
+    ok = (
+        isinstance(doc, dict)
+        and doc.get("request") in REQUESTS
+        and type(doc.get("generation")) is int
+        and isinstance(doc.get("id"), str)
+        and len(doc["id"]) <= 64
+    )
+    return (
+        {k: doc[k] for k in ("request", "generation", "id")} | {"by": str(doc.get("by"))[:100]}
+        if ok and doc["generation"] == generation
+        else None
+    )
+
+
+def still_holds(run: RunDir, ident: TrainerIdentity) -> bool:
+    """Whether the trainer `ident` still holds `run`: alive as checked here, or, where it cannot be
+    checked, its lease (unreleased) still the lock's. What a waiter on a trainer elsewhere watches."""
+    state, _ = ident.liveness()
+    if state != UNKNOWN:
+        return state == ALIVE
+    now = read_lock(run)
+    return ident.holds_same_lease(now) and not now.released
 
 
 @dataclass(frozen=True)

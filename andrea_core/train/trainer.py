@@ -383,6 +383,23 @@ class Trainer:
         self.log(f"warning: .loss.json has no step {self.start_step}: the mixer will not hear of its loss")
         return None
 
+    def _take_request(self, flags: signals.TrainerSignals) -> None:
+        """At each lease renewal: a checkpoint or stop request in the run directory (lock.send_request,
+        from a machine that cannot signal this process) sets the flag SIGUSR1 / SIGTERM would; the loop
+        acts on it at the next step boundary. The request is removed once taken."""
+        request = lock.read_request(self.run, self.lease.generation)
+        if request is None:
+            return
+        if request["request"] == "stop":
+            flags.stop = flags.stop or "SIGTERM"
+        else:
+            flags.checkpoint = True
+        self.log(
+            f"{request['request']} requested by {request['by']} through {self.run.path(lock.REQUEST)} "
+            f"(as {'SIGTERM' if request['request'] == 'stop' else 'SIGUSR1'})"
+        )
+        self.run.remove(lock.REQUEST)
+
     def _check_lease(self) -> None:
         if self.lease is not None and self.lease.lost is not None:
             raise lock.LeaseLost(self.lease.lost)
@@ -427,6 +444,7 @@ class Trainer:
                     stopped=lambda: flags.stop,
                     train_args=self.train_args,
                 )
+                self.lease.on_renewal = lambda: self._take_request(flags)
             except lock.StoppedWaiting as e:
                 self.log(f"{flags.stop} before the first step: {e}")
                 distributed.shutdown(self.world, clean=True)
