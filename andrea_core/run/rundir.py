@@ -527,10 +527,15 @@ def _line_end(last: bytes) -> bytes:
     return b"\n" if last and last != b"\n" else b""
 
 
+def _temp_path(final: str) -> str:
+    """The temporary name a local write of `final` goes through (TEMP_RE matches it)."""
+    return posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+
+
 def _write_local(final: str, views: Iterable[memoryview]) -> int:
     folder = posixpath.dirname(final)
     os.makedirs(folder, exist_ok=True)
-    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    tmp = _temp_path(final)
     size = 0
     try:
         with open(tmp, "wb") as f:
@@ -611,7 +616,7 @@ def _replace_local_if_unchanged(final: str, data: bytes, expect: Version) -> Non
     first; under the directory's flock only the compare and the rename remain, each checked against
     the time bound (see _DirectoryLock)."""
     folder = posixpath.dirname(final)
-    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    tmp = _temp_path(final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -646,7 +651,7 @@ def _create_local(final: str, data: bytes) -> int:
     """Write `data` durably under a temporary name, then link it to `final` (fails if it exists)."""
     folder = posixpath.dirname(final)
     os.makedirs(folder, exist_ok=True)
-    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    tmp = _temp_path(final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
