@@ -59,6 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         pace=args.pace,
         keep_signal_handlers=True,
+        train_args=getattr(args, "train_args", None),
     )
     result = trainer.train()
     return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
@@ -83,7 +84,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import fsspec
 
     from andrea_core.checkpoint import region_stats
+    from andrea_core.config import ConfigError
 
+    fs, path = fsspec.core.url_to_fs(args.file)
+    if fs.isdir(path):
+        raise ConfigError(
+            f"{args.file}: a directory (a run directory?), not a checkpoint file: "
+            f"inspect takes one, e.g. {args.file.rstrip('/')}/step_000100.bin"
+        )
     with fsspec.open(args.file, "rb") as f:
         data = f.read()
     report = region_stats(data, posixpath.basename(args.file.rstrip("/")))
@@ -298,7 +306,6 @@ def cmd_pivot(args: argparse.Namespace) -> int:
             checked,
             at=args.at,
             restart=args.restart,
-            device=args.device,
             timeout_s=args.timeout,
             log=log,
         )
@@ -485,8 +492,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-restart leaves it stopped (systemd starts it)",
     )
     pv.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for each step (1800)")
-    pv.add_argument("--max-steps", type=int, help="the resumed trainer trains to this step")
-    pv.add_argument("--device", default="auto", help="the resumed trainer's device (default auto)")
+    pv.add_argument(
+        "--max-steps",
+        type=int,
+        help="the resumed trainer trains to this step (default: the stopped trainer's --max-steps)",
+    )
+    pv.add_argument(
+        "--device",
+        help="the resumed trainer's device (default: the stopped trainer's, as its lock recorded it)",
+    )
     pv.add_argument(
         "--abandon", action="store_true", help="undo a pivot that stopped part-way: restore the old phase"
     )
@@ -528,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         # This process is a trainer: before anything else (and before torch), hold the trainer signals,
         # take a nonce (andrea_core.signals) and install the handlers that turn a signal into a flag.
         signals.become_trainer_process()
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
+    if args.command == "train":  # its options, as given: recorded in the lock for a pivot's restart
+        args.train_args = raw[raw.index("train") + 1 :]
     try:
         return args.fn(args)
     except Exception as e:

@@ -6,10 +6,11 @@ Stdlib only."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 
-def trainer_command(
+def train_argv(
     run_dir: str,
     *,
     config: str | None = None,
@@ -19,7 +20,7 @@ def trainer_command(
     python: str = sys.executable,
     nproc_per_node: int = 1,
 ) -> list[str]:
-    """argv of `python -m andrea_core train ...`, behind the parent-death guard (andrea_core.pdeathsig).
+    """argv of `python -m andrea_core train ...` with these options (the one place that spells them).
     With nproc_per_node > 1 the trainer execs the torchrun agent (same pid) and that starts the ranks."""
     argv = [python, "-m", "andrea_core", "train", "--run-dir", run_dir, "--device", device]
     if nproc_per_node > 1:
@@ -30,7 +31,66 @@ def trainer_command(
         argv += ["--max-steps", str(max_steps)]
     if pace > 0:
         argv += ["--pace", str(pace)]
+    return argv
+
+
+def trainer_command(run_dir: str, *, python: str = sys.executable, **options) -> list[str]:
+    """train_argv behind the parent-death guard (andrea_core.pdeathsig): a trainer that dies with the
+    process that started it (a flow run)."""
+    argv = train_argv(run_dir, python=python, **options)
     return [python, "-m", "andrea_core.pdeathsig", str(os.getpid()), *argv]
+
+
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
+MAX_PACE_S, MAX_NPROC = 3600.0, 1024
+
+
+def train_options(args: list[str]) -> dict:
+    """The restartable options of a recorded `andrea train` command line (what follows `train`, as the
+    lock's train_args keeps it): device, max_steps, pace and nproc_per_node, each checked; --run-dir and
+    --config are left out (a restart resumes the run it is given). It comes from a run directory, so it
+    is parsed, never executed: ValueError names an option that is unknown or out of range."""
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ValueError(f"expected a list of strings, got {type(args).__name__}")
+    opts: dict = {"device": "auto", "max_steps": None, "pace": 0.0, "nproc_per_node": 1}
+    known = {
+        "--device": "device",
+        "--max-steps": "max_steps",
+        "--pace": "pace",
+        "--nproc-per-node": "nproc_per_node",
+    }
+    skipped = {"--run-dir", "--config"}
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if flag not in known and flag not in skipped:
+            raise ValueError(f"option {args[i][:40]!r} is not one of andrea train's")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ValueError(f"option {flag} has no value")
+            i, value = i + 1, args[i + 1]
+        i += 1
+        if flag in skipped:
+            continue
+        name = known[flag]
+        try:
+            if name == "device":
+                if not DEVICE_RE.match(value):
+                    raise ValueError
+                opts[name] = value
+            elif name == "pace":
+                pace = float(value)
+                if not 0 <= pace <= MAX_PACE_S:
+                    raise ValueError
+                opts[name] = pace
+            else:
+                number = int(value)
+                if not 1 <= number <= (MAX_NPROC if name == "nproc_per_node" else 10**12):
+                    raise ValueError
+                opts[name] = number
+        except ValueError:
+            raise ValueError(f"option {flag} {value[:40]!r} is not a valid value") from None
+    return opts
 
 
 def trainer_run_dir(argv: list[str]) -> str | None:

@@ -92,6 +92,10 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
         raise ConfigError(
             f"fork of {parent.url}: branch names must be unique, got {[b.name for b in branches]}"
         )
+    if step is None:  # the newest is a moving target while a trainer that cannot be checked runs
+        from andrea_core.run.lock import require_not_elsewhere
+
+        require_not_elsewhere(parent, "forking its newest checkpoint (name one with --step)")
     # Read once (a 1.44 GB download on an object store) and validated (raises naming the file).
     ckpt = (
         parent.newest_valid_checkpoint(n_params) if step is None else parent.read_checkpoint(step, n_params)

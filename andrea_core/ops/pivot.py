@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,17 @@ from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
 from andrea_core.run.lineage import PHASE_RE, phases
-from andrea_core.run.lock import LockError, live_trainer
+from andrea_core.run.lock import (
+    ALIVE,
+    REQUEST,
+    UNKNOWN,
+    LockError,
+    TrainerIdentity,
+    live_trainer,
+    require_not_elsewhere,
+    send_request,
+    trainer_liveness,
+)
 from andrea_core.run.pivot_journal import (
     PIVOT_JSON,
     PIVOT_STEPS,
@@ -42,7 +51,7 @@ from andrea_core.run.pivot_journal import (
     read_pivot,
     record_pivot,
 )
-from andrea_core.run.rundir import ARCHIVE, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
+from andrea_core.run.rundir import ARCHIVE, LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 
 KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
 
@@ -90,6 +99,9 @@ class PivotCheck:
     source: str  # the name or path it was given as
     max_steps: int  # what the resumed trainer trains to (the run config's when not given)
     device: str  # the device the resumed trainer will use, resolved here
+    # The resumed trainer's options (command.train_options): the stopped trainer's, as its lock
+    # recorded them, with --max-steps (and --device) replaced only where the pivot was given them.
+    train: dict | None = None
 
 
 def check_pivot(
@@ -97,7 +109,7 @@ def check_pivot(
     policy: str,
     *,
     max_steps: int | None = None,
-    device: str = "auto",
+    device: str | None = None,
     restart: bool = True,
     warn: Callable[[str], None] = print,
 ) -> PivotCheck:
@@ -115,12 +127,18 @@ def check_pivot(
         raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
     cfg = read_run(run).config
     parsed, text = load_policy(policy)
-    target = max_steps if max_steps is not None else cfg.train.max_steps
-    resolved = device
+    train = recorded_train_options(run)
+    if max_steps is not None:
+        train["max_steps"] = max_steps
+    if device is not None:
+        train["device"] = device
+    target = train["max_steps"] if train["max_steps"] is not None else cfg.train.max_steps
+    train["max_steps"] = target
+    resolved = train["device"]
     if restart:  # before the data check, which may tokenize new arms for minutes
         from andrea_core.model.device import pick_device  # imports torch and the trainer: only here
 
-        resolved = pick_device(device)
+        resolved = pick_device(train["device"])
         journal = read_pivot(run) or {}
         if journal.get("boundary") is not None:  # a rerun: the resumed trainer may be past it already
             require_steps_after(target, journal["boundary"], "the pivot point of the pivot under way")
@@ -129,7 +147,28 @@ def check_pivot(
             require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
     _, unavailable, _ = prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
     require_available(parsed, unavailable, "a pivot")
-    return PivotCheck(parsed, text, policy, target, resolved)
+    return PivotCheck(parsed, text, policy, target, resolved, train)
+
+
+def recorded_train_options(run: RunDir) -> dict:
+    """The options of the run's last trainer (its lock, live or released: `train_args` and its world
+    size), parsed and checked (command.train_options); the defaults where none were recorded. A lock
+    is someone else's input: options that do not parse are refused by name, never run."""
+    from andrea_core.command import train_options
+    from andrea_core.run.lock import read_lock
+
+    held = read_lock(run)
+    args = held.train_args if held is not None and held.train_args is not None else []
+    try:
+        options = train_options(args)
+    except ValueError as e:
+        raise ConfigError(
+            f"{run.path(LOCK)}: the trainer's recorded command line cannot be restarted ({e}); "
+            "pass --no-restart and start the trainer yourself"
+        ) from None
+    if held is not None and held.world_size > 1:
+        options["nproc_per_node"] = held.world_size  # torchrun's ranks do not carry the flag
+    return options
 
 
 def require_steps_after(max_steps: int, step: int, what: str = "the pivot point") -> None:
@@ -164,8 +203,9 @@ def archive_phase(
     Idempotent for one `folder` (the pivot journal records it before the first move): a rerun after a
     crash between two moves moves what is left into the same folder, never into a second one.
     `after_move(name)` is called after each move (the journal's test hook)."""
-    holder = live_trainer(run)
-    if holder is not None:
+    verdict = require_not_elsewhere(run, "archiving the phase")
+    holder = verdict.holder
+    if verdict.state == ALIVE:
         raise LockError(f"{run.url}: trainer pid {holder.pid} is still running; stop it before archiving")
     run.read_checkpoint(boundary)  # raises CheckpointError if the pivot point is missing or bad
     folder = folder or next_phase_folder(run, boundary)
@@ -246,6 +286,7 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
         "at": at,
         "restart": restart,
         "max_steps": checked.max_steps,
+        "train_options": checked.train,
         "loss_before": _snapshot_doc(LossLogSnapshot.take(run)),
     }
 
@@ -279,7 +320,7 @@ def newest_checkpoint(run: RunDir, log: Log = print) -> int:
     """With no trainer running, the pivot point is the newest valid checkpoint."""
     from andrea_core.run.record import read_run, run_n_params
 
-    if live_trainer(run) is not None:
+    if require_not_elsewhere(run, "pivoting").state == ALIVE:
         raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
     ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=log)
     if ckpt is None:
@@ -289,7 +330,18 @@ def newest_checkpoint(run: RunDir, log: Log = print) -> int:
 
 def signal_live_trainer(run: RunDir, signal_name: str) -> dict:
     """Signal the trainer that holds the run's lock (identity-checked: a recycled pid is never
-    signalled). Returns what the run looked like just before, for waiting on the signal's effect."""
+    signalled); one that cannot be checked from here (another machine, another pid namespace) is asked
+    through the run directory instead (lock.send_request: SIGUSR1 a checkpoint, SIGTERM a stop), which
+    it reads at its next lease renewal. Returns what the run looked like just before, for waiting on
+    the signal's effect."""
+    verdict = trainer_liveness(run)
+    if verdict.state == UNKNOWN and signal_name in ("SIGUSR1", "SIGTERM"):
+        trainer = verdict.holder
+        request = "checkpoint" if signal_name == "SIGUSR1" else "stop"
+        receipt = {"pid": trainer.pid, "signal": signal_name, "request": request}
+        receipt |= {"logged_step": supervise.logged_step(run), "checkpoints": run.checkpoint_steps()}
+        receipt["request_id"] = send_request(run, trainer, request)
+        return receipt
     trainer = supervise.require_live_trainer(run)
     receipt = {
         "pid": trainer.pid,
@@ -301,14 +353,21 @@ def signal_live_trainer(run: RunDir, signal_name: str) -> dict:
     return receipt
 
 
+def _holder(run: RunDir) -> TrainerIdentity | None:
+    """The trainer holding the run: alive here, or one that cannot be checked from here (then reached
+    through the run directory: signal_live_trainer); None when none holds it."""
+    verdict = trainer_liveness(run)
+    return verdict.holder if verdict.state in (ALIVE, UNKNOWN) else None
+
+
 def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log = print) -> int:
     """Step 1: the pivot checkpoint, protected by the journal (retention keeps it) before the trainer is
     stopped: the next one on the grid (at="boundary"), one written now (at="now", SIGUSR1), or with
     no trainer running the newest valid one. A failure here leaves the run as it was (no journal)."""
     if _reached(journal, "checkpointed"):
         return journal["boundary"]
+    trainer = _holder(run)
     try:
-        trainer = live_trainer(run)
         if trainer is None:
             boundary = newest_checkpoint(run, log)
             log(f"no trainer running: pivoting at the newest valid checkpoint, step {boundary}")
@@ -316,7 +375,8 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
             # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
             _record(run, journal, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
             receipt = signal_live_trainer(run, "SIGUSR1")
-            log(f"sent SIGUSR1 to trainer pid {receipt['pid']}: a checkpoint of the step in flight")
+            how = f"asked ({REQUEST})" if receipt.get("request") else "sent SIGUSR1 to"
+            log(f"{how} trainer pid {receipt['pid']} on {trainer.host}: a checkpoint of the step in flight")
             boundary = supervise.wait_for_new_checkpoint(
                 run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=trainer
             ).step
@@ -373,17 +433,24 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
 
 def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
     """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
-    checkpointed the step in flight. A run with no live trainer is left alone."""
-    trainer = live_trainer(run)
+    checkpointed the step in flight. One that cannot be checked from here is asked to stop through the
+    run directory (signal_live_trainer) and waited for until it releases the lock. A run with no live
+    trainer is left alone."""
+    trainer = _holder(run)
     waited = 0.0
     if trainer is not None:
-        trainer.stop()
-        waited = supervise.wait_for_exit(trainer, timeout_s)
+        receipt = signal_live_trainer(run, "SIGTERM")
+        if receipt.get("request"):
+            log(f"asked trainer pid {trainer.pid} on {trainer.host} to stop ({run.path(REQUEST)})")
+        waited = supervise.wait_for_exit(trainer, timeout_s, run=run)
     newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
     if trainer is None:
         log(f"{run.url}: no live trainer to stop")
     else:
-        log(f"trainer pid {trainer.pid} exited {waited:.1f}s after SIGTERM; newest checkpoint {newest}")
+        log(
+            f"trainer pid {trainer.pid} on {trainer.host} exited {waited:.1f}s after being asked to stop; "
+            f"newest checkpoint {newest}"
+        )
     pid = trainer.pid if trainer is not None else None
     # A torchrun job is restarted at its own world size (its lock records it; 1 for a plain trainer).
     world_size = trainer.world_size if trainer is not None else 1
@@ -460,28 +527,29 @@ def install(run: RunDir, journal: dict) -> str:
 
 
 def trainer_log_path(run: RunDir) -> str:
-    """Where a detached trainer writes its output: RUN/trainer.log (this directory for a remote run)."""
+    """Where a detached trainer writes its output: RUN/trainer.log; for a run on an object store (which
+    has no appends) trainer.log in this machine's cache of the run (RunDir.cache_path), printed."""
     if run.is_local:
         return run.path("trainer.log")
-    return os.path.abspath(f"trainer-{run.url.rstrip('/').rsplit('/', 1)[-1]}.log")
+    path = run.cache_path("trainer.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
-def start_detached_trainer(
-    run: RunDir,
-    max_steps: int | None = None,
-    device: str = "auto",
-    pace: float = 0.0,
-    nproc_per_node: int = 1,
-) -> tuple[subprocess.Popen, str]:
-    """The resumed trainer as a process of its own session, outliving the shell that started it, its
-    output appended to trainer_log_path(run). Returns the process and the log's path."""
-    argv = [sys.executable, "-m", "andrea_core", "train", "--run-dir", run.url, "--device", device]
-    if max_steps is not None:
-        argv += ["--max-steps", str(max_steps)]
-    if pace > 0:
-        argv += ["--pace", str(pace)]
-    if nproc_per_node > 1:
-        argv += ["--nproc-per-node", str(nproc_per_node)]
+def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """The resumed trainer as a process of its own session, outliving the shell that started it, with
+    `options` (recorded_train_options: the stopped trainer's command line), its output appended to
+    trainer_log_path(run). Returns the process and the log's path."""
+    from andrea_core.command import train_argv
+
+    o = {"device": "auto", "max_steps": None, "pace": 0.0, "nproc_per_node": 1, **(options or {})}
+    argv = train_argv(
+        run.url,
+        device=o["device"],
+        max_steps=o["max_steps"],
+        pace=o["pace"],
+        nproc_per_node=o["nproc_per_node"],
+    )
     path = trainer_log_path(run)
     with open(path, "ab") as out:
         proc = subprocess.Popen(
@@ -539,12 +607,12 @@ def run_pivot(
     *,
     at: str = "boundary",
     restart: bool = True,
-    device: str = "auto",
     timeout_s: float = 1800.0,
     log: Log = print,
 ) -> dict:
     """The six steps for `andrea pivot`: against the live trainer (or the newest valid checkpoint when
-    none runs); with `restart`, a detached resumed trainer, confirmed by its first step."""
+    none runs); with `restart`, a detached resumed trainer, confirmed by its first step, run with the
+    stopped trainer's command line (checked.train; --max-steps as the journal says)."""
     journal = begin_pivot(run, checked, at, "detached" if restart else "none", log)
     boundary = take_pivot_checkpoint(run, journal, timeout_s, log)
     stopped = stop_trainer(run, journal, log=log)
@@ -560,10 +628,13 @@ def run_pivot(
         proc = None
         trainer = live_trainer(run)
         if trainer is None:
-            proc, path = start_detached_trainer(
-                run, journal.get("max_steps"), device, nproc_per_node=journal.get("stopped_world_size", 1)
+            options = dict(journal.get("train_options") or checked.train or {})
+            options["max_steps"] = journal.get("max_steps")
+            options["nproc_per_node"] = max(
+                journal.get("stopped_world_size") or 1, options.get("nproc_per_node") or 1
             )
-            log(f"resumed trainer pid {proc.pid}, output in {path}")
+            proc, path = start_detached_trainer(run, options)
+            log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
 
         def ended() -> str | None:
             if proc is None or proc.poll() is None:
@@ -586,11 +657,19 @@ def run_pivot(
 
 def abandon(run: RunDir, log: Log = print) -> dict:
     """Undo a pivot that stopped part-way: move the archived sidecars and tail checkpoints back, put the
-    old policy back, remove the phase folder and the journal. The run is then the old phase again."""
+    old policy back, remove the phase folder and the journal. The run is then the old phase again.
+
+    Nothing is deleted unless a byte-identical copy stays: an archived file is removed only where the
+    run holds the same bytes under its name. Once the new phase has trained (its .state.json,
+    .samples.json or a checkpoint past the boundary are not the archived old phase's), abandoning would
+    discard that training or resume the old policy from the new phase's files: it is refused before
+    anything is touched (the pivot is complete in all but its journal: rerun it to finish it). A dead
+    writer's temporary file in the phase folder (a SIGKILL during a write there) is cleared."""
     journal = read_pivot(run)
     if journal is None:
         raise ConfigError(f"{run.url}: no pivot under way (no {PIVOT_JSON}): nothing to abandon")
-    trainer = live_trainer(run)
+    verdict = require_not_elsewhere(run, "abandoning the pivot")
+    trainer = verdict.holder if verdict.state == ALIVE else None
     step = journal.get("step")
     if trainer is not None and step not in (None, "intent", "checkpointed"):
         raise LockError(
@@ -600,18 +679,21 @@ def abandon(run: RunDir, log: Log = print) -> dict:
     restored = []
     folder = journal.get("archive")
     if trainer is None and isinstance(folder, str) and PHASE_RE.match(folder.rsplit("/", 1)[-1]):
-        for name in run.listdir(folder):
-            if name in (SAMPLES, STATE) or name.startswith("step_"):
-                if not run.exists(name):
-                    run.move(f"{folder}/{name}", name)
-                else:
-                    run.remove(f"{folder}/{name}")
-                restored.append(name)
-        if run.exists(f"{folder}/{POLICY_YAML}"):
+        plan = _abandon_plan(run, journal, folder)
+        for name in plan["temporary"]:
+            run.remove(f"{folder}/{name}")
+            log(f"removed {run.path(f'{folder}/{name}')}, left by a writer that did not finish")
+        for name in plan["back"]:
+            if name in plan["same"]:
+                run.remove(f"{folder}/{name}")  # the run holds these very bytes
+            else:
+                run.move(f"{folder}/{name}", name)
+            restored.append(name)
+        if POLICY_YAML in plan["names"]:
             run.write_atomic(POLICY_YAML, run.read_bytes(f"{folder}/{POLICY_YAML}"))
             run.remove(f"{folder}/{POLICY_YAML}")
             restored.append(POLICY_YAML)
-        if run.exists(f"{folder}/phase.json"):
+        if "phase.json" in plan["names"]:
             run.remove(f"{folder}/phase.json")
         if run.is_local and run.fs.exists(run.path(folder)):
             run.fs.rmdir(run.path(folder))
@@ -621,3 +703,45 @@ def abandon(run: RunDir, log: Log = print) -> dict:
         f"restored {restored or 'nothing'}"
     )
     return {"policy": journal.get("policy"), "step": step, "restored": restored}
+
+
+def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
+    """What abandoning moves back, checked whole before anything is touched: raises ConfigError for a
+    phase folder holding a file abandon does not know, and for a new phase that has trained."""
+    from andrea_core.checkpoint import step_from_name
+    from andrea_core.run.loss_log import read_history
+    from andrea_core.run.rundir import TEMP_RE
+
+    names = run.listdir(folder)
+    temporary = [n for n in names if TEMP_RE.match(n)]
+    back = [n for n in names if n in (SAMPLES, STATE) or step_from_name(n) is not None]
+    unknown = sorted(set(names) - set(temporary) - set(back) - {POLICY_YAML, "phase.json"})
+    if unknown:
+        raise ConfigError(
+            f"{run.path(folder)}: holds {', '.join(unknown)}, which no pivot writes there: not abandoning "
+            "(nothing was changed); move them out of the phase folder first"
+        )
+    same = {n for n in back if run.exists(n) and run.read_bytes(n) == run.read_bytes(f"{folder}/{n}")}
+    boundary = journal.get("boundary")
+    # Files of the run that abandoning would overwrite with other bytes; and once the new policy is
+    # installed (a trainer may start from then on, never before), the new phase's own files that would
+    # be left beside the restored old phase.
+    ours = [n for n in back if run.exists(n) and n not in same]
+    if _reached(journal, "installed"):
+        ours += [n for n in (SAMPLES, STATE) if run.exists(n) and n not in back]
+        ours += [
+            checkpoint_name(s)
+            for s in run.checkpoint_steps()
+            if boundary is not None and s > boundary and checkpoint_name(s) not in back
+        ]
+    if ours:
+        history = read_history(run)
+        newest = max([e.step for e in history] + [step_from_name(n) or 0 for n in ours])
+        trained = f"steps {boundary + 1}..{newest}" if boundary is not None and newest > boundary else "steps"
+        raise ConfigError(
+            f"{run.url}: the new phase trained {trained} (policy {journal.get('policy')!r}, pivot step "
+            f"{journal.get('step')!r}; {', '.join(sorted(ours))}: its own, not the archived old phase's); "
+            "abandoning would discard them: nothing was changed. The pivot is complete but for its journal: "
+            f"finish it (andrea pivot {run.url} --policy {journal.get('source') or journal.get('policy')})"
+        )
+    return {"names": names, "temporary": temporary, "back": back, "same": same}

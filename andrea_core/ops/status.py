@@ -5,7 +5,8 @@ The state is one of
   crashed     a lock remains but its trainer is dead: it was killed (SIGKILL, out of memory, power
               loss) before it could checkpoint and release the lock; the steps since its newest
               checkpoint are lost, and the next `andrea train` takes the stale lock over;
-  remote      the lock names a trainer on another host, which cannot be checked from here;
+  remote      the lock names a trainer that cannot be checked from here (another machine or pid
+              namespace: lock.trainer_liveness): a live trainer elsewhere, as far as this host can tell;
   completed   no trainer, and the run has reached max_steps;
   stopped     no trainer, a clean stop (SIGTERM, Ctrl-C) or a run not started yet.
 Speeds are measured on `.loss.json`'s times: tokens per second over the last minute of logging.
@@ -19,7 +20,15 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.command import process_argv, trainer_max_steps
 from andrea_core.config import ConfigError
-from andrea_core.run.lock import ALIVE, UNKNOWN, Liveness, LockError, TrainerIdentity, trainer_liveness
+from andrea_core.run.lock import (
+    ALIVE,
+    UNKNOWN,
+    Liveness,
+    LockError,
+    TrainerIdentity,
+    lease_said,
+    trainer_liveness,
+)
 from andrea_core.run.loss_log import LossEntry, read_history
 from andrea_core.run.rundir import RunDir
 
@@ -162,7 +171,7 @@ def _verdict(
     if lock is not None and verdict.state == UNKNOWN:
         return "remote", (
             f"locked by trainer pid {lock.pid} on host {lock.host}, which cannot be checked from here: "
-            f"{verdict.why} (started {_when(lock.started_at)})"
+            f"{verdict.why}; {lease_said(lock)} (started {_when(lock.started_at)})"
         )
     if lock is not None:
         base = st.newest_checkpoint or 0

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
-from andrea_core.run.lock import TrainerIdentity, live_trainer
+from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
 
@@ -225,10 +225,11 @@ class TrainerProcess:
 
 
 def require_live_trainer(run: RunDir) -> TrainerIdentity:
-    ident = live_trainer(run)
-    if ident is None:
-        raise SupervisionError(f"{run.url}: no live trainer (no lock, or its process is gone)")
-    return ident
+    """The run's trainer, alive as checked here; one that cannot be checked is refused by name."""
+    verdict = require_not_elsewhere(run, "signalling its trainer")
+    if verdict.state != ALIVE:
+        raise SupervisionError(f"{run.url}: no live trainer ({verdict.why})")
+    return verdict.holder
 
 
 def logged_step(run: RunDir) -> int | None:
@@ -263,7 +264,7 @@ def wait_for_checkpoint(
     while True:
         if run.exists(name):
             return run.read_checkpoint(step)
-        if trainer is not None and not trainer.is_alive():
+        if trainer is not None and not still_holds(run, trainer):
             if run.exists(name):
                 continue
             raise SupervisionError(
@@ -293,17 +294,21 @@ def wait_for_new_checkpoint(
         new = [s for s in run.checkpoint_steps() if s >= not_before and s not in existing]
         if new:
             return run.read_checkpoint(min(new))
-        if trainer is not None and not trainer.is_alive():
+        if trainer is not None and not still_holds(run, trainer):
             raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} exited before checkpointing")
         if time.monotonic() > deadline:
             raise SupervisionError(f"{run.url}: no new checkpoint within {timeout:.0f}s of the request")
         time.sleep(poll)
 
 
-def wait_for_exit(trainer: TrainerIdentity, timeout: float, poll: float = 0.05) -> float:
-    """Block until the trainer process is gone; returns the seconds waited."""
+def wait_for_exit(
+    trainer: TrainerIdentity, timeout: float, poll: float = 0.05, run: RunDir | None = None
+) -> float:
+    """Block until the trainer process is gone (one that cannot be checked from here: until its lease
+    is released or taken over, lock.still_holds); returns the seconds waited."""
+    run = run or RunDir(trainer.run_dir)
     t0 = time.monotonic()
-    while trainer.is_alive():
+    while still_holds(run, trainer):
         if time.monotonic() - t0 > timeout:
             raise SupervisionError(
                 f"{trainer.run_dir}: trainer pid {trainer.pid} still runs {timeout:.0f}s after SIGTERM"

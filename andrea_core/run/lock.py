@@ -35,6 +35,7 @@ import hmac
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass
 from andrea_core.command import trainer_run_dir
 from andrea_core.config import ConfigError
 from andrea_core.run.objstore import ConcurrentWriteError, Version
-from andrea_core.run.rundir import LOCK, RunDir
+from andrea_core.run.rundir import LOCK, ReplacePaused, RunDir
 from andrea_core.signals import NONCE_ENV, environ_of, trainer_nonce
 
 
@@ -54,7 +55,17 @@ class LockError(RuntimeError):
 
 
 class LeaseLost(LockError):
-    """This trainer's lease was taken over (or cannot be confirmed): it must not write to the run."""
+    """Another trainer holds this trainer's lease now (the lock's generation or holder changed): it
+    must not write to the run again."""
+
+
+class LeaseUnconfirmed(OSError):
+    """The lease could not be renewed (a full disk, a store refusing puts, a partitioned network): a
+    publish is refused as one on a full disk is (training goes on), until a renewal goes through."""
+
+
+class StoppedWaiting(LockError):
+    """A stop signal came while this process waited for another trainer's lease: it never started."""
 
 
 class NotOurTrainer(PermissionError):
@@ -157,6 +168,9 @@ class TrainerIdentity:
     # rank 0, which shares a signal sent to it alone with every rank at the next step).
     world_size: int = 1
     agent_pid: int | None = None
+    # The options of its `andrea train` after the subcommand (None: not started from the command line):
+    # what a pivot restarts it with (andrea_core.pivoting.restart_args), re-parsed, never executed as is.
+    train_args: list[str] | None = None
 
     @classmethod
     def of_this_process(
@@ -305,6 +319,57 @@ def read_lock(run: RunDir) -> TrainerIdentity | None:
     return _parse(run, data) if version.exists else None
 
 
+# --- asking a trainer through the run directory (one that cannot be signalled from here) ------------
+
+REQUEST = ".trainer-request.json"  # {"format", "request", "generation", "id", "by", "at"}
+REQUESTS = ("checkpoint", "stop")  # act as on SIGUSR1 / SIGTERM, at the next step boundary
+
+
+def send_request(run: RunDir, holder: TrainerIdentity, request: str) -> str:
+    """Ask the trainer holding `holder`'s lease to checkpoint or stop: a request file it reads at each
+    lease renewal and acts on at its next step boundary, as on SIGUSR1 / SIGTERM. Addressed to that
+    lease's generation (a later trainer ignores it). Returns the request's id."""
+    if request not in REQUESTS:
+        raise ValueError(f"request {request!r}: expected one of {REQUESTS}")
+    rid = secrets.token_hex(8)
+    doc = {"format": 1, "request": request, "generation": holder.generation, "id": rid}
+    run.write_json(REQUEST, doc | {"by": _host(), "at": time.time()})
+    return rid
+
+
+def read_request(run: RunDir, generation: int) -> dict | None:
+    """The request addressed to lease `generation`, or None (none, another generation's, or one that
+    is not a request: the file is anyone's input, read bounded and checked field by field)."""
+    if not run.exists(REQUEST):
+        return None
+    try:
+        doc = run.read_json(REQUEST)
+    except (ValueError, ConfigError, OSError):
+        return None
+    ok = (
+        isinstance(doc, dict)
+        and doc.get("request") in REQUESTS
+        and type(doc.get("generation")) is int
+        and isinstance(doc.get("id"), str)
+        and len(doc["id"]) <= 64
+    )
+    return (
+        {k: doc[k] for k in ("request", "generation", "id")} | {"by": str(doc.get("by"))[:100]}
+        if ok and doc["generation"] == generation
+        else None
+    )
+
+
+def still_holds(run: RunDir, ident: TrainerIdentity) -> bool:
+    """Whether the trainer `ident` still holds `run`: alive as checked here, or, where it cannot be
+    checked, its lease (unreleased) still the lock's. What a waiter on a trainer elsewhere watches."""
+    state, _ = ident.liveness()
+    if state != UNKNOWN:
+        return state == ALIVE
+    now = read_lock(run)
+    return ident.holds_same_lease(now) and not now.released
+
+
 @dataclass(frozen=True)
 class Liveness:
     """The one verdict on a run's trainer (trainer_liveness): `state` ALIVE (its process runs, checked
@@ -333,6 +398,39 @@ def live_trainer(run: RunDir) -> TrainerIdentity | None:
     return verdict.holder if verdict.state == ALIVE else None
 
 
+def lease_said(ident: TrainerIdentity) -> str:
+    """How recently a lock's lease was renewed, as its holder's lock says (its clock, not ours)."""
+    if ident.lease_ttl_s is None:
+        return f"its lock (generation {ident.generation}) has no lease: it never expires"
+    renewed = ident.renewed_at if ident.renewed_at is not None else ident.started_at
+    return (
+        f"its lease (generation {ident.generation}, {ident.renewals} renewals, ttl {ident.lease_ttl_s:g}s) "
+        f"was last renewed at {time.strftime('%H:%M:%S UTC', time.gmtime(renewed))} by its own clock "
+        f"({max(0.0, time.time() - renewed):.0f}s ago by this machine's)"
+    )
+
+
+class TrainerElsewhere(LockError):
+    """A trainer that cannot be checked from here holds the run: a command that would move, delete or
+    stop anything refuses, touching nothing."""
+
+
+def require_not_elsewhere(run: RunDir, doing: str) -> Liveness:
+    """trainer_liveness, refusing (TrainerElsewhere) a trainer that cannot be checked from here: as
+    far as anyone here can tell it is a live trainer elsewhere, renewing its lease, and nothing of the
+    run may be moved, deleted or stopped from here. The error names its host, the lease generation and
+    how recently its lock says it was renewed."""
+    verdict = trainer_liveness(run)
+    if verdict.state == UNKNOWN:
+        held = verdict.holder
+        raise TrainerElsewhere(
+            f"{run.url}: not {doing}: trainer pid {held.pid} on host {held.host} cannot be checked from "
+            f"here ({verdict.why}); {lease_said(held)}. It counts as a live trainer elsewhere: stop it "
+            "there first, or run this where it can be checked"
+        )
+    return verdict
+
+
 def acquire(
     run: RunDir, log=print, attempts: int = 5, world_size: int = 1, agent_pid: int | None = None
 ) -> TrainerIdentity:
@@ -343,10 +441,19 @@ def acquire(
 
 
 def acquire_lease(
-    run: RunDir, log=print, attempts: int = 5, world_size: int = 1, agent_pid: int | None = None
+    run: RunDir,
+    log=print,
+    attempts: int = 5,
+    world_size: int = 1,
+    agent_pid: int | None = None,
+    stopped: Callable[[], str | None] | None = None,
+    train_args: list[str] | None = None,
 ) -> tuple[TrainerIdentity, Version]:
-    """`acquire`, also returning the version of the lock it wrote: what the lease renews over."""
+    """`acquire`, also returning the version of the lock it wrote: what the lease renews over.
+    `stopped` says whether a stop signal came (its name): a wait for another's lease ends at once."""
     me = TrainerIdentity.of_this_process(run.url, world_size, agent_pid)
+    if train_args is not None:
+        me = dataclasses.replace(me, train_args=list(train_args))
     for _ in range(attempts):
         try:
             return me, run.create_exclusive(LOCK, me.encode())
@@ -368,13 +475,15 @@ def acquire_lease(
                     f"{run.url} is locked by a trainer on host {held.host} (pid {held.pid}) that cannot be "
                     f"checked from here: {why}; if it is gone, remove {run.path(LOCK)}"
                 )
-            version = _watch_lease(run, held, version, log)
+            version = _watch_lease(run, held, version, log, stopped)
             if version is None:
                 continue  # it changed hands (or was released) while we watched: look again
             why = f"its lease was not renewed for {held.lease_ttl_s:g}s"
         me = dataclasses.replace(me, generation=held.generation + 1)
         try:
             written = run.replace_if_unchanged(LOCK, me.encode(), version)
+        except ReplacePaused as e:
+            raise LockError(f"{run.url}: not taking the lock: {e}; start again") from None
         except ConcurrentWriteError:
             continue  # another process took it over first: look at who holds it now
         if held.released:
@@ -388,11 +497,14 @@ def acquire_lease(
     raise LockError(f"{run.url}: the trainer lock kept changing while this process tried to take it")
 
 
-def _watch_lease(run: RunDir, held: TrainerIdentity, version: Version, log) -> Version | None:
+def _watch_lease(
+    run: RunDir, held: TrainerIdentity, version: Version, log, stopped: Callable[[], str | None] | None = None
+) -> Version | None:
     """Watch another machine's lease until it has stayed this same version for its ttl (by this
     machine's monotonic clock): then it has expired, and its version is returned to be replaced. A
     renewal seen means its holder lives: refused, unless ANDREA_LEASE_WAIT_S (default 0) says to wait
-    that long for it to expire. None if it was released or changed hands meanwhile."""
+    that long for it to expire. None if it was released or changed hands meanwhile. A stop signal
+    (`stopped`) ends the wait within one poll (StoppedWaiting): nothing was started or written."""
     ttl = held.lease_ttl_s
     wait_s = _seconds(LEASE_WAIT_ENV, 0.0)
     started = seen_at = time.monotonic()
@@ -402,7 +514,14 @@ def _watch_lease(run: RunDir, held: TrainerIdentity, version: Version, log) -> V
     )
     poll = min(1.0, ttl / 10)
     while True:
-        time.sleep(poll)
+        deadline = time.monotonic() + poll
+        while time.monotonic() < deadline:
+            if stopped is not None and (signal_name := stopped()):
+                raise StoppedWaiting(
+                    f"{signal_name} came while waiting for the lease of {run.url} (held by pid {held.pid} "
+                    f"on {held.host}, generation {held.generation}): never started, nothing written"
+                )
+            time.sleep(min(0.05, poll))
         data, now_version = run.read_versioned(LOCK)
         if not now_version.exists:
             return None
@@ -430,8 +549,12 @@ class Lease:
     younger than ttl - renew (a taker waits a whole ttl from when it first sees that version, so the
     holder keeps at least one renewal period of margin); older, it renews first, synchronously. A renewal
     is a conditional replace over the version this lease last wrote (S3 If-Match; local disk flock and
-    compare), so it fails exactly when someone else wrote the lock: then the lease is lost for good,
-    every later `check` raises LeaseLost, and the trainer stops at its next step without writing."""
+    compare). The lease is lost only when another trainer holds the lock now (its generation or holder
+    changed): then every later `check` raises LeaseLost, and the trainer stops at its next step without
+    writing. A renewal that fails (a full disk, a store refusing puts, no network) loses nothing: the
+    publishes it cannot fence are refused (LeaseUnconfirmed, an OSError, as a full disk's), training goes
+    on, and the first renewal that goes through (the lock still ours) makes the next boundary's
+    checkpoint possible again."""
 
     def __init__(
         self, run: RunDir, me: TrainerIdentity, version: Version, log: Callable[[str], None] = print
@@ -444,9 +567,13 @@ class Lease:
         self.ttl_s = me.lease_ttl_s or DEFAULT_LEASE_TTL_S
         self.confirmed_at = time.monotonic()  # taken before the write that made it ours
         self.lost: str | None = None
+        self.failing: str | None = None  # why the renewals fail now (None: the last one went through)
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Called with the lock's run directory after each renewal that goes through (the trainer reads
+        # its requests file there: andrea_core.requests).
+        self.on_renewal: Callable[[], None] | None = None
 
     @classmethod
     def take(
@@ -455,10 +582,14 @@ class Lease:
         log: Callable[[str], None] = print,
         world_size: int = 1,
         agent_pid: int | None = None,
+        stopped: Callable[[], str | None] | None = None,
+        train_args: list[str] | None = None,
     ) -> Lease:
         """Acquire the lock as a lease, fence `run`'s publishes on it and start renewing it."""
         t0 = time.monotonic()
-        me, version = acquire_lease(run, log=log, world_size=world_size, agent_pid=agent_pid)
+        me, version = acquire_lease(
+            run, log=log, world_size=world_size, agent_pid=agent_pid, stopped=stopped, train_args=train_args
+        )
         lease = cls(run, me, version, log)
         lease.confirmed_at = t0
         run.fence = lease
@@ -479,51 +610,83 @@ class Lease:
                 self.renew()
             except LeaseLost:
                 return
-            except Exception as e:  # a network error: the next renewal (or the next publish) tries again
-                self.log(f"warning: lease renewal of {self.run.path(LOCK)} failed: {type(e).__name__}: {e}")
+            except Exception:  # a full disk, a refusing store: said once (renew), tried again next period
+                continue
+            if self.on_renewal is not None:
+                try:
+                    self.on_renewal()
+                except Exception as e:  # a request that cannot be read is not a reason to stop renewing
+                    self.log(f"warning: {type(e).__name__}: {e}")
 
     def renew(self) -> None:
-        """Replace the lock with a renewed copy, only over the version this lease last wrote."""
+        """Replace the lock with a renewed copy, only over the version this lease last wrote. Raises
+        LeaseLost if another trainer holds the lock now; any other error is a failed renewal."""
         with self._mutex:
             if self.lost is not None:
                 raise LeaseLost(self.lost)
             t0 = time.monotonic()
             renewed = dataclasses.replace(self.me, renewals=self.me.renewals + 1, renewed_at=time.time())
             try:
-                self.version = self.run.replace_if_unchanged(LOCK, renewed.encode(), self.version)
-            except ConcurrentWriteError:
-                self.lost = self._why_lost()
-                self.log(f"ERROR: {self.lost}")
-                raise LeaseLost(self.lost) from None
+                try:
+                    self.version = self.run.replace_if_unchanged(LOCK, renewed.encode(), self.version)
+                except ReplacePaused as e:
+                    self._lose(f"{e}; it stops rather than risk a second writer")
+                except ConcurrentWriteError:
+                    # Not the version we last wrote. Ours still (a renewal whose reply was lost, or one a
+                    # pause made us give up after it was read): renew over it. Anyone else's: lost.
+                    data, version = self.run.read_versioned(LOCK)
+                    now = _parse(self.run, data) if version.exists else None
+                    if not self.me.holds_same_lease(now) or now.released:
+                        self._lose(self._why_lost(now))
+                    self.version = self.run.replace_if_unchanged(LOCK, renewed.encode(), version)
+            except LeaseLost:
+                raise
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+                if self.failing is None:
+                    self.log(
+                        f"warning: the lease renewal of {self.run.path(LOCK)} failed ({why}): training goes "
+                        "on; nothing is published until a renewal goes through"
+                    )
+                self.failing = why
+                raise
+            if self.failing is not None:
+                self.log(
+                    f"the lease of {self.run.url} is renewed again (generation {self.me.generation}, "
+                    f"{t0 - self.confirmed_at:.0f}s after the last renewal that went through)"
+                )
+                self.failing = None
             self.me, self.confirmed_at = renewed, t0
 
-    def _why_lost(self) -> str:
-        try:
-            now = read_lock(self.run)
-        except Exception as e:
-            now, detail = None, f"unreadable now ({e})"
-        else:
-            detail = "gone" if now is None else f"generation {now.generation}, pid {now.pid} on {now.host}"
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        self.log(f"ERROR: {self.lost}")
+        raise LeaseLost(self.lost)
+
+    def _why_lost(self, now: TrainerIdentity | None) -> str:
+        detail = "gone" if now is None else f"generation {now.generation}, pid {now.pid} on {now.host}"
+        if now is not None and now.released:
+            detail += ", released"
         return (
             f"this trainer (pid {self.me.pid} on {self.me.host}) lost its lease on {self.run.url} "
             f"(generation {self.me.generation}; the lock is {detail}): it writes nothing more and stops"
         )
 
+    def _unconfirmed(self, what: str, e: Exception) -> LeaseUnconfirmed:
+        age = time.monotonic() - self.confirmed_at
+        return LeaseUnconfirmed(
+            f"not writing {what or 'to the run'}: the lease on {self.run.url} has not been renewed for "
+            f"{age:.0f}s ({type(e).__name__}: {e}); publishing resumes once a renewal goes through"
+        )
+
     def check(self, what: str = "") -> None:
-        """The fence before a publish: raise LeaseLost unless the lease is (re)confirmed as ours."""
+        """The fence before a publish: raise LeaseLost if the lease is another's, LeaseUnconfirmed if it
+        is due for renewal and the renewal fails; pass if it is (re)confirmed as ours."""
         if self.lost is not None:
             raise LeaseLost(f"not writing {what}: {self.lost}" if what else self.lost)
         if time.monotonic() - self.confirmed_at < self.ttl_s - self.renew_s:
             return
-        try:
-            self.renew()
-        except LeaseLost as e:
-            raise LeaseLost(f"not writing {what}: {e}" if what else str(e)) from None
-        except Exception as e:  # cannot confirm (a partitioned network): do not write, try again later
-            raise LeaseLost(
-                f"not writing {what}: the lease on {self.run.url} could not be confirmed "
-                f"({type(e).__name__}: {e})"
-            ) from e
+        self.confirm(what)
 
     def confirm(self, what: str = "") -> None:
         """The fence before a checkpoint: renew now (a conditional write over our own version)."""
@@ -531,12 +694,15 @@ class Lease:
             self.renew()
         except LeaseLost as e:
             raise LeaseLost(f"not writing {what}: {e}" if what else str(e)) from None
+        except Exception as e:  # cannot renew (a full disk, a partitioned network): do not write now
+            raise self._unconfirmed(what, e) from e
 
     def verify(self, what: str = "") -> None:
         """Compare-after-write, for stores without conditional puts: the lock must still be ours."""
-        if not self.me.holds_same_lease(read_lock(self.run)):
+        now = read_lock(self.run)
+        if not self.me.holds_same_lease(now):
             with self._mutex:
-                self.lost = self._why_lost()
+                self.lost = self._why_lost(now)
             raise LeaseLost(f"{what} was written while the lease was being lost: {self.lost}")
 
     def release(self) -> None:

@@ -175,9 +175,6 @@ class LossWriter:
         self._buffer: list[bytes] = []
         # The part of a line between "lr" and "time" changes only with the arm (and the batch shape).
         self._middles: dict[tuple[str | None, int], str] = {}
-        if raw and not raw.endswith(b"\n"):
-            # Terminate a torn last line so our first entry does not glue onto it.
-            self._file.write(b"\n", durable=True)
 
     def log(self, step: int, loss: float, lr: float, arm: str | None, tokens: int, t: float) -> None:
         loss, lr, t = float(loss), float(lr), round(t, 3)

@@ -10,7 +10,9 @@ Files appear under their final names only whole:
                   stores (S3, GCS, Azure, memory) publish a put whole or not at all; a filesystem
                   whose put can tear (ftp, sftp) gets no more than that from fsspec.
 
-The append-only files (`.loss.json`, `forks.jsonl`) are appended to in place on local disk. A store
+The append-only files (`.loss.json`, `forks.jsonl`, `data.jsonl`: JSON Lines, every one) are appended
+to through `open_append` alone, which ends a torn last line (a crash mid-append) before the first new
+byte, so that a record is never glued onto it. They are appended to in place on local disk. A store
 without append keeps them in a local mirror in the run cache and publishes the mirror whole, by one
 atomic put, at each durable write (every checkpoint, and exit): the published file only ever grows by
 a prefix extension of itself, and a crash loses at most what was written since the last durable write.
@@ -26,6 +28,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -285,17 +288,13 @@ class RunDir:
         if self.is_s3:
             return self._put(name, data, expect=expect)
         if self.is_local:
-            guard = _DirectoryLock(posixpath.dirname(final))
-        else:
-            guard = _IN_PROCESS
-        with guard:
+            _replace_local_if_unchanged(final, data, expect)
+            return Version(len(data), _sha256(data))
+        with _IN_PROCESS:
             held, version = self._read_versioned(name)
             if not version.exists or version.etag != expect.etag:
                 raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
-            if self.is_local:
-                _write_local(final, [memoryview(data)])
-            else:
-                self.fs.pipe_file(final, data)
+            self.fs.pipe_file(final, data)
         return Version(len(data), _sha256(data))
 
     # --- publishing, per kind of filesystem ---------------------------------------------------
@@ -401,7 +400,9 @@ class AppendFile:
         self.path = path
         self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
         self._f = open(path, "ab", buffering=0)
-        self._pending = b""  # bytes accepted by write() that have not reached the file yet
+        # Bytes accepted by write() that have not reached the file yet; first of all the newline that
+        # ends a torn last line, sent with the first record (in one write: never a line of its own).
+        self._pending = _line_end(_last_byte(path))
         self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
 
     def read(self) -> bytes:
@@ -409,10 +410,12 @@ class AppendFile:
             return f.read()
 
     def write(self, data: bytes, durable: bool = False) -> None:
-        if self._fenced is not None:
-            self._fenced()
         with self._lock:
             self._pending += data
+        if self._fenced is not None:
+            # A fence that cannot confirm the lease now refuses like a full disk: the bytes stay pending.
+            self._fenced()
+        with self._lock:
             while self._pending:
                 written = self._f.write(self._pending) or 0  # raises OSError (ENOSPC) with nothing written
                 self._pending = self._pending[written:]
@@ -447,6 +450,7 @@ class MirroredAppendFile:
         self._f.write(data)
         self._f.flush()
         self._size = len(data)
+        self._torn_end = _line_end(data[-1:])  # ends a torn last line, with the first write
         # The trainer appends on its thread while the checkpoint writer publishes on its own.
         self._lock = threading.Lock()
 
@@ -461,6 +465,7 @@ class MirroredAppendFile:
 
     def write(self, data: bytes, durable: bool = False) -> None:
         with self._lock:
+            data, self._torn_end = self._torn_end + data, b""
             self._f.write(data)
             self._f.flush()
             self._size += len(data)
@@ -503,10 +508,34 @@ class MirroredAppendFile:
         self.close()
 
 
+def _last_byte(path: str) -> bytes:
+    """The last byte of a local file (b"" if it is empty or absent)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return b""
+            f.seek(-1, os.SEEK_END)
+            return f.read(1)
+    except FileNotFoundError:
+        return b""
+
+
+def _line_end(last: bytes) -> bytes:
+    """What an append to a JSON Lines file ending in `last` must send first: a newline after a torn
+    line (its own record stays torn and skipped by readers), nothing after a whole one or none."""
+    return b"\n" if last and last != b"\n" else b""
+
+
+def _temp_path(final: str) -> str:
+    """The temporary name a local write of `final` goes through (TEMP_RE matches it)."""
+    return posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+
+
 def _write_local(final: str, views: Iterable[memoryview]) -> int:
     folder = posixpath.dirname(final)
     os.makedirs(folder, exist_ok=True)
-    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    tmp = _temp_path(final)
     size = 0
     try:
         with open(tmp, "wb") as f:
@@ -532,26 +561,97 @@ def _sha256(data: bytes) -> str:
 _IN_PROCESS = threading.Lock()
 
 
+class ReplacePaused(ConcurrentWriteError):
+    """A compare-and-replace on local disk ran past its time bound after its rename: this process was
+    paused in it, and a waiter may have replaced the file meanwhile, so what it replaced is not known."""
+
+
+# The compare-and-replace's time bounds on local disk (issue 23.5). Its critical section is a read of a
+# small file and a rename (the new bytes are fsynced before it): a holder longer than HOLD_S was paused
+# there (SIGSTOP, a frozen VM). A waiter polls the flock for WAIT_S > HOLD_S, then goes on without it,
+# so that no paused process blocks a takeover for longer; the paused one, when it runs again, finds its
+# bound exceeded and either writes nothing (before its rename) or reports ReplacePaused (after it).
+REPLACE_HOLD_S, REPLACE_WAIT_S = 1.0, 2.5
+TEST_HOLD_ENV = "ANDREA_TEST_REPLACE_HELD"  # tests only: a file created while the flock is held
+
+
 class _DirectoryLock:
-    """flock(2) on a directory: serialises the processes of this kernel that compare-and-replace a
-    file in it (the lock takeover), without adding a file to the run directory."""
+    """flock(2) on a directory, held for at most REPLACE_HOLD_S and waited for at most REPLACE_WAIT_S:
+    serialises the processes of this kernel that compare-and-replace a file in it (renewal, takeover)
+    without adding a file to the run directory, and without letting a paused holder block the others."""
 
     def __init__(self, folder: str):
         self.folder = folder
+        self.guarded = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _DirectoryLock:
         self.fd = os.open(self.folder, os.O_RDONLY)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + REPLACE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.guarded = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break  # its holder is paused past its own bound: it will write nothing now
+                time.sleep(0.01)
+        self.since = time.monotonic()
+        held = os.environ.get(TEST_HOLD_ENV)
+        if held:
+            with open(held, "a"):
+                pass
+            time.sleep(REPLACE_HOLD_S / 2)
+        return self
+
+    def within_bound(self) -> bool:
+        return time.monotonic() - self.since < REPLACE_HOLD_S
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)  # closing drops the flock
+
+
+def _replace_local_if_unchanged(final: str, data: bytes, expect: Version) -> None:
+    """Compare-and-replace on local disk: the bytes are written and fsynced under a temporary name
+    first; under the directory's flock only the compare and the rename remain, each checked against
+    the time bound (see _DirectoryLock)."""
+    folder = posixpath.dirname(final)
+    tmp = _temp_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with _DirectoryLock(folder) as guard:
+            try:
+                with open(final, "rb") as f:
+                    held = f.read()
+            except FileNotFoundError:
+                held = None
+            if held is None or _sha256(held) != expect.etag:
+                raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
+            if not guard.within_bound():
+                raise ConcurrentWriteError(
+                    f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s while "
+                    "replacing it (another may have replaced it meanwhile); not replacing it"
+                )
+            os.replace(tmp, final)
+            if not guard.within_bound():
+                raise ReplacePaused(
+                    f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s while "
+                    "replacing it: a waiter may have replaced it meanwhile, and been overwritten"
+                )
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(folder)
 
 
 def _create_local(final: str, data: bytes) -> int:
     """Write `data` durably under a temporary name, then link it to `final` (fails if it exists)."""
     folder = posixpath.dirname(final)
     os.makedirs(folder, exist_ok=True)
-    tmp = posixpath.join(folder, f".{posixpath.basename(final)}.tmp.{os.getpid()}")
+    tmp = _temp_path(final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)

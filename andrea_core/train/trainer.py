@@ -128,8 +128,10 @@ class Trainer:
         pace: float = 0.0,
         log: Callable[[str], None] | None = None,
         keep_signal_handlers: bool = False,
+        train_args: list[str] | None = None,
     ):
         self.run = RunDir(run_url)
+        self.train_args = train_args  # its command line's options, recorded in the lock (pivot restarts)
         self.world = distributed.world_from_env()
         self.device = distributed.rank_device(self.world, pick_device(device))
         distributed.init(self.world, self.device)
@@ -381,6 +383,23 @@ class Trainer:
         self.log(f"warning: .loss.json has no step {self.start_step}: the mixer will not hear of its loss")
         return None
 
+    def _take_request(self, flags: signals.TrainerSignals) -> None:
+        """At each lease renewal: a checkpoint or stop request in the run directory (lock.send_request,
+        from a machine that cannot signal this process) sets the flag SIGUSR1 / SIGTERM would; the loop
+        acts on it at the next step boundary. The request is removed once taken."""
+        request = lock.read_request(self.run, self.lease.generation)
+        if request is None:
+            return
+        if request["request"] == "stop":
+            flags.stop = flags.stop or "SIGTERM"
+        else:
+            flags.checkpoint = True
+        self.log(
+            f"{request['request']} requested by {request['by']} through {self.run.path(lock.REQUEST)} "
+            f"(as {'SIGTERM' if request['request'] == 'stop' else 'SIGUSR1'})"
+        )
+        self.run.remove(lock.REQUEST)
+
     def _check_lease(self) -> None:
         if self.lease is not None and self.lease.lost is not None:
             raise lock.LeaseLost(self.lease.lost)
@@ -410,16 +429,28 @@ class Trainer:
         return TrainResult(step, reason, last_saved)
 
     def train(self) -> TrainResult:
+        flags = signals.install()
         # The lock as a lease: renewed on its own thread, checked before every publish (lock.Lease).
         # Under torchrun rank 0 holds it for the job: the other ranks never write the run directory.
-        self.lease = (
-            lock.Lease.take(
-                self.run, log=self.log, world_size=self.world.world_size, agent_pid=self.world.agent_pid
-            )
-            if self.world.is_main
-            else None
-        )
-        flags = signals.install()
+        # A stop while it waits for another trainer's lease ends the wait: nothing was started.
+        self.lease = None
+        if self.world.is_main:
+            try:
+                self.lease = lock.Lease.take(
+                    self.run,
+                    log=self.log,
+                    world_size=self.world.world_size,
+                    agent_pid=self.world.agent_pid,
+                    stopped=lambda: flags.stop,
+                    train_args=self.train_args,
+                )
+                self.lease.on_renewal = lambda: self._take_request(flags)
+            except lock.StoppedWaiting as e:
+                self.log(f"{flags.stop} before the first step: {e}")
+                distributed.shutdown(self.world, clean=True)
+                if not self.keep_signal_handlers:
+                    signals.uninstall()
+                return TrainResult(0, flags.stop, None)
         try:
             require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()

@@ -1,0 +1,101 @@
+"""A storage outage longer than a lease (issue 23.2): 90 s of a full tmpfs (not a byte left) or of a store
+denying s3:PutObject (IAM policy), with the default lease timings (renew 10 s, ttl 30 s). A failed
+renewal is not a lost lease: training goes on, nothing is published meanwhile, the first checkpoint
+boundary after the outage writes a valid checkpoint, and the trainer exits 0 at the end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from test_full_disk import (
+    DENY_PUTS,
+    fill,
+    loss_lines_whole_but_last_of,
+    progress_step,
+    s3_with_iam,  # noqa: F401
+    small_disk,  # noqa: F401
+)
+
+from andrea_core.checkpoint import CheckpointError
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
+from tests.conftest import _env, start_trainer, wait_for
+from tests.tiny import tiny_config
+
+EVERY = 20
+OUTAGE_S = 90
+
+
+def valid_steps(run: RunDir) -> dict[int, bytes]:
+    out = {}
+    for step in run.checkpoint_steps():
+        try:
+            run.read_checkpoint(step)
+            out[step] = run.read_bytes(f"step_{step:06d}.bin")
+        except (CheckpointError, FileNotFoundError):
+            pass
+    return out
+
+
+def ride_out_an_outage(run: RunDir, tmp_path, start_outage, end_outage) -> None:
+    cfg = tiny_config(tmp_path, train__checkpoint_every=EVERY, train__max_steps=100_000, train__log_every=5)
+    log = tmp_path / "trainer.log"
+    env = {k: v for k, v in _env().items() if not k.startswith("ANDREA_LEASE_")}  # the default timings
+    args = ("--config", cfg, "--run-dir", run.url, "--device", "cpu", "--pace", "0.03")
+    trainer = start_trainer(*args, env=env, log=log)
+    try:
+        wait_for(lambda: len(valid_steps(run)) >= 2, timeout=300, what="two checkpoints")
+        start_outage()
+        t0 = time.monotonic()
+        kept = valid_steps(run)
+        at_start = progress_step(log)
+        while time.monotonic() - t0 < OUTAGE_S:
+            assert trainer.poll() is None, f"the trainer exited during the outage:\n{log.read_text()[-3000:]}"
+            time.sleep(1)
+        text = log.read_text()
+        assert "lost its lease" not in text and "could not be confirmed" not in text, text[-3000:]
+        assert "the lease renewal" in text and "nothing is published until a renewal goes through" in text
+        assert progress_step(log) >= at_start + 5 * EVERY, "training did not go on through the outage"
+        assert valid_steps(run) == kept, "something was published during the outage"
+
+        end_outage()
+        ended_at = progress_step(log)
+        wait_for(lambda: max(valid_steps(run)) > ended_at, timeout=300, what="a checkpoint after the outage")
+        first = min(s for s in valid_steps(run) if s > max(kept))
+        # The first boundary after the outage (progress lines lag by up to log_every steps).
+        assert first <= (ended_at // EVERY + 1) * EVERY + EVERY, (first, ended_at)
+        wait_for(lambda: "is renewed again" in log.read_text(), timeout=60, what="the renewal after it")
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    print(f"outage of {OUTAGE_S}s ridden out; first checkpoint after it: step {first} (ended ~{ended_at})")
+    held = json.loads(run.read_bytes(".trainer.json"))
+    assert held["released"] and held["generation"] == 1, "the same lease throughout"
+    loss_lines_whole_but_last_of(run.read_bytes(".loss.json"))
+    history = [e.step for e in read_history(run)]
+    assert history == list(range(1, history[-1] + 1)), "the loss history has a gap"
+
+
+@pytest.mark.slow
+def test_a_full_disk_for_longer_than_a_lease_does_not_end_training(small_disk, tmp_path):  # noqa: F811
+    run = RunDir(str(small_disk / "run"))
+    filler = []
+    ride_out_an_outage(run, tmp_path, lambda: filler.append(fill(small_disk, 0)), lambda: filler[0].unlink())
+
+
+@pytest.mark.slow
+def test_a_store_refusing_puts_for_longer_than_a_lease_does_not_end_training(s3_with_iam, tmp_path):  # noqa: F811
+    iam, _ = s3_with_iam
+    policy = json.dumps(DENY_PUTS)
+    ride_out_an_outage(
+        RunDir("s3://refusing/run"),
+        tmp_path,
+        lambda: iam.put_user_policy(UserName="trainer", PolicyName="deny-puts", PolicyDocument=policy),
+        lambda: iam.delete_user_policy(UserName="trainer", PolicyName="deny-puts"),
+    )

@@ -1,0 +1,201 @@
+"""Waiting for a lease (issue 23.5, 23.6) and what a failed renewal means (23.2, in one process).
+
+Two "hosts" on this machine as in test_lease.py (ANDREA_TEST_HOST: a host name and a boot id of their
+own), on local disk: neither can check the other's pid, so only the lease decides."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import _env, start_trainer, wait_for
+from test_retention import fabricated_run
+
+from andrea_core.run import lock
+from andrea_core.run.lock import LeaseLost, read_lock
+from andrea_core.run.rundir import LOCK, RunDir
+
+HOLDER = (
+    "import sys, time; from andrea_core.run import lock; from andrea_core.run.rundir import RunDir; "
+    "lease = lock.Lease.take(RunDir(sys.argv[1]), log=lambda m: print(m, flush=True)); "
+    "print('holding', lease.generation, flush=True)\n"
+    "while lease.lost is None: time.sleep(0.05)\n"
+    "print('lost:', lease.lost, flush=True)"
+)
+
+
+def start_holder(url: str, env: dict[str, str]) -> subprocess.Popen:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url], stdout=subprocess.PIPE, text=True, env=env, cwd=sys.path[0]
+    )
+    assert holder.stdout.readline().startswith("holding 1"), "the holder did not take the lease"
+    return holder
+
+
+def test_a_stop_while_waiting_for_a_lease_exits_at_once_saying_it_never_started(tmp_path):
+    url = str(tmp_path / "run")
+    fabricated_run(url, [100])
+    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "3"}
+    holder = start_holder(url, _env() | lease | {"ANDREA_TEST_HOST": "host-a"})
+    waiter = None
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            log = tmp_path / f"waiter-{sig.name}.log"
+            env = _env() | lease | {"ANDREA_TEST_HOST": "host-b", "ANDREA_LEASE_WAIT_S": "120"}
+            waiter = start_trainer("--run-dir", url, "--device", "cpu", env=env, log=log)
+            wait_for(lambda: "watching whether it renews" in log.read_text(), 120, "the waiter to watch")  # noqa: B023
+            t0 = time.monotonic()
+            waiter.send_signal(sig)
+            assert waiter.wait(timeout=30) == 0, log.read_text()
+            took = time.monotonic() - t0
+            text = log.read_text()
+            assert took < 3, f"{sig.name} ended the wait after {took:.1f}s"
+            said = f"andrea: {sig.name} before the first step: {sig.name} came while waiting for the lease"
+            assert said in text, text
+            assert "host-a, generation 1): never started, nothing written" in text, text
+            assert "resuming" not in text and "Traceback" not in text, text
+            assert read_lock(RunDir(url)).host == "host-a" and holder.poll() is None
+    finally:
+        for p in (holder, waiter):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_holder_paused_inside_its_renewal_does_not_block_the_takeover_nor_write_after_it(
+    tmp_path, monkeypatch
+):
+    """The holder renews every 0.2 s; it is SIGSTOPped while its renewal holds the directory's flock
+    (ANDREA_TEST_REPLACE_HELD marks that moment). The waiter takes over after ttl plus the flock's
+    bounded wait, never blocks; the holder, continued, finds the lock another's and writes nothing."""
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    held = tmp_path / "flock-held"
+    lease = {"ANDREA_LEASE_RENEW_S": "0.2", "ANDREA_LEASE_TTL_S": "0.6"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, run.url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env() | lease | {"ANDREA_TEST_HOST": "host-a", "ANDREA_TEST_REPLACE_HELD": str(held)},
+    )
+    try:
+        assert holder.stdout.readline().startswith("holding 1")
+        wait_for(held.exists, 30, "a renewal holding the flock")
+        holder.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        for k, v in lease.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("ANDREA_TEST_HOST", "host-b")
+        taker = lock.acquire(run, log=lambda m: None)
+        took = time.monotonic() - paused
+        assert taker.generation == 2 and read_lock(run).host == "host-b"
+        assert took < 0.6 + 1 + 2.5 + 2, f"the takeover took {took:.1f}s"
+        after = run.read_bytes(LOCK)
+        holder.send_signal(signal.SIGCONT)
+        out, _ = holder.communicate(timeout=60)
+        assert "lost: " in out and "generation 2" in out, out
+        assert run.read_bytes(LOCK) == after, "the continued holder wrote over its taker's lock"
+        print(f"takeover {took:.1f}s after the holder was paused inside its renewal")
+    finally:
+        if holder.poll() is None:
+            holder.send_signal(signal.SIGCONT)
+            holder.kill()
+            holder.wait()
+
+
+def test_a_paused_process_holding_the_directory_flock_does_not_block_a_takeover(tmp_path):
+    """Whatever holds the run directory's flock (a renewal, a takeover) and is paused: a trainer whose
+    wait for an expired lease ends takes it over within a bounded time, never blocks in flock(2)."""
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    lease = {"ANDREA_LEASE_RENEW_S": "0.2", "ANDREA_LEASE_TTL_S": "0.6"}
+    holder = start_holder(run.url, _env() | lease | {"ANDREA_TEST_HOST": "host-a"})
+    flock_code = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)"
+    )
+    flocker = subprocess.Popen(
+        [sys.executable, "-c", flock_code, run.root], stdout=subprocess.PIPE, text=True
+    )
+    taker_code = (
+        "from andrea_core.run import lock; from andrea_core.run.rundir import RunDir; import sys; "
+        "print('generation', lock.acquire(RunDir(sys.argv[1]), log=lambda m: None).generation, flush=True)"
+    )
+    try:
+        assert flocker.stdout.readline() == "held\n"
+        flocker.send_signal(signal.SIGSTOP)
+        holder.send_signal(signal.SIGSTOP)  # its renewals would block behind the flock as well
+        t0 = time.monotonic()
+        taker = subprocess.run(
+            [sys.executable, "-c", taker_code, run.url],
+            env=_env() | lease | {"ANDREA_TEST_HOST": "host-b"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        took = time.monotonic() - t0
+        assert taker.stdout == "generation 2\n", taker.stderr
+        assert took < 0.6 + 1 + 2.5 + 5, took
+        holder.send_signal(signal.SIGCONT)
+        wait_for(lambda: holder.poll() is not None, 30, "the continued holder to see its lease lost")
+        assert read_lock(run).host == "host-b" and read_lock(run).generation == 2
+    finally:
+        for p in (flocker, holder):
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+# --- 23.2 in one process: a failed renewal is not a lost lease --------------------------------------
+
+
+class FailingWrites:
+    """Every replace of the lock fails with `error` while `failing` is set (what a full disk or a
+    store refusing puts does to the renewal); reads work."""
+
+    def __init__(self, run: RunDir, error: OSError):
+        self.failing, self.error = True, error
+        self.replace = run.replace_if_unchanged
+
+    def __call__(self, name, data, expect):
+        if self.failing:
+            raise self.error
+        return self.replace(name, data, expect)
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), PermissionError("Access Denied")], ids=["enospc", "403"]
+)
+def test_a_renewal_that_fails_refuses_publishes_but_never_loses_the_lease(tmp_path, monkeypatch, error):
+    from andrea_core.run.lock import LeaseUnconfirmed
+
+    monkeypatch.setenv("ANDREA_LEASE_RENEW_S", "0.2")
+    monkeypatch.setenv("ANDREA_LEASE_TTL_S", "0.6")
+    run = RunDir(str(tmp_path / "run"))
+    logged: list[str] = []
+    lease = lock.Lease.take(run, log=logged.append)
+    try:
+        writes = FailingWrites(run, error)
+        monkeypatch.setattr(run, "replace_if_unchanged", writes)
+        time.sleep(1.5)  # several renewals fail, past ttl - renew
+        assert lease.lost is None
+        unconfirmed = r"not writing sidecar.json: the lease on .* not been renewed"
+        with pytest.raises(LeaseUnconfirmed, match=unconfirmed):
+            run.write_json("sidecar.json", {"n": 1})
+        assert isinstance(LeaseUnconfirmed("x"), OSError) and not run.exists("sidecar.json")
+        assert sum("lease renewal" in m and "failed" in m for m in logged) == 1, logged  # said once
+        writes.failing = False
+        wait_for(lambda: "renewed again" in " ".join(logged), 10, "a renewal that goes through")
+        run.write_json("sidecar.json", {"n": 2})
+        assert run.read_json("sidecar.json") == {"n": 2} and lease.lost is None
+        assert read_lock(run).generation == 1 and read_lock(run).renewals > 0
+        # Another holder now: that, and only that, loses the lease.
+        data, version = run.read_versioned(LOCK)
+        run.replace_if_unchanged(LOCK, data.replace(b'"generation": 1', b'"generation": 2'), version)
+        with pytest.raises(LeaseLost):
+            lease.confirm("step_000100.bin")
+    finally:
+        lease.release()
