@@ -52,7 +52,7 @@ def test_a_stop_while_waiting_for_a_lease_exits_at_once_saying_it_never_started(
             assert waiter.wait(timeout=30) == 0, log.read_text()
             took = time.monotonic() - t0
             text = log.read_text()
-            assert took < 3, f"{sig.name} ended the wait after {took:.1f}s"
+            assert took < 10, f"{sig.name} ended the wait after {took:.1f}s (the wait is 120 s)"
             said = f"andrea: {sig.name} before the first step: {sig.name} came while waiting for the lease"
             assert said in text, text
             assert "host-a, generation 1): never started, nothing written" in text, text

@@ -27,7 +27,7 @@ def run_files(run: RunDir) -> dict[str, str]:
     """Every file of the run but the ones a live trainer keeps writing, with its bytes' hash."""
     found = run.fs.find(run.root)
     skip = (".loss.json", ".trainer.json", "trainer.log", ".samples.json", ".state.json")
-    names = [p.removeprefix(run.root + "/") for p in found]
+    names = [p.removeprefix(run.root + "/") for p in found if ".tmp." not in p]  # a write in flight
     out = {n: hashlib.sha256(run.read_bytes(n)).hexdigest()[:12] for n in names if not n.endswith(skip)}
     return {n: h for n, h in out.items() if not n.startswith("step_")}
 
