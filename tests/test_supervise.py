@@ -70,7 +70,7 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
     launcher = textwrap.dedent(
         f"""
         import sys, time
-        from andrea_core.supervise import TrainerProcess
+        from andrea_core.ops.supervise import TrainerProcess
         t = TrainerProcess({run.url!r}, config={config!r}, max_steps=100000, pace=0.02).start()
         print(t.pid, flush=True)
         for line in t.lines():
