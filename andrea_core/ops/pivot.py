@@ -551,7 +551,7 @@ def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[su
         nproc_per_node=o["nproc_per_node"],
     )
     path = trainer_log_path(run)
-    with open(path, "ab") as out:
+    with run.open_log("trainer.log") if run.is_local else open(path, "ab") as out:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -695,8 +695,7 @@ def abandon(run: RunDir, log: Log = print) -> dict:
             restored.append(POLICY_YAML)
         if "phase.json" in plan["names"]:
             run.remove(f"{folder}/phase.json")
-        if run.is_local and run.fs.exists(run.path(folder)):
-            run.fs.rmdir(run.path(folder))
+        run.remove_folder(folder)
     clear_pivot(run)
     log(
         f"abandoned the pivot to {journal.get('policy')!r} (last step {step!r}); "
