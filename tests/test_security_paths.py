@@ -1,4 +1,4 @@
-"""Issue 24, the one path layer (andrea_core.rundir): a run directory may come from someone else, so
+"""Issue 24, the one path layer (andrea_core.run.rundir): a run directory may come from someone else, so
 a symlink planted in it, or a name it holds that is not run-relative, must never make a write, move,
 delete or append land outside the run. Each test is an attack of the issue on the real CLI; the last
 ones walk the code for any way around the layer."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.rundir import LOCK, LOSS_LOG, RunDir, UnsafeRunPath, check_name
+from andrea_core.run.rundir import LOCK, LOSS_LOG, RunDir, UnsafeRunPath, check_name
 from tests.conftest import REPO, andrea
 from tests.tiny import tiny_config
 
@@ -129,7 +129,7 @@ def test_the_lock_holding_the_nonce_is_its_owners_alone(base, tmp_path):
 # --- the layer has no way around it ----------------------------------------------------------------
 
 SOURCES = sorted(p for d in ("andrea_core", "tasks", "flows") for p in (REPO / d).rglob("*.py"))
-PATH_LAYER = REPO / "andrea_core" / "rundir.py"
+PATH_LAYER = REPO / "andrea_core" / "run" / "rundir.py"
 
 
 def calls(path: Path):

@@ -45,14 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from andrea_core.config import RunConfig
+from andrea_core.bounded import read_bounded
+from andrea_core.config import RunConfig, limit
 from andrea_core.data.corpora import CorpusError, CorpusFile, CorpusSource, inspect_shard, is_validation
 from andrea_core.data.tokens import DOC_SEPARATOR, ByteTokenizer, Tokenizer
-from andrea_core.run.rundir import cache_dir
+from andrea_core.run.rundir import cache_dir, open_url
 
 CACHE_FORMAT = 2  # part of every cache key: bump it when the cache layout or contents change (2: issue 25)
 SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)
@@ -549,8 +549,9 @@ def declared_tokenizer_hash(declared: str) -> str:
     if m:
         return m.group(2)
     try:
-        with fsspec.open(declared, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+        with open_url(declared, "rb", "tokens arm tokenizer") as f:
+            data = read_bounded(f, limit("ANDREA_MAX_SIDECAR_BYTES"), f"tokenizer {declared!r}")
+        return hashlib.sha256(data).hexdigest()[:16]
     except OSError as e:
         raise CorpusError(f"tokenizer {declared!r}: cannot read it ({e})") from None
 
