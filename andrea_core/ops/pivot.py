@@ -32,7 +32,7 @@ from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
 from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
-from andrea_core.run.lineage import PHASE_RE, phases
+from andrea_core.run.lineage import PHASE_FOLDER_RE, phases
 from andrea_core.run.lock import (
     ALIVE,
     REQUEST,
@@ -209,7 +209,10 @@ def archive_phase(
         raise LockError(f"{run.url}: trainer pid {holder.pid} is still running; stop it before archiving")
     run.read_checkpoint(boundary)  # raises CheckpointError if the pivot point is missing or bad
     folder = folder or next_phase_folder(run, boundary)
-    number = int(PHASE_RE.match(folder.rsplit("/", 1)[-1]).group(1))
+    m = PHASE_FOLDER_RE.fullmatch(folder)
+    if m is None:  # read_pivot checks the journal's; this is every caller's
+        raise ConfigError(f"{run.url}: {folder!r} is not a phase folder of this run")
+    number = int(m.group(1))
     run.makedirs(folder)
     moved = []
 
@@ -271,6 +274,18 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
     if journal is not None and "unreadable" in journal:
         raise ConfigError(f"{journal['unreadable']}: the pivot journal is unreadable; not pivoting")
     if journal is not None:
+        # The journal's policy text is what would be installed: re-validated and re-hashed here, so a
+        # journal whose recorded hash is the operator's policy's but whose text is not is refused.
+        text = journal.get("policy_text")
+        if text is None:
+            raise ConfigError(f"{run.path(PIVOT_JSON)}: no policy_text; not pivoting (abandon it first)")
+        recorded = parse_policy_text(text, f"{run.path(PIVOT_JSON)}: policy_text")
+        if recorded.hash != journal.get("policy_hash"):
+            raise ConfigError(
+                f"{run.path(PIVOT_JSON)}: its policy_text hashes to {recorded.hash}, not to the policy_hash "
+                f"{journal.get('policy_hash')} it records: a forged or damaged journal; not pivoting "
+                "(inspect it, then remove it)"
+            )
         if journal.get("policy_hash") != checked.policy.hash:
             raise ConfigError(
                 f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} (hash "
@@ -668,6 +683,10 @@ def abandon(run: RunDir, log: Log = print) -> dict:
     journal = read_pivot(run)
     if journal is None:
         raise ConfigError(f"{run.url}: no pivot under way (no {PIVOT_JSON}): nothing to abandon")
+    if "unreadable" in journal:  # forged or damaged: nothing it names is moved or deleted
+        raise ConfigError(
+            f"{journal['unreadable']}: not abandoning by it (nothing moved); inspect it, then remove it"
+        )
     verdict = require_not_elsewhere(run, "abandoning the pivot")
     trainer = verdict.holder if verdict.state == ALIVE else None
     step = journal.get("step")
@@ -678,7 +697,7 @@ def abandon(run: RunDir, log: Log = print) -> dict:
         )
     restored = []
     folder = journal.get("archive")
-    if trainer is None and isinstance(folder, str) and PHASE_RE.match(folder.rsplit("/", 1)[-1]):
+    if trainer is None and isinstance(folder, str) and PHASE_FOLDER_RE.fullmatch(folder):
         plan = _abandon_plan(run, journal, folder)
         for name in plan["temporary"]:
             run.remove(f"{folder}/{name}")
@@ -712,7 +731,7 @@ def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
     from andrea_core.run.rundir import TEMP_RE
 
     names = run.listdir(folder)
-    temporary = [n for n in names if TEMP_RE.match(n)]
+    temporary = [n for n in names if TEMP_RE.fullmatch(n)]
     back = [n for n in names if n in (SAMPLES, STATE) or step_from_name(n) is not None]
     unknown = sorted(set(names) - set(temporary) - set(back) - {POLICY_YAML, "phase.json"})
     if unknown:
