@@ -183,3 +183,38 @@ def test_no_code_opens_a_run_file_by_its_path():
                 if isinstance(arg, ast.Call) and dotted(arg.func).endswith(".path") and arg is not node:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == []
+
+
+# --- 8: every name check is a fullmatch -------------------------------------------------------------
+
+
+def test_a_branch_name_with_a_trailing_newline_is_refused(base, tmp_path):
+    run = copy_run(base, tmp_path / "F")
+    proc = andrea("fork", str(run), "--branch", "ok\n", "--step", "20", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["F"]
+
+
+def test_every_name_pattern_refuses_a_trailing_newline():
+    from andrea_core.checkpoint import NAME_RE, step_from_name
+    from andrea_core.data.policy import ARM_NAME_RE
+    from andrea_core.data.shards import FROZEN_ID
+    from andrea_core.ops.fork import BRANCH_NAME_RE
+    from andrea_core.run.lineage import PHASE_FOLDER_RE, PHASE_RE
+    from andrea_core.run.rundir import TEMP_RE
+
+    names = {
+        BRANCH_NAME_RE: "ok",
+        NAME_RE: "step_000100.bin",
+        PHASE_RE: "phase_001_step_000100",
+        PHASE_FOLDER_RE: "archive/phase_001_step_000100",
+        TEMP_RE: ".x.tmp.12.0123456789abcdef",
+        FROZEN_ID: "hf-0123456789abcdef",
+        ARM_NAME_RE: "arm",
+    }
+    for pattern, good in names.items():
+        assert pattern.fullmatch(good), pattern
+        assert not pattern.fullmatch(good + "\n"), pattern
+        # No anchors: a pattern written for fullmatch, never for match() and `$`.
+        assert not pattern.pattern.startswith("^") and not pattern.pattern.endswith("$"), pattern
+    assert step_from_name("step_000100.bin\n") is None

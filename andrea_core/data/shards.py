@@ -537,7 +537,7 @@ def corpus_cache(
 
 # --- tokens arms: shards used as they are --------------------------------------------------------
 
-FROZEN_ID = re.compile(r"^(bpe|hf)-([0-9a-f]{16})$")
+FROZEN_ID = re.compile(r"(bpe|hf)-([0-9a-f]{16})")  # fullmatch
 
 
 def declared_tokenizer_hash(declared: str) -> str:
@@ -545,7 +545,7 @@ def declared_tokenizer_hash(declared: str) -> str:
     URL of a tokenizer.json, identified by the hash of its bytes as a run's frozen tokenizer is."""
     if declared == "bytes":
         return "bytes"
-    m = FROZEN_ID.match(declared)
+    m = FROZEN_ID.fullmatch(declared)
     if m:
         return m.group(2)
     try:
