@@ -44,7 +44,7 @@ def test_planted_temporary_names_are_never_written_through(base, tmp_path):
     for pid in range(first + 1, first + 3001):
         for name in (LOCK, "step_000020.bin", LOSS_LOG):
             (run / f".{name}.tmp.{pid}").symlink_to(victim)
-    andrea("gc", str(run), "--keep-last", "1", check=False)
+    andrea("gc", str(run), "--keep-last", "2", check=False)
     andrea("train", "--run-dir", str(run), "--max-steps", "21", "--device", "cpu")
     assert victim.read_text() == "precious\n"
     assert json.loads((run / LOCK).read_text())["released"] is True
@@ -85,7 +85,7 @@ def test_gc_still_removes_only_the_links_of_symlinked_step_files(base, tmp_path)
     outside = tmp_path / "passwd"
     outside.write_text("root:x:0:0\n")
     (run / checkpoint_name(5)).symlink_to(outside)
-    andrea("gc", str(run), "--keep-last", "1", check=False)
+    andrea("gc", str(run), "--keep-last", "2", check=False)
     assert outside.read_text() == "root:x:0:0\n"
 
 
