@@ -132,3 +132,23 @@ def test_the_walk_above_can_fail():
         "x.py:4: fsspec.core.url_to_fs",
     ]
     assert fsspec_opens(GATE.read_text(), "rundir.py") != []  # the gate itself opens them
+
+
+def test_a_cache_lock_planted_as_a_symlink_is_not_followed(tmp_path):
+    """9: a `.lock` link in a corpus cache folder had its target truncated when the cache was built."""
+    from andrea_core.data.corpora import CorpusError, open_corpus
+    from andrea_core.data.policy import ArmSpec
+    from andrea_core.data.shards import corpus_cache, corpus_cache_dir
+    from andrea_core.data.tokens import ByteTokenizer
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text to cache " * 200)
+    source = open_corpus(ArmSpec("mine", "text", paths=[str(tmp_path / "corpus")]), 10**6)
+    folder = corpus_cache_dir(source, ByteTokenizer(), 0.1)
+    folder.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (folder / ".lock").symlink_to(victim)
+    with pytest.raises(CorpusError, match=r"\.lock: a symlink where the cache's lock file should be"):
+        corpus_cache(source, ByteTokenizer(), 0.1)
+    assert victim.read_text() == "precious\n"

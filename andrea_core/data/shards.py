@@ -33,6 +33,7 @@ the shard's own fingerprint, so that adding a shard copies that one only).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -498,6 +499,20 @@ def _intact(folder: Path, manifest: dict[str, Any]) -> bool:
     return True
 
 
+def _open_lock_file(path: Path):
+    """The cache folder's flock file, never through a symlink (one planted there would have its target
+    truncated) and never truncated itself: it holds nothing, only the lock."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorpusError(
+                f"{path}: a symlink where the cache's lock file should be; not followed"
+            ) from None
+        raise
+    return open(fd, "r+b")
+
+
 def corpus_cache(
     source: CorpusSource, tokenizer: Tokenizer, val_fraction: float, warn: Callable[[str], None] = print
 ) -> ArmData:
@@ -509,7 +524,7 @@ def corpus_cache(
         manifest = None
     if manifest is None:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".lock", "wb") as lock:
+        with _open_lock_file(folder / ".lock") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; a second waits, then reads its work
             manifest = _read_json(folder / "manifest.json")
             if manifest is not None and not _intact(folder, manifest):
