@@ -161,13 +161,19 @@ def share_flags(world: World, received: TrainerSignals, consume: bool = True) ->
 # --- the agent: `andrea train --nproc-per-node N` ---------------------------------------------------
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def torchrun_argv(nproc_per_node: int, train_args: list[str]) -> list[str]:
-    """argv of the torchrun agent for one machine: a free rendezvous port of its own (--standalone)."""
+    """argv of the torchrun agent for one machine: a free rendezvous port of its own (--standalone),
+    every rank reaching it at 127.0.0.1 (--local-addr), and its stores listening there alone
+    (run_agent): torch unpickles what its store holds, so no other host may reach it."""
     return [
         sys.executable,
         "-m",
         "andrea_core.train.distributed",
         "--standalone",
+        f"--local-addr={LOOPBACK}",
         f"--nproc-per-node={nproc_per_node}",
         "-m",
         "andrea_core",
@@ -193,6 +199,8 @@ def run_agent(argv: list[str]) -> int:
         return context
 
     local_elastic_agent.start_processes = recording
+    if "--standalone" in argv:
+        _bind_stores_to_loopback()
     try:
         torchrun.main(argv)
     except SignalException as e:
@@ -206,6 +214,32 @@ def run_agent(argv: list[str]) -> int:
         )
         return 0 if codes and all(c == 0 for c in codes) else 1
     return 0
+
+
+def _bind_stores_to_loopback() -> None:
+    """Make every TCPStore this agent hosts listen on 127.0.0.1 only. torch's store server binds all
+    interfaces whatever host it is given; handed a socket already listening on loopback
+    (master_listen_fd) it serves that one. Both stores of a standalone job go through here: the
+    rendezvous's (c10d backend) and the one the ranks join (MASTER_ADDR)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    original = dist.TCPStore
+
+    def loopback_store(host_name, port, world_size=None, is_master=False, *args, **kwargs):
+        if is_master and kwargs.get("master_listen_fd") is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((LOOPBACK, port))
+            sock.listen(128)
+            host_name, port = LOOPBACK, sock.getsockname()[1]
+            kwargs["master_listen_fd"] = sock.detach()  # the store owns (and closes) it now
+        return original(host_name, port, world_size, is_master, *args, **kwargs)
+
+    dist.TCPStore = loopback_store
+    c10d_rendezvous_backend.TCPStore = loopback_store
 
 
 if __name__ == "__main__":
