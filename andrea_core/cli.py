@@ -31,6 +31,10 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+        from andrea_core.train.distributed import check_world_size
+
+        check_world_size(args.nproc_per_node, "--nproc-per-node")  # every path to torchrun passes here
     if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
         from andrea_core.train.distributed import torchrun_argv

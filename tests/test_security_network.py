@@ -85,3 +85,28 @@ def test_a_two_rank_job_listens_on_loopback_only(tmp_path):
     finally:
         agent.terminate()
         agent.wait(timeout=120)
+
+
+# --- 6: a world size is the operator's, bounded by the devices here -------------------------------
+
+
+@pytest.mark.parametrize("n", ["100000", "0", "-3"])
+def test_a_world_size_beyond_the_devices_here_is_refused_before_torchrun(tmp_path, n):
+    from tests.conftest import andrea
+
+    proc = andrea(
+        "train", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", n, check=False, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--nproc-per-node: {int(n)} ranks; expected a whole number from 1 to" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pivot_rerun_never_takes_its_world_size_from_the_journal(tmp_path):
+    """A forged journal's stopped_world_size was the resumed job's --nproc-per-node."""
+    from andrea_core.ops.pivot import job_world_size, stop_trainer
+    from andrea_core.run.rundir import RunDir
+
+    journal = {"step": "installed", "stopped_pid": 1, "stopped_step": 20, "stopped_world_size": 3}
+    assert stop_trainer(RunDir(str(tmp_path)), journal)["world_size"] == 1
+    assert job_world_size(os.getpid()) == 1  # no WORLD_SIZE in this process's environment

@@ -425,7 +425,9 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
             "stopped": pid is not None,
             "pid": pid,
             "step": journal.get("stopped_step"),
-            "world_size": journal.get("stopped_world_size", 1),
+            # Never a run file's number (a journal can be forged): a rerun restarts one process,
+            # which resumes the checkpoint as well (any world size); pass --nproc-per-node for more.
+            "world_size": 1,
             "seconds": 0.0,
         }
     stopped = stop_live_trainer(run, timeout_s, log)
@@ -446,6 +448,19 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
     return stopped
 
 
+def job_world_size(pid: int) -> int:
+    """The world size of the torchrun job whose rank 0 is `pid`, from the WORLD_SIZE torchrun gave that
+    process (the operator's choice, never a run file's), bounded by the devices here; 1 if none."""
+    from andrea_core.signals import environ_of
+    from andrea_core.train.distributed import check_world_size
+
+    try:
+        raw = environ_of(pid).get("WORLD_SIZE", "1")
+    except OSError:
+        return 1
+    return check_world_size(int(raw) if raw.isdigit() else raw, f"trainer pid {pid}'s WORLD_SIZE")
+
+
 def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
     """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
     checkpointed the step in flight. One that cannot be checked from here is asked to stop through the
@@ -453,10 +468,14 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
     trainer is left alone."""
     trainer = _holder(run)
     waited = 0.0
+    world_size = 1
     if trainer is not None:
+        local_world_size = job_world_size(trainer.pid)  # read while it runs; trusted only if signalled
         receipt = signal_live_trainer(run, "SIGTERM")
         if receipt.get("request"):
             log(f"asked trainer pid {trainer.pid} on {trainer.host} to stop ({run.path(REQUEST)})")
+        else:  # signalled: the pid was checked to be this run's trainer, so its WORLD_SIZE is its job's
+            world_size = local_world_size
         waited = supervise.wait_for_exit(trainer, timeout_s, run=run)
     newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
     if trainer is None:
@@ -467,8 +486,6 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
             f"newest checkpoint {newest}"
         )
     pid = trainer.pid if trainer is not None else None
-    # A torchrun job is restarted at its own world size (its lock records it; 1 for a plain trainer).
-    world_size = trainer.world_size if trainer is not None else 1
     return {
         "stopped": trainer is not None,
         "pid": pid,
@@ -645,8 +662,10 @@ def run_pivot(
         if trainer is None:
             options = dict(journal.get("train_options") or checked.train or {})
             options["max_steps"] = journal.get("max_steps")
+            # The stopped job's verified WORLD_SIZE (stop_live_trainer), never the journal's number; the
+            # recorded options' own is bounded by the devices here when the trainer starts (cmd_train).
             options["nproc_per_node"] = max(
-                journal.get("stopped_world_size") or 1, options.get("nproc_per_node") or 1
+                stopped.get("world_size") or 1, options.get("nproc_per_node") or 1
             )
             proc, path = start_detached_trainer(run, options)
             log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
