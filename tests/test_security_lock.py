@@ -67,3 +67,30 @@ def test_status_reports_a_forged_lock_field_escaped_without_a_traceback(base, tm
     assert problem in out, out
     with pytest.raises(Exception, match="unreadable lock"):
         read_lock(RunDir(str(run)))
+
+
+# --- 4d: run files read whole are bounded --------------------------------------------------------
+
+
+def sparse(path: Path, size: int) -> None:
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def test_status_refuses_a_sparse_huge_lock_unread(base, tmp_path):
+    run = shutil.copytree(base, tmp_path / "A", symlinks=True)
+    sparse(run / LOCK, 2 << 30)
+    proc = andrea("status", str(run), check=False, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert f"{run / LOCK}: {2 << 30} bytes, more than the limit of" in out, out
+    assert "Traceback" not in out
+
+
+def test_export_never_copies_a_planted_huge_tokenizer(base, tmp_path):
+    run = shutil.copytree(base, tmp_path / "A", symlinks=True)
+    sparse(run / "tokenizer.json", 1 << 30)
+    proc = andrea("export", str(run), str(tmp_path / "out"), check=False, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{run / 'tokenizer.json'}: {1 << 30} bytes, more than the limit of" in proc.stderr
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
