@@ -94,3 +94,11 @@ def test_export_never_copies_a_planted_huge_tokenizer(base, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{run / 'tokenizer.json'}: {1 << 30} bytes, more than the limit of" in proc.stderr
     assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_every_lock_field_has_a_schema_entry():
+    import dataclasses
+
+    from andrea_core.run.lock import LOCK_SCHEMA, TrainerIdentity
+
+    assert {f.name for f in dataclasses.fields(TrainerIdentity)} - {"run_dir"} == set(LOCK_SCHEMA)

@@ -326,6 +326,7 @@ LOCK_SCHEMA: dict[str, tuple[tuple[type, ...], bool, float, float]] = {
     "released": ((bool,), False, 0, 1),
     "world_size": (_INT, False, 1, 4096),
     "agent_pid": (_INT, True, 1, 2**22),
+    "train_args": ((list,), True, 0, 64),  # at most 64 words, each text (command.train_options checks them)
 }
 
 
@@ -337,7 +338,10 @@ def _check_field(name: str, value: Any) -> None:
         raise ValueError(f"{name} is null")
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise ValueError(f"{name} is {type(value).__name__}, not {'/'.join(t.__name__ for t in types)}")
-    if isinstance(value, str):
+    if isinstance(value, list):
+        if len(value) > high or not all(isinstance(w, str) and len(w) <= 4096 for w in value):
+            raise ValueError(f"{name}: not a list of at most {high:g} words of text")
+    elif isinstance(value, str):
         if len(value) > high or not value.isprintable():
             raise ValueError(f"{name} {value[:40]!r}: not printable text of at most {high:g} characters")
     elif not (math.isfinite(value) and low <= value <= high):
@@ -354,7 +358,8 @@ def _parse(run: RunDir, data: bytes) -> TrainerIdentity:
         known = {f.name for f in dataclasses.fields(TrainerIdentity)}
         fields = {k: v for k, v in fields.items() if k in known and k != "run_dir"}
         for name, value in fields.items():
-            _check_field(name, value)
+            if name in LOCK_SCHEMA:  # every field but run_dir (replaced below)
+                _check_field(name, value)
         # The lock's location is what it locks, whatever it says: a lock copied from another run
         # must not make that run's trainer look like this one's.
         return TrainerIdentity(**fields | {"run_dir": run.url})
