@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that use it: reading a c
 
 HEADER = struct.Struct("<ii")
 # Anything shaped like a checkpoint name; only the canonical spelling of a step (checkpoint_name) counts.
-NAME_RE = re.compile(r"^step_(\d+)\.bin$")
+NAME_RE = re.compile(r"step_(\d+)\.bin")  # fullmatch: `$` would let "step_000100.bin\n" through
 INT32_MAX = 2**31 - 1
 
 
@@ -44,7 +44,7 @@ def step_from_name(name: str) -> int | None:
     step (`step_0000350.bin`) is not that step's checkpoint: reading or moving "step 350" would
     address step_000350.bin, another file."""
     base = name.rsplit("/", 1)[-1]
-    m = NAME_RE.match(base)
+    m = NAME_RE.fullmatch(base)
     if m is None:
         return None
     step = int(m.group(1))
@@ -54,7 +54,7 @@ def step_from_name(name: str) -> int | None:
 def is_stray_checkpoint_name(name: str) -> bool:
     """Shaped like a checkpoint name but not a canonical one (ignored, with a warning, never touched)."""
     base = name.rsplit("/", 1)[-1]
-    return NAME_RE.match(base) is not None and step_from_name(base) is None
+    return NAME_RE.fullmatch(base) is not None and step_from_name(base) is None
 
 
 def expected_size(n_params: int) -> int:

@@ -31,6 +31,10 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+        from andrea_core.train.distributed import check_world_size
+
+        check_world_size(args.nproc_per_node, "--nproc-per-node")  # every path to torchrun passes here
     if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
         from andrea_core.train.distributed import torchrun_argv
@@ -81,29 +85,38 @@ def format_inspect(report: dict) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import fsspec
-
-    from andrea_core.checkpoint import region_stats
+    from andrea_core.bounded import read_bounded
+    from andrea_core.checkpoint import HEADER, expected_size, region_stats
     from andrea_core.config import ConfigError
+    from andrea_core.run.rundir import url_to_fs
 
-    fs, path = fsspec.core.url_to_fs(args.file)
+    fs, path = url_to_fs(args.file, "andrea inspect")
     if fs.isdir(path):
         raise ConfigError(
             f"{args.file}: a directory (a run directory?), not a checkpoint file: "
             f"inspect takes one, e.g. {args.file.rstrip('/')}/step_000100.bin"
         )
-    with fsspec.open(args.file, "rb") as f:
-        data = f.read()
-    report = region_stats(data, posixpath.basename(args.file.rstrip("/")))
+    name = posixpath.basename(args.file.rstrip("/"))
+    size = fs.size(path)
+    with fs.open(path, "rb") as f:
+        header = f.read(HEADER.size)
+        step, n = HEADER.unpack(header) if len(header) == HEADER.size else (None, None)
+        if n is not None and n > 0 and size != expected_size(n):
+            # Refused from its header: a 3 GB file claiming n = 1 is never read whole.
+            report = {"file": name, "bytes": size, "step": step, "n_params": n, "valid": False}
+            report["problem"] = f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required"
+        else:
+            data = header + read_bounded(f, max(size - len(header), 0), args.file)
+            report = region_stats(data, name)
     print(json.dumps(report, indent=1) if args.json else format_inspect(report))
     return 0 if report["valid"] else 1
 
 
 def plot_loss(history: list, out: str, title: str) -> None:
-    import fsspec
     import matplotlib
 
     from andrea_core.run.loss_log import ema_curve
+    from andrea_core.run.rundir import open_url
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,7 +129,7 @@ def plot_loss(history: list, out: str, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with fsspec.open(out, "wb") as f:
+    with open_url(out, "wb", "andrea loss --plot") as f:
         fig.savefig(f, format="png")
     plt.close(fig)
 

@@ -32,7 +32,7 @@ from andrea_core.data.mixer import Exp3Mixer
 from andrea_core.data.pipeline import step_rng
 from andrea_core.model.gpt import GPT
 from andrea_core.run.loss_log import read_history
-from andrea_core.run.rundir import RunDir
+from andrea_core.run.rundir import TEST_FIXED_TEMPS_ENV, RunDir
 from andrea_core.train.checkpoint_writer import Checkpointer
 from andrea_core.train.optim import build_optimizer
 from andrea_core.train.trainer import Trainer
@@ -44,8 +44,17 @@ REFERENCE_STEPS = (20, 40, 60, 70)
 
 
 def temp_name(step: int, pid: int) -> str:
-    """RunDir.write_atomic's temporary name for a checkpoint written by process `pid`."""
+    """RunDir.write_atomic's temporary name for a checkpoint written by process `pid`, under
+    ANDREA_TEST_FIXED_TEMP_NAMES (fixed_temp_names): without it the name has a random suffix."""
     return f".{checkpoint_name(step)}.tmp.{pid}"
+
+
+@pytest.fixture(autouse=True)
+def fixed_temp_names(monkeypatch):
+    """These tests plant a full-disk link or hold a lease at the name the writer will use: the
+    writers they start (in this process and in trainers, which inherit the environment) use the
+    fixed temporary names of TEST_FIXED_TEMPS_ENV instead of unguessable ones."""
+    monkeypatch.setenv(TEST_FIXED_TEMPS_ENV, "1")
 
 
 class HeldOpen:

@@ -218,7 +218,7 @@ def test_a_huge_checkpoint_is_refused_from_its_header_without_reading_it(tmp_pat
         f.write(encode_header(100, 1))
         f.truncate(3 * 2**30)  # sparse: 3 GiB apparent size, nothing on disk
     body = f"""
-from andrea_core.rundir import RunDir
+from andrea_core.run.rundir import RunDir
 from andrea_core.checkpoint import CheckpointError
 try:
     RunDir({str(run)!r}).read_checkpoint(100)

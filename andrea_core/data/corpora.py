@@ -37,12 +37,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import fsspec
 import numpy as np
 
 from andrea_core.bounded import BoundedReader, LongLine, TooLarge, bounded_lines, read_at_most
 from andrea_core.config import limit
 from andrea_core.data.policy import ArmSpec, SourceUnavailable
+from andrea_core.run.rundir import url_to_fs
 
 # Part of every corpus fingerprint: bump it when reading changes what a corpus yields.
 CORPUS_FORMAT = 1
@@ -134,7 +134,7 @@ def list_files(arm: ArmSpec) -> list[CorpusFile]:
     found: dict[str, CorpusFile] = {}
     for url in arm.paths:
         try:
-            fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
+            fs, path = url_to_fs(url, f"arm {arm.name!r} path", use_listings_cache=False)
             path = path.rstrip("/") or "/"
             glob = GLOB_CHARS.search(path)
             if glob:

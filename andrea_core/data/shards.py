@@ -33,6 +33,7 @@ the shard's own fingerprint, so that adding a shard copies that one only).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -45,14 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from andrea_core.config import RunConfig
+from andrea_core.bounded import read_bounded
+from andrea_core.config import RunConfig, limit
 from andrea_core.data.corpora import CorpusError, CorpusFile, CorpusSource, inspect_shard, is_validation
 from andrea_core.data.tokens import DOC_SEPARATOR, ByteTokenizer, Tokenizer
-from andrea_core.run.rundir import cache_dir
+from andrea_core.run.rundir import cache_dir, open_url
 
 CACHE_FORMAT = 2  # part of every cache key: bump it when the cache layout or contents change (2: issue 25)
 SHARD_TOKENS = 64 * 2**20  # training tokens per shard (ANDREA_SHARD_TOKENS overrides: tests)
@@ -498,6 +499,20 @@ def _intact(folder: Path, manifest: dict[str, Any]) -> bool:
     return True
 
 
+def _open_lock_file(path: Path):
+    """The cache folder's flock file, never through a symlink (one planted there would have its target
+    truncated) and never truncated itself: it holds nothing, only the lock."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorpusError(
+                f"{path}: a symlink where the cache's lock file should be; not followed"
+            ) from None
+        raise
+    return open(fd, "r+b")
+
+
 def corpus_cache(
     source: CorpusSource, tokenizer: Tokenizer, val_fraction: float, warn: Callable[[str], None] = print
 ) -> ArmData:
@@ -509,7 +524,7 @@ def corpus_cache(
         manifest = None
     if manifest is None:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".lock", "wb") as lock:
+        with _open_lock_file(folder / ".lock") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; a second waits, then reads its work
             manifest = _read_json(folder / "manifest.json")
             if manifest is not None and not _intact(folder, manifest):
@@ -537,7 +552,7 @@ def corpus_cache(
 
 # --- tokens arms: shards used as they are --------------------------------------------------------
 
-FROZEN_ID = re.compile(r"^(bpe|hf)-([0-9a-f]{16})$")
+FROZEN_ID = re.compile(r"(bpe|hf)-([0-9a-f]{16})")  # fullmatch
 
 
 def declared_tokenizer_hash(declared: str) -> str:
@@ -545,12 +560,13 @@ def declared_tokenizer_hash(declared: str) -> str:
     URL of a tokenizer.json, identified by the hash of its bytes as a run's frozen tokenizer is."""
     if declared == "bytes":
         return "bytes"
-    m = FROZEN_ID.match(declared)
+    m = FROZEN_ID.fullmatch(declared)
     if m:
         return m.group(2)
     try:
-        with fsspec.open(declared, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+        with open_url(declared, "rb", "tokens arm tokenizer") as f:
+            data = read_bounded(f, limit("ANDREA_MAX_SIDECAR_BYTES"), f"tokenizer {declared!r}")
+        return hashlib.sha256(data).hexdigest()[:16]
     except OSError as e:
         raise CorpusError(f"tokenizer {declared!r}: cannot read it ({e})") from None
 

@@ -18,7 +18,7 @@ import numpy as np
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.policy import ARM_NAME_RE, ARM_NAME_RULE, Policy, SourceUnavailable
 from andrea_core.data.sources import Source, open_source
-from andrea_core.run.rundir import TOKENIZER_JSON, RunDir, cache_dir
+from andrea_core.run.rundir import TOKENIZER_JSON, RunDir, cache_dir, open_url
 
 DOC_SEPARATOR = "\n\n"
 # Text a BPE is trained on at run creation, over all arms: enough for a few thousand merges, and a
@@ -119,13 +119,17 @@ def train_run_bpe(policy: Policy, cfg: RunConfig) -> bytes:
 def user_tokenizer(url: str, cfg: RunConfig) -> bytes:
     """A user's Hugging Face tokenizer.json (path or URL), checked before any work: readable, and no
     larger than model.vocab_size. Its bytes are what the run freezes."""
-    import fsspec
+    from andrea_core.bounded import read_bounded
+    from andrea_core.config import limit
 
+    where = f"data.tokenizer: {url}"
     try:
-        with fsspec.open(url, "rb") as f:
-            frozen = f.read()
+        with open_url(url, "rb", "data.tokenizer") as f:
+            frozen = read_bounded(f, limit("ANDREA_MAX_SIDECAR_BYTES"), where)
+    except ConfigError:
+        raise  # the URL gate's refusal, or more bytes than any tokenizer.json holds
     except Exception as e:  # fsspec raises many types; all mean "not usable"
-        raise ConfigError(f"data.tokenizer: {url}: not a readable tokenizer.json ({e})") from None
+        raise ConfigError(f"{where}: not a readable tokenizer.json ({e})") from None
     _checked_tokenizer(frozen, "hf", f"data.tokenizer: {url}", cfg)
     return frozen
 
@@ -166,7 +170,7 @@ def run_tokenizer(run: RunDir, cfg: RunConfig) -> Tokenizer:
             f"{run.path(TOKENIZER_JSON)}: missing; data.tokenizer is {cfg.data.tokenizer} and {what} is "
             "frozen there when the run is created (copy it from the run this one came from)"
         )
-    return _checked_tokenizer(run.read_bytes(TOKENIZER_JSON), kind, run.path(TOKENIZER_JSON), cfg)
+    return _checked_tokenizer(run.read_bounded(TOKENIZER_JSON), kind, run.path(TOKENIZER_JSON), cfg)
 
 
 def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:

@@ -34,7 +34,7 @@ from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE
 from andrea_core.train.setup import create_run
 
 # Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
-BRANCH_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+BRANCH_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # fullmatch: no trailing newline
 
 
 @dataclass
@@ -45,7 +45,7 @@ class BranchSpec:
 
 
 def check_branch_name(name: Any, where: str = "branch") -> str:
-    if not isinstance(name, str) or not BRANCH_NAME_RE.match(name):
+    if not isinstance(name, str) or not BRANCH_NAME_RE.fullmatch(name):
         raise ConfigError(
             f"{where}: name {name!r} is not allowed: use letters, digits, '-', '_' and '.' (not first), "
             "at most 100 characters (it becomes part of the branch's path)"

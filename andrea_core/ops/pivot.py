@@ -32,7 +32,7 @@ from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
 from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
-from andrea_core.run.lineage import PHASE_RE, phases
+from andrea_core.run.lineage import PHASE_FOLDER_RE, phases
 from andrea_core.run.lock import (
     ALIVE,
     REQUEST,
@@ -209,7 +209,10 @@ def archive_phase(
         raise LockError(f"{run.url}: trainer pid {holder.pid} is still running; stop it before archiving")
     run.read_checkpoint(boundary)  # raises CheckpointError if the pivot point is missing or bad
     folder = folder or next_phase_folder(run, boundary)
-    number = int(PHASE_RE.match(folder.rsplit("/", 1)[-1]).group(1))
+    m = PHASE_FOLDER_RE.fullmatch(folder)
+    if m is None:  # read_pivot checks the journal's; this is every caller's
+        raise ConfigError(f"{run.url}: {folder!r} is not a phase folder of this run")
+    number = int(m.group(1))
     run.makedirs(folder)
     moved = []
 
@@ -271,6 +274,18 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
     if journal is not None and "unreadable" in journal:
         raise ConfigError(f"{journal['unreadable']}: the pivot journal is unreadable; not pivoting")
     if journal is not None:
+        # The journal's policy text is what would be installed: re-validated and re-hashed here, so a
+        # journal whose recorded hash is the operator's policy's but whose text is not is refused.
+        text = journal.get("policy_text")
+        if text is None:
+            raise ConfigError(f"{run.path(PIVOT_JSON)}: no policy_text; not pivoting (abandon it first)")
+        recorded = parse_policy_text(text, f"{run.path(PIVOT_JSON)}: policy_text")
+        if recorded.hash != journal.get("policy_hash"):
+            raise ConfigError(
+                f"{run.path(PIVOT_JSON)}: its policy_text hashes to {recorded.hash}, not to the policy_hash "
+                f"{journal.get('policy_hash')} it records: a forged or damaged journal; not pivoting "
+                "(inspect it, then remove it)"
+            )
         if journal.get("policy_hash") != checked.policy.hash:
             raise ConfigError(
                 f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} (hash "
@@ -410,7 +425,9 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
             "stopped": pid is not None,
             "pid": pid,
             "step": journal.get("stopped_step"),
-            "world_size": journal.get("stopped_world_size", 1),
+            # Never a run file's number (a journal can be forged): a rerun restarts one process,
+            # which resumes the checkpoint as well (any world size); pass --nproc-per-node for more.
+            "world_size": 1,
             "seconds": 0.0,
         }
     stopped = stop_live_trainer(run, timeout_s, log)
@@ -431,6 +448,19 @@ def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log 
     return stopped
 
 
+def job_world_size(pid: int) -> int:
+    """The world size of the torchrun job whose rank 0 is `pid`, from the WORLD_SIZE torchrun gave that
+    process (the operator's choice, never a run file's), bounded by the devices here; 1 if none."""
+    from andrea_core.signals import environ_of
+    from andrea_core.train.distributed import check_world_size
+
+    try:
+        raw = environ_of(pid).get("WORLD_SIZE", "1")
+    except OSError:
+        return 1
+    return check_world_size(int(raw) if raw.isdigit() else raw, f"trainer pid {pid}'s WORLD_SIZE")
+
+
 def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
     """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
     checkpointed the step in flight. One that cannot be checked from here is asked to stop through the
@@ -438,10 +468,14 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
     trainer is left alone."""
     trainer = _holder(run)
     waited = 0.0
+    world_size = 1
     if trainer is not None:
+        local_world_size = job_world_size(trainer.pid)  # read while it runs; trusted only if signalled
         receipt = signal_live_trainer(run, "SIGTERM")
         if receipt.get("request"):
             log(f"asked trainer pid {trainer.pid} on {trainer.host} to stop ({run.path(REQUEST)})")
+        else:  # signalled: the pid was checked to be this run's trainer, so its WORLD_SIZE is its job's
+            world_size = local_world_size
         waited = supervise.wait_for_exit(trainer, timeout_s, run=run)
     newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
     if trainer is None:
@@ -452,8 +486,6 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
             f"newest checkpoint {newest}"
         )
     pid = trainer.pid if trainer is not None else None
-    # A torchrun job is restarted at its own world size (its lock records it; 1 for a plain trainer).
-    world_size = trainer.world_size if trainer is not None else 1
     return {
         "stopped": trainer is not None,
         "pid": pid,
@@ -551,7 +583,7 @@ def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[su
         nproc_per_node=o["nproc_per_node"],
     )
     path = trainer_log_path(run)
-    with open(path, "ab") as out:
+    with run.open_log("trainer.log") if run.is_local else open(path, "ab") as out:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -630,8 +662,10 @@ def run_pivot(
         if trainer is None:
             options = dict(journal.get("train_options") or checked.train or {})
             options["max_steps"] = journal.get("max_steps")
+            # The stopped job's verified WORLD_SIZE (stop_live_trainer), never the journal's number; the
+            # recorded options' own is bounded by the devices here when the trainer starts (cmd_train).
             options["nproc_per_node"] = max(
-                journal.get("stopped_world_size") or 1, options.get("nproc_per_node") or 1
+                stopped.get("world_size") or 1, options.get("nproc_per_node") or 1
             )
             proc, path = start_detached_trainer(run, options)
             log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
@@ -668,6 +702,10 @@ def abandon(run: RunDir, log: Log = print) -> dict:
     journal = read_pivot(run)
     if journal is None:
         raise ConfigError(f"{run.url}: no pivot under way (no {PIVOT_JSON}): nothing to abandon")
+    if "unreadable" in journal:  # forged or damaged: nothing it names is moved or deleted
+        raise ConfigError(
+            f"{journal['unreadable']}: not abandoning by it (nothing moved); inspect it, then remove it"
+        )
     verdict = require_not_elsewhere(run, "abandoning the pivot")
     trainer = verdict.holder if verdict.state == ALIVE else None
     step = journal.get("step")
@@ -678,7 +716,7 @@ def abandon(run: RunDir, log: Log = print) -> dict:
         )
     restored = []
     folder = journal.get("archive")
-    if trainer is None and isinstance(folder, str) and PHASE_RE.match(folder.rsplit("/", 1)[-1]):
+    if trainer is None and isinstance(folder, str) and PHASE_FOLDER_RE.fullmatch(folder):
         plan = _abandon_plan(run, journal, folder)
         for name in plan["temporary"]:
             run.remove(f"{folder}/{name}")
@@ -695,8 +733,7 @@ def abandon(run: RunDir, log: Log = print) -> dict:
             restored.append(POLICY_YAML)
         if "phase.json" in plan["names"]:
             run.remove(f"{folder}/phase.json")
-        if run.is_local and run.fs.exists(run.path(folder)):
-            run.fs.rmdir(run.path(folder))
+        run.remove_folder(folder)
     clear_pivot(run)
     log(
         f"abandoned the pivot to {journal.get('policy')!r} (last step {step!r}); "
@@ -713,7 +750,7 @@ def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
     from andrea_core.run.rundir import TEMP_RE
 
     names = run.listdir(folder)
-    temporary = [n for n in names if TEMP_RE.match(n)]
+    temporary = [n for n in names if TEMP_RE.fullmatch(n)]
     back = [n for n in names if n in (SAMPLES, STATE) or step_from_name(n) is not None]
     unknown = sorted(set(names) - set(temporary) - set(back) - {POLICY_YAML, "phase.json"})
     if unknown:

@@ -170,12 +170,13 @@ def format_lineage(lin: Lineage) -> str:
     return "\n".join(lines)
 
 
-PHASE_RE = re.compile(r"^phase_(\d{3,})_step_(\d{6,})$")
+PHASE_RE = re.compile(r"phase_(\d{3,})_step_(\d{6,})")  # fullmatch: no trailing newline slips in
+PHASE_FOLDER_RE = re.compile(rf"{ARCHIVE}/{PHASE_RE.pattern}")  # a phase folder, run-relative
 
 
 def phases(run: RunDir) -> list[tuple[int, int]]:
     """(phase number, boundary step) of every closed phase, oldest first."""
-    found = (PHASE_RE.match(n) for n in run.listdir(ARCHIVE))
+    found = (PHASE_RE.fullmatch(n) for n in run.listdir(ARCHIVE))
     return sorted((int(m.group(1)), int(m.group(2))) for m in found if m)
 
 

@@ -8,6 +8,7 @@ import time
 from typing import Any, Protocol
 
 from andrea_core.config import ConfigError
+from andrea_core.run.lineage import PHASE_FOLDER_RE
 from andrea_core.run.rundir import RunDir
 
 PIVOT_JSON = "pivot.json"  # a pivot under way (record_pivot); absent when none is
@@ -75,19 +76,41 @@ def record_pivot(
 
 
 def read_pivot(run: RunDir) -> dict[str, Any] | None:
-    """The pivot under way, or None. An unreadable file is reported as one that protects everything."""
+    """The pivot under way, or None. An unreadable file, or one whose fields are not what record_pivot
+    writes (a forged journal), is reported as {"unreadable": why}: one that protects everything and
+    that no step acts on. Whatever names a place must be a phase folder of this run."""
     if not run.exists(PIVOT_JSON):
         return None
     try:
         doc = run.read_json(PIVOT_JSON)
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
-        for key in ("boundary", "not_before"):
-            if doc.get(key) is not None:
-                doc[key] = int(doc[key])
+        _check_journal(doc)
         return doc
-    except (ValueError, TypeError) as e:
-        return {"unreadable": f"{run.path(PIVOT_JSON)}: {type(e).__name__}"}
+    except ValueError as e:
+        why = str(e) if isinstance(e, JournalError) else type(e).__name__
+        return {"unreadable": f"{run.path(PIVOT_JSON)}: {why}"}
+
+
+class JournalError(ValueError):
+    """A pivot.json field that record_pivot never writes."""
+
+
+def _check_journal(doc: dict[str, Any]) -> None:
+    if doc.get("step") not in PIVOT_STEPS:
+        raise JournalError(f"step {doc.get('step')!r} is not a pivot step")
+    for key in ("boundary", "not_before", "max_steps"):
+        value = doc.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise JournalError(f"{key} {value!r} is not a step")
+    archive = doc.get("archive")
+    if archive is not None and not (isinstance(archive, str) and PHASE_FOLDER_RE.fullmatch(archive)):
+        raise JournalError(
+            f"archive {archive!r} is not a phase folder of this run (archive/phase_NNN_step_NNNNNN)"
+        )
+    for key in ("policy", "policy_hash", "policy_text", "source", "at", "restart"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise JournalError(f"{key} is {type(doc[key]).__name__}, not text")
 
 
 def clear_pivot(run: RunDir) -> None:
@@ -129,7 +152,7 @@ def require_no_half_pivot(run: RunDir) -> None:
     if "unreadable" in journal:
         raise ConfigError(
             f"{journal['unreadable']}: the pivot journal is unreadable, so whether a pivot is half done "
-            f"cannot be told: inspect it, then remove it or run andrea pivot {run.url} --abandon"
+            "cannot be told: inspect it, then remove it"
         )
     if journal.get("step") in HALF_DONE_STEPS:
         raise ConfigError(half_done_message(run, journal))

@@ -16,10 +16,19 @@ byte, so that a record is never glued onto it. They are appended to in place on 
 without append keeps them in a local mirror in the run cache and publishes the mirror whole, by one
 atomic put, at each durable write (every checkpoint, and exit): the published file only ever grows by
 a prefix extension of itself, and a crash loses at most what was written since the last durable write.
+
+This module is also the one path layer (docs/design.md, "Threat model"): a run directory may come from
+someone else, so every name a run file holds, or that code builds from one, is checked run-relative
+(`check_name`: no absolute path, no `..`, no NUL) before it is joined to the root; on local disk every
+write, move, delete, append and read walks from the root one folder at a time with O_NOFOLLOW, so a
+symlink planted below the root is refused, naming it, never followed; temporary names carry a random
+suffix and are created with O_EXCL. And it holds the URL gate (`url_to_fs`, `open_url`): every fsspec
+URL the project opens passes the protocol allow-list there first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -27,6 +36,8 @@ import json
 import os
 import posixpath
 import re
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +48,7 @@ import fsspec
 import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
+from andrea_core.bounded import read_bounded
 from andrea_core.checkpoint import (
     HEADER,
     Checkpoint,
@@ -67,7 +79,12 @@ S3_PROTOCOLS = {"s3", "s3a"}
 # a run directory lives on, never http(s), ftp or anything else that would make this process a client
 # of internal addresses. A plain path is "file". ANDREA_ALLOWED_PROTOCOLS (comma-separated) replaces it.
 DEFAULT_ALLOWED_PROTOCOLS = ("file", "local", "s3", "s3a", "gcs", "gs", "az", "abfs", "memory")
-TEMP_RE = re.compile(r"^\..+\.tmp\.(\d+)$")  # `.NAME.tmp.PID`: a write in progress, or a dead writer's
+# `.NAME.tmp.PID.RANDOM`: a write in progress, or a dead writer's (`.NAME.tmp.PID`: one from before the
+# random suffix). The random part makes the name unguessable: nobody can plant a link where we will write.
+TEMP_RE = re.compile(r"\..+\.tmp\.(\d+)(?:\.[0-9a-f]{16})?")  # fullmatch
+# Tests only: temporary names without the random suffix, opened as before (a test plants a full-disk
+# link or holds a lease at the name the writer will use). Never set in production.
+TEST_FIXED_TEMPS_ENV = "ANDREA_TEST_FIXED_TEMP_NAMES"
 
 Buffer = bytes | bytearray | memoryview
 
@@ -78,7 +95,25 @@ def cache_dir() -> Path:
 
 
 class ProtocolNotAllowed(ConfigError):
-    """A run URL over a protocol outside the allow-list (see check_protocol)."""
+    """A URL over a protocol outside the allow-list (see check_protocol)."""
+
+
+class UnsafeRunPath(ConfigError):
+    """A run file's name that is not run-relative, or a symlink (or other non-file) where a run file
+    or folder should be: refused, never followed."""
+
+
+def check_name(name: object, where: str = "run file") -> str:
+    """`name` if it is a run-relative name (folders joined by "/"), else UnsafeRunPath: a name from a
+    run file (a journal's archive folder, a forks line) must never reach outside the run."""
+    if not isinstance(name, str) or not name:
+        raise UnsafeRunPath(f"{where}: {name!r} is not a run-relative name")
+    if "\0" in name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+        raise UnsafeRunPath(
+            f"{where}: {name!r} is not a run-relative name "
+            "(no absolute path, no '.', '..' or empty part, no NUL)"
+        )
+    return name
 
 
 def allowed_protocols() -> list[str]:
@@ -88,19 +123,36 @@ def allowed_protocols() -> list[str]:
     return sorted({p.strip().lower() for p in raw.split(",") if p.strip()})
 
 
-def check_protocol(url: str) -> None:
+def check_protocol(url: str, what: str = "run directory URL") -> None:
     """Refuse, before anything is contacted, a URL whose protocol (any link of a chained URL such as
-    `simplecache::s3://...`) is not allowed. The error names the protocol, never the URL (it may
-    carry credentials)."""
+    `simplecache::s3://...`) is not allowed. The error names `what` and the protocol, never the URL
+    (it may carry credentials)."""
+    if not isinstance(url, str):
+        raise ProtocolNotAllowed(f"{what}: expected a path or URL, got {type(url).__name__}")
     allowed = allowed_protocols()
     for link in url.split("::"):
         protocol, _ = fsspec.core.split_protocol(link)
         protocol = (protocol or "file").lower()
         if protocol not in allowed:
             raise ProtocolNotAllowed(
-                f"run directory URL: protocol {protocol!r} is not allowed (allowed: {', '.join(allowed)}; "
+                f"{what}: protocol {protocol!r} is not allowed (allowed: {', '.join(allowed)}; "
                 "set ANDREA_ALLOWED_PROTOCOLS to change the list)"
             )
+
+
+def url_to_fs(url: str | os.PathLike, what: str = "URL", **options: Any) -> tuple[Any, str]:
+    """The URL gate: (filesystem, path) for `url`, only after check_protocol. Every fsspec URL the
+    project opens (run directories, corpus paths, tokenizers, `andrea inspect`, plots) comes through
+    here or `open_url`; tests/test_security_paths.py fails if fsspec is opened anywhere else."""
+    url = os.fspath(url)
+    check_protocol(url, what)
+    return fsspec.core.url_to_fs(url, **options)
+
+
+def open_url(url: str | os.PathLike, mode: str = "rb", what: str = "URL") -> Any:
+    """A file object for `url` (a context manager), after the URL gate."""
+    fs, path = url_to_fs(url, what)
+    return fs.open(path, mode)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
@@ -117,11 +169,9 @@ def _byte_views(parts: Buffer | Iterable[Buffer]) -> Iterable[memoryview]:
 
 class RunDir:
     def __init__(self, url: str | os.PathLike):
-        url = os.fspath(url)
-        check_protocol(url)
         # Other processes (the trainer, the flows, the CLI) change a run directory under our feet: a
         # cached listing would hide a new checkpoint or show a deleted one.
-        self.fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
+        self.fs, root = url_to_fs(url, "run directory URL", use_listings_cache=False)
         self.root = root.rstrip("/") or "/"
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.is_s3 = bool(_protocols(self.fs) & S3_PROTOCOLS)
@@ -139,7 +189,69 @@ class RunDir:
         return f"RunDir({self.url!r})"
 
     def path(self, name: str) -> str:
-        return posixpath.join(self.root, name)
+        """The full path of run file `name`, which must be run-relative (check_name)."""
+        return posixpath.join(self.root, check_name(name, f"{self.url}: run file name"))
+
+    # --- the local path layer: from the root down, never through a symlink ----------------------
+
+    def _parent_fd(self, name: str, create: bool = False) -> tuple[int, str]:
+        """(an fd of the folder holding `name`, its last part), reached from the root one folder at a
+        time with O_NOFOLLOW: a symlink (or a file) where a folder of the run should be is refused.
+        The root itself is the operator's (it may be a link to another disk). `create` makes the
+        missing folders. The caller closes the fd."""
+        parts = check_name(name, f"{self.url}: run file name").split("/")
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                if create:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise UnsafeRunPath(
+                            f"{self.path('/'.join(parts[: i + 1]))}: a symlink or a file where a folder of "
+                            "the run should be: not followed (remove it)"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = sub
+            return fd, parts[-1]
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_local(self, name: str, flags: int, mode: int = 0o666) -> int:
+        """An fd of run file `name` opened with `flags` (+ O_NOFOLLOW): a symlink is refused."""
+        dfd, base = self._parent_fd(name, create=bool(flags & os.O_CREAT))
+        try:
+            return os.open(base, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafeRunPath(
+                    f"{self.path(name)}: a symlink where a run file should be: not followed (remove it)"
+                ) from None
+            raise
+        finally:
+            os.close(dfd)
+
+    def _read_local(self, name: str, most: int | None, bound: str) -> bytes:
+        # O_NONBLOCK: a FIFO planted under a run file's name must not hang the reader at open().
+        fd = self._open_local(name, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb", buffering=0, closefd=True) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeRunPath(f"{self.path(name)}: not a regular file; not read")
+            os.set_blocking(fd, True)
+            if most is None:
+                return f.read()
+            check_limit(st.st_size, bound, f"{self.path(name)}: {st.st_size} bytes")
+            return read_bounded(f, most, f"{self.path(name)} (set {bound} to allow more)")
 
     def cache_path(self, name: str) -> Path:
         """This machine's scratch copy of a run file (the append mirrors): rebuilt from the run when
@@ -153,7 +265,13 @@ class RunDir:
         return self.fs.exists(self.path(name))
 
     def read_bytes(self, name: str) -> bytes:
-        return self.fs.cat_file(self.path(name))
+        """A run file's bytes, bounded like every run file read (read_bounded); checkpoints, whose
+        size their header checks (read_checkpoint), by nothing but that."""
+        if step_from_name(name.rsplit("/", 1)[-1]) is not None:
+            if self.is_local:
+                return self._read_local(name, None, "")
+            return self.fs.cat_file(self.path(name))
+        return self.read_bounded(name, "ANDREA_MAX_LOSS_LOG_BYTES" if name == LOSS_LOG else None)
 
     def read_text(self, name: str) -> str:
         """A sidecar's text (run.yaml, policy.yaml, data.jsonl ...), bounded like every sidecar read."""
@@ -169,11 +287,15 @@ class RunDir:
         except RecursionError:
             raise ValueError("JSON nested deeper than the parser's recursion limit") from None
 
-    def read_bounded(self, name: str, bound: str = "ANDREA_MAX_SIDECAR_BYTES") -> bytes:
+    def read_bounded(self, name: str, bound: str | None = "ANDREA_MAX_SIDECAR_BYTES") -> bytes:
         """A run file's bytes, refused unread (ConfigError naming the file, its size and the bound)
         when larger than the limit `bound` (config.LIMITS): a file from someone else must not take
-        this machine's memory, or on an object store its bandwidth."""
+        this machine's memory, or on an object store its bandwidth. On local disk the bytes are
+        counted as they arrive (a sparse file or /dev/zero behind the name is refused at the bound)."""
+        bound = bound or "ANDREA_MAX_SIDECAR_BYTES"
         most = limit(bound)
+        if self.is_local:
+            return self._read_local(name, most, bound)
         path = self.path(name)
         size = self.fs.size(path)
         if size is not None:
@@ -186,11 +308,32 @@ class RunDir:
         return self.fs.size(self.path(name))
 
     def makedirs(self, sub: str = "") -> None:
+        if self.is_local:
+            if sub:
+                os.close(self._parent_fd(f"{sub}/_", create=True)[0])
+            else:
+                os.makedirs(self.root, exist_ok=True)
+            return
         self.fs.makedirs(self.path(sub) if sub else self.root, exist_ok=True)
 
     def listdir(self, sub: str = "") -> list[str]:
-        """Names (not paths) of the entries in the run directory or one of its subfolders."""
+        """Names (not paths) of the entries in the run directory or one of its subfolders (locally,
+        a subfolder reached through a symlink is refused)."""
         where = self.path(sub) if sub else self.root
+        if self.is_local and sub:
+            try:
+                fd = self._open_local(sub, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                return []
+            except (NotADirectoryError, UnsafeRunPath):  # O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR
+                raise UnsafeRunPath(
+                    f"{where}: a symlink or a file where a folder of the run should be: "
+                    "not followed (remove it)"
+                ) from None
+            try:
+                return sorted(os.listdir(fd))
+            finally:
+                os.close(fd)
         if not self.fs.exists(where):
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(where, detail=False))
@@ -198,6 +341,13 @@ class RunDir:
     def write_atomic(self, name: str, parts: Buffer | Iterable[Buffer]) -> None:
         """Publish `name` whole or not at all; a reader never sees a torn file under a final name."""
         self._put(name, parts)
+
+    def open_log(self, name: str) -> Any:
+        """A local run file opened for appending (a detached trainer's output), never through a
+        symlink: a binary file object whose fileno() a subprocess can write to."""
+        if not self.is_local:
+            raise ValueError(f"{self.url}: open_log is for local run directories")
+        return open(self._open_local(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
 
     def write_text(self, name: str, text: str) -> None:
         self.write_atomic(name, text.encode())
@@ -208,7 +358,11 @@ class RunDir:
     def open_append(self, name: str) -> AppendFile | MirroredAppendFile:
         if not self.is_local:
             return MirroredAppendFile(self, name)
-        return AppendFile(self.path(name), fenced=lambda: self._fenced(name))
+        return AppendFile(
+            self.path(name),
+            fenced=lambda: self._fenced(name),
+            opener=lambda _, flags: self._open_local(name, (flags & ~os.O_WRONLY) | os.O_RDWR),
+        )
 
     def append(self, name: str, data: bytes, durable: bool = False, attempts: int = 5) -> None:
         for attempt in range(attempts):
@@ -223,16 +377,58 @@ class RunDir:
                     raise
 
     def move(self, src: str, dst: str) -> None:
+        src_path, dst_path = self.path(src), self.path(dst)  # both names checked before anything moves
         self._fenced(dst)
-        self.fs.makedirs(posixpath.dirname(self.path(dst)), exist_ok=True)
-        self.fs.mv(self.path(src), self.path(dst))
-        if self.is_local:
-            _fsync_dir(posixpath.dirname(self.path(dst)))
-            _fsync_dir(posixpath.dirname(self.path(src)))
+        if not self.is_local:
+            self.fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
+            self.fs.mv(src_path, dst_path)
+            return
+        sfd, sbase = self._parent_fd(src)
+        try:
+            dfd, dbase = self._parent_fd(dst, create=True)
+            try:
+                self._refuse_link(dfd, dbase, dst)
+                os.rename(sbase, dbase, src_dir_fd=sfd, dst_dir_fd=dfd)  # moves a link, never its target
+                os.fsync(dfd)
+                os.fsync(sfd)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
 
     def remove(self, name: str) -> None:
         self._fenced(name)
-        self.fs.rm_file(self.path(name))
+        if not self.is_local:
+            self.fs.rm_file(self.path(name))
+            return
+        dfd, base = self._parent_fd(name)
+        try:
+            os.unlink(base, dir_fd=dfd)  # a symlink is removed, never its target
+        finally:
+            os.close(dfd)
+
+    def remove_folder(self, sub: str) -> None:
+        """Remove an empty folder of the run (local disk; object stores have no folders)."""
+        if not self.is_local:
+            return
+        dfd, base = self._parent_fd(sub)
+        try:
+            self._refuse_link(dfd, base, sub)
+            os.rmdir(base, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
+
+    def _refuse_link(self, dfd: int, base: str, name: str) -> None:
+        try:
+            st = os.lstat(base, dir_fd=dfd)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeRunPath(
+                f"{self.path(name)}: a symlink where a run file should be: not written through (remove it)"
+            )
 
     def discard_incomplete_writes(self, log: Callable[[str], None] = print) -> list[str]:
         """Clear what a killed writer left half-done: temporary files, and on S3 the parts of
@@ -242,8 +438,9 @@ class RunDir:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
         discarded = []
         for name in self.listdir():
-            m = TEMP_RE.match(name)
-            # Our own pid's temporaries are the writes we are about to make (write_atomic truncates).
+            m = TEMP_RE.fullmatch(name)
+            # Our own pid's temporaries are writes in flight on our other threads (the checkpoint
+            # writer). Removing a planted name is harmless: unlink removes a link, never its target.
             if m and int(m.group(1)) != os.getpid():
                 self.remove(name)
                 discarded.append(name)
@@ -268,7 +465,7 @@ class RunDir:
                        filesystem of the tests lives in one process)."""
         final = self.path(name)
         if self.is_local:
-            return Version(_create_local(final, data), _sha256(data))
+            return Version(self._create_local(name, data), _sha256(data))
         if self.is_s3:
             try:
                 return self._put(name, data, expect=ABSENT)
@@ -288,7 +485,7 @@ class RunDir:
         if self.is_s3:
             return self._put(name, data, expect=expect)
         if self.is_local:
-            _replace_local_if_unchanged(final, data, expect)
+            self._replace_local_if_unchanged(name, data, expect)
             return Version(len(data), _sha256(data))
         with _IN_PROCESS:
             held, version = self._read_versioned(name)
@@ -306,7 +503,7 @@ class RunDir:
         self._fenced(name)
         views = _byte_views(parts)
         if self.is_local:
-            return Version(_write_local(final, views))
+            return Version(self._write_local(name, views))
         if self.is_s3:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_put, self.fs, final, views, expect)
         if expect is not None:
@@ -323,7 +520,7 @@ class RunDir:
             if self.is_s3:
                 data, etag = fsspec.asyn.sync(self.fs.loop, objstore.s3_get, self.fs, self.path(name))
                 return data, Version(len(data), etag)
-            data = self.read_bytes(name)
+            data = self.read_bounded(name)
         except FileNotFoundError:
             return b"", ABSENT
         return data, Version(len(data), _sha256(data))
@@ -337,6 +534,92 @@ class RunDir:
                 f"{self.path(name)} changed since this process read it ({expect.size} bytes); "
                 "not replacing it"
             )
+
+    def _write_local(self, name: str, views: Iterable[memoryview]) -> int:
+        """Write under an unguessable temporary name (O_EXCL, O_NOFOLLOW), fsync, rename over `name`
+        (refused if `name` is a symlink), fsync the folder."""
+        dfd, base = self._parent_fd(name, create=True)
+        try:
+            self._refuse_link(dfd, base, name)
+            tmp, fd = _create_temp(dfd, base, _mode(name))
+            size = 0
+            try:
+                with open(fd, "wb", closefd=True) as f:
+                    for view in views:
+                        size += f.write(view)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
+            os.fsync(dfd)
+            return size
+        finally:
+            os.close(dfd)
+
+    def _replace_local_if_unchanged(self, name: str, data: bytes, expect: Version) -> None:
+        """Compare-and-replace on local disk: the bytes are written and fsynced under a temporary name
+        first; under the folder's flock only the compare and the rename remain, each checked against
+        the time bound (see _DirectoryLock). Never through a symlink (the path layer)."""
+        final = self.path(name)
+        dfd, base = self._parent_fd(name, create=True)
+        try:
+            self._refuse_link(dfd, base, name)
+            tmp, fd = _create_temp(dfd, base, _mode(name))
+            try:
+                with open(fd, "wb", closefd=True) as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                with _DirectoryLock(dfd) as guard:
+                    try:
+                        held = self.read_bounded(name)
+                    except FileNotFoundError:
+                        held = None
+                    if held is None or _sha256(held) != expect.etag:
+                        raise ConcurrentWriteError(
+                            f"{final} changed since this process read it; not replacing it"
+                        )
+                    if not guard.within_bound():
+                        raise ConcurrentWriteError(
+                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            "while replacing it (another may have replaced it meanwhile); not replacing it"
+                        )
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    if not guard.within_bound():
+                        raise ReplacePaused(
+                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            "while replacing it: a waiter may have replaced it meanwhile, and been "
+                            "overwritten"
+                        )
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _create_local(self, name: str, data: bytes) -> int:
+        """Write `data` durably under a temporary name, then link it to `name` (fails if it exists,
+        even as a symlink: link(2) never follows the new name)."""
+        dfd, base = self._parent_fd(name, create=True)
+        try:
+            tmp, fd = _create_temp(dfd, base, _mode(name))
+            try:
+                with open(fd, "wb", closefd=True) as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
+            os.fsync(dfd)
+            return len(data)
+        finally:
+            os.close(dfd)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -360,23 +643,32 @@ class RunDir:
         name = checkpoint_name(step)
         path = self.path(name)
         try:
-            # The header first: a file whose size is not the 8 + 12 n its header promises is refused
-            # before its body is read (a 3 GiB file claiming n = 1 would otherwise be read whole).
-            size = self.fs.size(path)
-            header = self.fs.cat_file(path, start=0, end=HEADER.size) if size else b""
-            if len(header) == HEADER.size:
-                n = HEADER.unpack(header)[1]
-                if n > 0 and size != expected_size(n):
-                    raise CheckpointError(
-                        path, f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required"
-                    )
-            data = header if size <= HEADER.size else self.fs.cat_file(path, start=0, end=size)
+            if self.is_local:
+                data = self._read_checkpoint_local(name)
+            else:
+                size = self.fs.size(path)
+                header = self.fs.cat_file(path, start=0, end=HEADER.size) if size else b""
+                _check_checkpoint_header(path, header, size)
+                data = header if size <= HEADER.size else self.fs.cat_file(path, start=0, end=size)
         except FileNotFoundError:
             raise CheckpointError(path, "no such file") from None
+        except UnsafeRunPath as e:
+            raise CheckpointError(path, str(e).removeprefix(f"{path}: ")) from None
         try:
             return decode(data, name, n_params)
         except CheckpointError as e:
             raise CheckpointError(self.path(name), e.problem) from None
+
+    def _read_checkpoint_local(self, name: str) -> bytes:
+        fd = self._open_local(name, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeRunPath(f"{self.path(name)}: not a regular file; not read")
+            os.set_blocking(fd, True)
+            header = os.pread(fd, HEADER.size, 0)
+            _check_checkpoint_header(self.path(name), header, st.st_size)
+            return read_bounded(f, max(st.st_size, HEADER.size), self.path(name))
 
     def newest_valid_checkpoint(self, n_params: int | None = None, warn=None) -> Checkpoint | None:
         """The newest checkpoint that passes validation; bad ones are reported, never deleted."""
@@ -396,18 +688,41 @@ class AppendFile:
     raises with the bytes that did not fit kept here, in order, and the next write sends them first.
     The file then only ever ends in a torn line (readers skip it), which the next write completes."""
 
-    def __init__(self, path: str, fenced: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        path: str,
+        fenced: Callable[[], None] | None = None,
+        opener: Callable[[str, int], int] | None = None,
+    ):
         self.path = path
         self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
-        self._f = open(path, "ab", buffering=0)
+        # opener: RunDir's, which refuses a symlink (O_NOFOLLOW) and opens read-write for read().
+        self._f = open(path, "ab", buffering=0, opener=opener)
         # Bytes accepted by write() that have not reached the file yet; first of all the newline that
         # ends a torn last line, sent with the first record (in one write: never a line of its own).
-        self._pending = _line_end(_last_byte(path))
+        self._pending = _line_end(self._last_byte())
         self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
 
     def read(self) -> bytes:
-        with open(self.path, "rb") as f:
-            return f.read()
+        # The handle's own file (pread), not the name again: what is appended to is what is read.
+        fd, parts, at = self._f.fileno(), [], 0
+        while piece := os.pread(fd, 1 << 20, at):
+            parts.append(piece)
+            at += len(piece)
+        return b"".join(parts)
+
+    def _last_byte(self) -> bytes:
+        """The file's last byte (b"" if it is empty), read through the handle (never the name again)."""
+        try:
+            size = os.fstat(self._f.fileno()).st_size
+            return os.pread(self._f.fileno(), 1, size - 1) if size else b""
+        except OSError:  # opened write-only (no opener): read it by name, as before
+            with open(self.path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() == 0:
+                    return b""
+                f.seek(-1, os.SEEK_END)
+                return f.read(1)
 
     def write(self, data: bytes, durable: bool = False) -> None:
         with self._lock:
@@ -446,7 +761,9 @@ class MirroredAppendFile:
         data, self._version = run._read_versioned(name)
         self.path = run.cache_path(f"{name}.{os.getpid()}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "w+b")
+        # O_NOFOLLOW: the cache folder is this machine's, but a link planted there is not written through.
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._f = open(os.open(self.path, flags, 0o600), "w+b")
         self._f.write(data)
         self._f.flush()
         self._size = len(data)
@@ -508,48 +825,10 @@ class MirroredAppendFile:
         self.close()
 
 
-def _last_byte(path: str) -> bytes:
-    """The last byte of a local file (b"" if it is empty or absent)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return b""
-            f.seek(-1, os.SEEK_END)
-            return f.read(1)
-    except FileNotFoundError:
-        return b""
-
-
 def _line_end(last: bytes) -> bytes:
     """What an append to a JSON Lines file ending in `last` must send first: a newline after a torn
     line (its own record stays torn and skipped by readers), nothing after a whole one or none."""
     return b"\n" if last and last != b"\n" else b""
-
-
-def _temp_path(final: str) -> str:
-    """The temporary name a local write of `final` goes through (TEMP_RE matches it)."""
-    return posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.tmp.{os.getpid()}")
-
-
-def _write_local(final: str, views: Iterable[memoryview]) -> int:
-    folder = posixpath.dirname(final)
-    os.makedirs(folder, exist_ok=True)
-    tmp = _temp_path(final)
-    size = 0
-    try:
-        with open(tmp, "wb") as f:
-            for view in views:
-                size += f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
-    return size
 
 
 def _sha256(data: bytes) -> str:
@@ -576,16 +855,18 @@ TEST_HOLD_ENV = "ANDREA_TEST_REPLACE_HELD"  # tests only: a file created while t
 
 
 class _DirectoryLock:
-    """flock(2) on a directory, held for at most REPLACE_HOLD_S and waited for at most REPLACE_WAIT_S:
-    serialises the processes of this kernel that compare-and-replace a file in it (renewal, takeover)
-    without adding a file to the run directory, and without letting a paused holder block the others."""
+    """flock(2) on a directory (an fd the path layer opened), held for at most REPLACE_HOLD_S and waited
+    for at most REPLACE_WAIT_S: serialises the processes of this kernel that compare-and-replace a file
+    in it (renewal, takeover) without adding a file to the run directory, and without letting a paused
+    holder block the others."""
 
-    def __init__(self, folder: str):
-        self.folder = folder
+    def __init__(self, folder_fd: int):
+        # A description of its own (flock is per open file description), of the folder the path layer
+        # reached without following a link.
+        self.fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=folder_fd)
         self.guarded = False
 
     def __enter__(self) -> _DirectoryLock:
-        self.fd = os.open(self.folder, os.O_RDONLY)
         deadline = time.monotonic() + REPLACE_WAIT_S
         while True:
             try:
@@ -611,58 +892,32 @@ class _DirectoryLock:
         os.close(self.fd)  # closing drops the flock
 
 
-def _replace_local_if_unchanged(final: str, data: bytes, expect: Version) -> None:
-    """Compare-and-replace on local disk: the bytes are written and fsynced under a temporary name
-    first; under the directory's flock only the compare and the rename remain, each checked against
-    the time bound (see _DirectoryLock)."""
-    folder = posixpath.dirname(final)
-    tmp = _temp_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        with _DirectoryLock(folder) as guard:
-            try:
-                with open(final, "rb") as f:
-                    held = f.read()
-            except FileNotFoundError:
-                held = None
-            if held is None or _sha256(held) != expect.etag:
-                raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
-            if not guard.within_bound():
-                raise ConcurrentWriteError(
-                    f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s while "
-                    "replacing it (another may have replaced it meanwhile); not replacing it"
-                )
-            os.replace(tmp, final)
-            if not guard.within_bound():
-                raise ReplacePaused(
-                    f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s while "
-                    "replacing it: a waiter may have replaced it meanwhile, and been overwritten"
-                )
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(folder)
+def _check_checkpoint_header(path: str, header: bytes, size: int) -> None:
+    # The header first: a file whose size is not the 8 + 12 n its header promises is refused before
+    # its body is read (a 3 GiB file claiming n = 1 would otherwise be read whole).
+    if len(header) == HEADER.size:
+        n = HEADER.unpack(header)[1]
+        if n > 0 and size != expected_size(n):
+            raise CheckpointError(path, f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required")
 
 
-def _create_local(final: str, data: bytes) -> int:
-    """Write `data` durably under a temporary name, then link it to `final` (fails if it exists)."""
-    folder = posixpath.dirname(final)
-    os.makedirs(folder, exist_ok=True)
-    tmp = _temp_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.link(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(folder)
-    return len(data)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+SECRET_FILES = (LOCK,)  # the lock holds the trainer's nonce: readable by its owner only
+
+
+def _mode(name: str) -> int:
+    return 0o600 if name in SECRET_FILES else 0o666  # 0o666 less the umask, as open() makes files
+
+
+def _create_temp(dfd: int, base: str, mode: int) -> tuple[str, int]:
+    """(name, fd) of a new temporary file beside `base` in folder `dfd`: `.BASE.tmp.PID.RANDOM`,
+    created with O_EXCL and O_NOFOLLOW, so nothing planted in advance is ever written through."""
+    if os.environ.get(TEST_FIXED_TEMPS_ENV):
+        tmp = f".{base}.tmp.{os.getpid()}"
+        return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode, dir_fd=dfd)
+    tmp = f".{base}.tmp.{os.getpid()}.{secrets.token_hex(8)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return tmp, os.open(tmp, flags, mode, dir_fd=dfd)
 
 
 def _fsync_dir(folder: str) -> None:

@@ -161,13 +161,41 @@ def share_flags(world: World, received: TrainerSignals, consume: bool = True) ->
 # --- the agent: `andrea train --nproc-per-node N` ---------------------------------------------------
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def max_world_size() -> int:
+    """The most ranks this machine can hold: its GPUs under CUDA, else its CPU cores."""
+    import torch
+
+    if torch.cuda.is_available():
+        return max(1, torch.cuda.device_count())
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def check_world_size(n: object, where: str) -> int:
+    """`n` ranks if it is a whole number from 1 to max_world_size(), else ConfigError naming `where`:
+    a world size is an operator's choice, bounded by the devices present, never a run file's."""
+    from andrea_core.config import ConfigError
+
+    most = max_world_size()
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+        raise ConfigError(
+            f"{where}: {n!r} ranks; expected a whole number from 1 to {most} (the devices here)"
+        )
+    return n
+
+
 def torchrun_argv(nproc_per_node: int, train_args: list[str]) -> list[str]:
-    """argv of the torchrun agent for one machine: a free rendezvous port of its own (--standalone)."""
+    """argv of the torchrun agent for one machine: a free rendezvous port of its own (--standalone),
+    every rank reaching it at 127.0.0.1 (--local-addr), and its stores listening there alone
+    (run_agent): torch unpickles what its store holds, so no other host may reach it."""
     return [
         sys.executable,
         "-m",
         "andrea_core.train.distributed",
         "--standalone",
+        f"--local-addr={LOOPBACK}",
         f"--nproc-per-node={nproc_per_node}",
         "-m",
         "andrea_core",
@@ -193,6 +221,8 @@ def run_agent(argv: list[str]) -> int:
         return context
 
     local_elastic_agent.start_processes = recording
+    if "--standalone" in argv:
+        _bind_stores_to_loopback()
     try:
         torchrun.main(argv)
     except SignalException as e:
@@ -206,6 +236,32 @@ def run_agent(argv: list[str]) -> int:
         )
         return 0 if codes and all(c == 0 for c in codes) else 1
     return 0
+
+
+def _bind_stores_to_loopback() -> None:
+    """Make every TCPStore this agent hosts listen on 127.0.0.1 only. torch's store server binds all
+    interfaces whatever host it is given; handed a socket already listening on loopback
+    (master_listen_fd) it serves that one. Both stores of a standalone job go through here: the
+    rendezvous's (c10d backend) and the one the ranks join (MASTER_ADDR)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    original = dist.TCPStore
+
+    def loopback_store(host_name, port, world_size=None, is_master=False, *args, **kwargs):
+        if is_master and kwargs.get("master_listen_fd") is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((LOOPBACK, port))
+            sock.listen(128)
+            host_name, port = LOOPBACK, sock.getsockname()[1]
+            kwargs["master_listen_fd"] = sock.detach()  # the store owns (and closes) it now
+        return original(host_name, port, world_size, is_master, *args, **kwargs)
+
+    dist.TCPStore = loopback_store
+    c10d_rendezvous_backend.TCPStore = loopback_store
 
 
 if __name__ == "__main__":
