@@ -23,8 +23,13 @@ a trainer on another machine, which cannot check the holder's pid, takes it over
 same version stay unchanged for the holder's `lease_ttl_s` (its own monotonic clock: no clock of another
 machine is trusted), raising `generation`. Every publish of the holder goes through `Lease.check`
 (RunDir.fence): a holder that has not confirmed its lease within ttl - renew seconds confirms it first by
-a conditional renewal, and one that finds the lock changed is fenced: it writes nothing more. A clean
-exit leaves the lock `released` (never deleted), so that `generation` only ever grows.
+a conditional renewal, and one that finds the lock another holder's is fenced: it writes nothing more.
+A renewal that merely fails (a full disk, a store refusing puts) loses nothing: publishes wait for the
+next renewal that goes through (LeaseUnconfirmed). A clean exit leaves the lock `released` (never
+deleted), so that `generation` only ever grows.
+
+Whether a trainer holds the run is judged here alone (trainer_liveness); one that cannot be checked
+from here is asked to checkpoint or stop through the run directory (send_request, read at each renewal).
 """
 
 from __future__ import annotations
@@ -170,7 +175,7 @@ class TrainerIdentity:
     world_size: int = 1
     agent_pid: int | None = None
     # The options of its `andrea train` after the subcommand (None: not started from the command line):
-    # what a pivot restarts it with (andrea_core.pivoting.restart_args), re-parsed, never executed as is.
+    # what a pivot restarts it with (ops.pivot.recorded_train_options), re-parsed, never executed as is.
     train_args: list[str] | None = None
 
     @classmethod
