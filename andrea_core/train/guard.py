@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -236,7 +237,7 @@ class Guard:
             target = allowed[0] if allowed else None  # the phase's first checkpoint, however near
         stop = level >= c.max_rollbacks or target is None
         return GuardEvent(
-            number=len(self.events) + 1,
+            number=max((e.number for e in self.events), default=0) + 1,
             action="stop" if stop else "rollback",
             step=d.step,
             spike_start=d.spike_start,
@@ -331,8 +332,10 @@ def roll_back(trainer: Trainer, d: Divergence) -> int:
         raise DivergedTooOften(g.stop_line(g.events[-1]))
     if main:
         trainer._set_aside_refused(newer_than=target)
+    _test_signal("set-aside")
     g.record(event, time.time())
     trainer.log(g.rollback_line(g.events[-1]))
+    _test_signal("recorded")
     if ckpt is not None:
         restore(ckpt, trainer.model, trainer.optimizer)
     else:  # the initial weights and a fresh AdamW, exactly as a new run builds them
@@ -352,4 +355,14 @@ def roll_back(trainer: Trainer, d: Divergence) -> int:
             run, trainer.cfg, trainer.model, trainer.data, trainer.device, target, log=trainer.log
         )
     g.restart(target, trainer.data.store.phase.start_step)
+    _test_signal("restored")
     return target
+
+
+def _test_signal(point: str) -> None:
+    """ANDREA_TEST_GUARD_SIGNAL=<point>:<SIGNAL> (tests only): this process sends itself SIGNAL at that
+    moment of a rollback (set-aside, recorded, restored), as a kill or a stop would land there."""
+    raw = os.environ.get("ANDREA_TEST_GUARD_SIGNAL") or ""
+    where, _, name = raw.partition(":")
+    if where == point:
+        os.kill(os.getpid(), getattr(signal, name))
