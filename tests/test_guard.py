@@ -217,7 +217,7 @@ def test_a_fork_copies_the_events_up_to_its_fork_point_and_status_shows_the_last
     theirs = {e.step: e.loss for e in read_history(RunDir(str(parent)))}
     assert [mine[s] for s in range(21, 31)] == [theirs[s] for s in range(21, 31)]
 
-    status = json.loads(andrea("status", str(parent), "--json").stdout)
+    (status,) = json.loads(andrea("status", str(parent), "--json").stdout)
     assert status["guard"]["number"] == 1 and status["guard"]["rolled_back_to"] == 10
     text = andrea("status", str(parent)).stdout
     assert "non-finite-grad-norm at step 25 (since step 25); rolled back to step_000010.bin" in text
