@@ -68,7 +68,7 @@ def check_limit(value: int, name: str, what: str) -> None:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """The divergence guard (andrea_core/guard.py): what counts as a diverging step, and what is done.
+    """The divergence guard (train/guard.py): what counts as a diverging step, and what is done.
 
     A step's loss is a spike when it is above the median of the last `window` steps by more than
     `loss_mads` median absolute deviations, AND more than `loss_ratio` times that median, AND more than

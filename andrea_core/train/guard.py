@@ -19,7 +19,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -29,9 +29,6 @@ from andrea_core.run.guard_events import GuardEvent, Remedies, append_event, rea
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import GUARD_LOG, RunDir
-
-if TYPE_CHECKING:
-    from andrea_core.train.trainer import Trainer
 
 EXIT_DIVERGED = 3  # `andrea train` stopped by the guard's bound; systemd's unit does not restart on it
 
@@ -297,9 +294,10 @@ class Guard:
         )
 
 
-def roll_back(trainer: Trainer, d: Divergence) -> int:
-    """The recovery, in the trainer's process: quiesce, decide, record, restore; returns the step the
-    loop goes on from. Raises DivergedTooOften at the bound (the event is recorded first).
+def roll_back(trainer: Any, d: Divergence) -> int:
+    """The recovery, in the process of `trainer` (a train.trainer.Trainer, whose module imports this
+    one): quiesce, decide, record, restore; returns the step the loop goes on from. Raises
+    DivergedTooOften at the bound (the event is recorded first).
 
     Crash-safe by order. The checkpoints past the target (a timeline now abandoned) are moved aside
     into refused/ before the event is appended: a crash between the two resumes from the target without
