@@ -87,8 +87,8 @@ class GuardConfig:
     loss_ratio: float = 1.5
     loss_floor: float = 1.0  # nats above the median
     loss_ceiling: float = 1.5  # times ln(vocab_size), the loss of a uniform guess
-    grad_mads: float = 12.0
-    grad_ratio: float = 4.0
+    grad_mads: float = 20.0
+    grad_ratio: float = 5.0
     grad_floor: float = 1.0
     # The rollback: the newest valid checkpoint at least this many steps before the spike began.
     rollback_margin: int = 50

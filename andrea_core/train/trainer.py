@@ -281,9 +281,11 @@ class Trainer:
         batch = self.data.batch(step, position=self.guard.data_step(step))
         return (batch.arm, *self._to_device(batch))
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    def _step(self, x: torch.Tensor, y: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """One optimizer step over the global batch, in train.grad_accum_steps micro-batches; returns
-        the mean of their losses (with the gradient norm before clipping: [loss, norm]), on the device."""
+        the mean of their losses, still on the device, and leaves the gradient norm before clipping in
+        `self.grad_norm` (on the device; None where not measured). `step`: the loop's step, for the
+        divergence guard (None: a bare step, as the benchmarks take one)."""
         n = self.cfg.train.grad_accum_steps
         total = None
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True) if n > 1 else [(x, y)]):
@@ -297,29 +299,34 @@ class Trainer:
                 (loss / n if n > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         total = distributed.global_mean(self.world, total)  # the logged loss: the mean over all ranks
-        self.guard.poison(step, self.model)  # ANDREA_TEST_GUARD_NAN_AT (tests only)
+        if step is not None:
+            self.guard.poison(step, self.model)  # ANDREA_TEST_GUARD_NAN_AT (tests only)
         norm = None
         if self.cfg.train.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        elif self.guard.enabled:
+        elif step is not None and self.guard.enabled:
             norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in self.model.parameters() if p.grad is not None]
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        mean = total / n if n > 1 else total
-        # One tensor home per step: the loss and the gradient norm (the guard watches both).
-        return mean if norm is None else torch.stack([mean.float(), norm.float()])
+        self.grad_norm = norm
+        return total / n if n > 1 else total
 
     def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
         return self.forward.no_sync() if skip else contextlib.nullcontext()
 
-    def _send_home(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start bringing a step's loss to the host. On CUDA the copy to pinned memory is queued right
-        behind the step, and an event after it, so that reading it waits for this step alone."""
+    def _send_home(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start bringing a step's loss (and gradient norm: one tensor [loss, norm], one copy) to the
+        host. On CUDA the copy to pinned memory is queued right behind the step, and an event after it,
+        so that reading it waits for this step alone."""
+        if grad_norm is not None:
+            loss = torch.stack([loss.float(), grad_norm.float()])
         if self.device == "cpu":
             return loss, None
-        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+        host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True)
         host.copy_(loss, non_blocking=True)
         ready = torch.cuda.Event(blocking=True)  # a waiting host sleeps instead of spinning a core
         ready.record()
@@ -534,7 +541,7 @@ class Trainer:
                 group["lr"] = lr
             arm, x, y = self.batches.take(step)
             torch.manual_seed(step_seed(t.seed, step))
-            current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y, step)))
+            current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y, step), self.grad_norm))
             if previous is not None:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
             previous = current
