@@ -25,7 +25,7 @@ from andrea_core.config import load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.model.gpt import GPT
 from andrea_core.run.guard_events import read_events
-from andrea_core.run.loss_log import read_history
+from andrea_core.run.loss_log import parse_entries, read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import GUARD_LOG, RunDir
 from andrea_core.train.guard import EXIT_DIVERGED
@@ -93,6 +93,12 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
     assert [n.rsplit(".", 1)[0] for n in run.listdir("refused")] == ["step_000020.bin"]
     assert run.checkpoint_steps() == [10, 20, 30, 40, 50, 60]
 
+    # .loss.json keeps the diverging steps in their segment (the poisoned step's norm is NaN); the
+    # rollback opened a new one at step 11, as a resume from checkpoint 10 would.
+    entries = parse_entries((recovered / ".loss.json").read_bytes())[0]
+    assert [e.step for e in entries if e.segment == 1] == list(range(1, POISON + 1))
+    assert math.isnan(entries[POISON - 1].grad_norm) and math.isfinite(entries[POISON - 1].loss)
+    assert [e.step for e in entries if e.segment == 2] == list(range(11, STEPS + 1))
     history = read_history(run)
     assert [e.step for e in history] == list(range(1, STEPS + 1))
     assert all(math.isfinite(e.loss) and math.isfinite(e.grad_norm) for e in history)
