@@ -83,11 +83,11 @@ class GuardConfig:
     window: int = 100  # steps in the running median and MAD
     min_history: int = 4  # observations before a spike can be judged at all
     consecutive: int = 3  # spiking steps in a row that make a divergence
-    loss_mads: float = 8.0
-    loss_ratio: float = 1.5
-    loss_floor: float = 1.0  # nats above the median
+    loss_mads: float = 12.0
+    loss_ratio: float = 2.0
+    loss_floor: float = 1.25  # nats above the median
     loss_ceiling: float = 1.5  # times ln(vocab_size), the loss of a uniform guess
-    grad_mads: float = 20.0
+    grad_mads: float = 30.0
     grad_ratio: float = 5.0
     grad_floor: float = 1.0
     # The rollback: the newest valid checkpoint at least this many steps before the spike began.
