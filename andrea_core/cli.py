@@ -65,7 +65,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         keep_signal_handlers=True,
         train_args=getattr(args, "train_args", None),
     )
-    result = trainer.train()
+    from andrea_core.train.guard import EXIT_DIVERGED, DivergedTooOften
+
+    try:
+        result = trainer.train()
+    except DivergedTooOften as e:
+        # The guard's bound: one line naming the steps, the events and what to try; a status of its own
+        # that systemd's unit does not restart on (RestartPreventExitStatus).
+        print(f"andrea: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
 
 

@@ -67,6 +67,41 @@ def check_limit(value: int, name: str, what: str) -> None:
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    """The divergence guard (train/guard.py): what counts as a diverging step, and what is done.
+
+    A step's loss is a spike when it is above the median of the last `window` steps by more than
+    `loss_mads` median absolute deviations, AND more than `loss_ratio` times that median, AND more than
+    `loss_floor` above it (the ratio and the floor keep a tiny run's noise from ever firing); likewise
+    the gradient norm (before clipping). `consecutive` such steps in a row, or one non-finite loss or
+    gradient norm, is a divergence. The loss is judged against the steps of its own arm (arms differ in
+    difficulty), and a loss above `loss_ceiling` times ln(model.vocab_size), far worse than predicting
+    every token as equally likely, is a spike whatever came before. Defaults from measured clean runs
+    (README "When a run diverges")."""
+
+    enabled: bool = True
+    window: int = 100  # steps in the running median and MAD
+    min_history: int = 4  # observations before a spike can be judged at all
+    consecutive: int = 3  # spiking steps in a row that make a divergence
+    loss_mads: float = 12.0
+    loss_ratio: float = 2.0
+    loss_floor: float = 1.25  # nats above the median
+    loss_ceiling: float = 1.5  # times ln(vocab_size), the loss of a uniform guess
+    grad_mads: float = 30.0
+    grad_ratio: float = 5.0
+    grad_floor: float = 1.0
+    # The rollback: the newest valid checkpoint at least this many steps before the spike began.
+    rollback_margin: int = 50
+    skip_batches: bool = True  # skip the batches from the checkpoint to the divergence (data continues)
+    lr_scale: float = 0.3  # the learning rate times this for `cooldown_steps` after the rollback (1: off)
+    cooldown_steps: int = 1000
+    # Each further rollback within `rollback_window` steps escalates: twice the batches skipped, the
+    # scale applied once more, twice the cooldown. The (max_rollbacks + 1)-th stops the run (exit 3).
+    max_rollbacks: int = 4
+    rollback_window: int = 2000
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = 1337
     batch_size: int = 8  # the global batch of one optimizer step, whatever grad_accum_steps is
@@ -101,6 +136,7 @@ class TrainConfig:
     # Run each sample audit on a thread (on CUDA, its own stream) from a copy of the weights, while
     # training goes on; the audit is the same, written a little later (audit.py).
     audit_async: bool = False
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
     def audit_every(self) -> int:
@@ -223,7 +259,7 @@ def _check_finite(obj: Any, where: str, source: str) -> None:
 
 def _check_ranges(cfg: RunConfig, source: str) -> None:
     _check_finite(cfg, "", source)
-    m, t, d, r = cfg.model, cfg.train, cfg.data, cfg.retention
+    m, t, d, r, g = cfg.model, cfg.train, cfg.data, cfg.retention, cfg.train.guard
     checks = [
         (m.vocab_size > 0, "model.vocab_size", "must be positive"),
         (
@@ -252,6 +288,24 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (t.num_threads > 0, "train.num_threads", "must be positive"),
         (t.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {', '.join(COMPILE_MODES)}"),
         (t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", "must be >= 0 (0: no chunking)"),
+        (g.window >= 3, "train.guard.window", "must be >= 3"),
+        (1 <= g.min_history <= g.window, "train.guard.min_history", "must be in [1, train.guard.window]"),
+        (g.consecutive >= 1, "train.guard.consecutive", "must be >= 1"),
+        (g.loss_mads > 0 and g.grad_mads > 0, "train.guard.loss_mads/grad_mads", "must be > 0"),
+        (g.loss_ratio > 1 and g.grad_ratio > 1, "train.guard.loss_ratio/grad_ratio", "must be > 1"),
+        (g.loss_ceiling > 1, "train.guard.loss_ceiling", "must be > 1 (times ln(model.vocab_size))"),
+        (g.loss_floor >= 0 and g.grad_floor >= 0, "train.guard.loss_floor/grad_floor", "must be >= 0"),
+        (g.rollback_margin >= 0, "train.guard.rollback_margin", "must be >= 0"),
+        (0 < g.lr_scale <= 1, "train.guard.lr_scale", "must be in (0, 1] (1: no learning-rate remedy)"),
+        (g.cooldown_steps >= 0, "train.guard.cooldown_steps", "must be >= 0"),
+        (g.max_rollbacks >= 1, "train.guard.max_rollbacks", "must be >= 1"),
+        (g.rollback_window > 0, "train.guard.rollback_window", "must be positive"),
+        (
+            g.skip_batches or g.lr_scale < 1,
+            "train.guard",
+            "skip_batches false and lr_scale 1 leave a rollback no remedy: it would only diverge again "
+            "(set enabled: false to turn the guard off)",
+        ),
         (
             d.tokenizer in ("bytes", "bpe") or d.tokenizer.endswith(".json"),
             "data.tokenizer",

@@ -89,3 +89,13 @@ def test_ddp_overhead_prints_the_flag_all_reduce():
     assert re.search(rf"\(a\) 1 process, batch 8:\s+{NUMBER} ms/step", out), out
     assert re.search(rf"\(b\) 2 ranks, global batch 16:\s+{NUMBER} ms/step", out), out
     assert re.search(rf"\(c\) flag all-reduce: {NUMBER} us per step", out), out
+
+
+def test_divergence_prints_the_three_runs_and_the_clean_headroom():
+    out = bench("divergence.py", "--steps", "30", "--checkpoint-every", "10")
+    for arm in ("lr 1, guard on", "lr 1, guard off", "lr 0.003 (sane), guard on"):
+        row = rf"{re.escape(arm)}\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+( \+stop)?\s+{NUMBER}"
+        assert re.search(row, out), (arm, out)
+    out = bench("divergence.py", "--clean", "30")
+    assert re.search(r"false-positive rate: 0 / 30 steps", out), out
+    assert re.search(rf"loss\s+x{NUMBER} of its median at step \d+", out), out

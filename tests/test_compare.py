@@ -27,7 +27,7 @@ from andrea_core.ops.fork import BranchSpec, fork
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import RunDir
 from andrea_core.train.optim import build_optimizer
-from tests.conftest import andrea
+from tests.conftest import _env, andrea
 from tests.tiny import tiny_config
 
 
@@ -128,3 +128,21 @@ def test_margin_and_noise_are_paired():
     _name_winner(c)
     assert c.winner is None and c.leader == "better" and not c.significant
     assert c.verdict.startswith("no winner: within noise")
+
+
+def test_the_report_says_which_branch_rolled_back(forked, tmp_path):
+    """A branch whose batch at data position 120 poisons its gradient: the divergence guard rolls it back
+    to its fork point; the report says so (issue 27), and that the others did not."""
+    parent, urls = forked
+    (poisoned,) = fork(parent.url, [BranchSpec("poisoned", {"train.guard.rollback_margin": 10})], 100)
+    env = {**_env(), "ANDREA_TEST_GUARD_NAN_AT": "120"}
+    andrea("train", "--run-dir", poisoned, "--max-steps", "160", env=env)
+    c = compare_branches(parent.url, [*urls, poisoned], 100, val_sequences=16)
+    (event,) = c.branch("poisoned").guard_events
+    assert (event["kind"], event["step"], event["rolled_back_to"]) == ("non-finite-grad-norm", 120, 100)
+    assert c.branch("base").guard_events == [] and c.branch("poisoned").trained_to == 160
+    md = report_markdown(c)
+    assert "Branch `poisoned` rolled back (divergence guard): non-finite-grad-norm at step 120, " in md
+    assert "rolled back to 100." in md and "Branch `base`" not in md
+    others = compare_branches(parent.url, urls, 100, val_sequences=16)
+    assert "No branch rolled back (divergence guard)." in report_markdown(others)

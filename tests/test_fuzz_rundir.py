@@ -1,9 +1,10 @@
 """Every file a trainer or the CLI reads from a run directory, fuzzed (issue 12, item 4).
 
 One small trained run is built once (andrea-tiny, 20 steps, checkpoint_every 10, a BPE tokenizer, one
-audit fork, so that every kind of file exists). Each example copies it, corrupts one file (a truncation,
-bit flips, garbage, or a known attack: deeply nested JSON, a huge n_params in a checkpoint header,
-non-UTF-8 bytes, NaN/Infinity, values of the wrong type, YAML tags and alias bombs), then
+audit fork, one rollback of the divergence guard, so that every kind of file exists). Each example
+copies it, corrupts one file (a truncation, bit flips, garbage, or a known attack: deeply nested JSON,
+a huge n_params in a checkpoint header, non-UTF-8 bytes, NaN/Infinity, values of the wrong type, YAML
+tags and alias bombs), then
 
   (a) resumes it in-process through the CLI's own entry point (`andrea train --max-steps 21`), and
   (b) runs the CLI's readers in-process: inspect, loss, audit, lineage, gc --dry-run, status.
@@ -54,7 +55,7 @@ RESUME_AT = 20  # the base run's newest checkpoint; each example resumes it to R
 HANG_S = 120  # one example (a resume and six CLI readers) takes about a second
 
 JSON_FILES = [".state.json", ".samples.json", "tokenizer.json", ".trainer.json", "pivot.json"]
-JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl"]
+JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl", "guard.jsonl"]
 YAML_FILES = ["run.yaml", "policy.yaml"]
 BIN_FILES = ["step_000020.bin", "step_000010.bin"]
 FILES = BIN_FILES + JSON_FILES + JSONL_FILES + YAML_FILES
@@ -80,7 +81,7 @@ NEUTRAL_TO_TRAINING = {
     "data.jsonl",
     "pivot.json",
 }
-APPENDED_TO = (".loss.json", "data.jsonl")  # a resume only ever appends to these
+APPENDED_TO = (".loss.json", "data.jsonl", "guard.jsonl")  # a resume only ever appends to these
 
 TALLY: Counter = Counter()
 
@@ -125,7 +126,14 @@ def build_base(root: Path) -> Path:
         data__tokenizer="bpe",
         model__vocab_size=320,
     )
-    assert _cli("train", "--config", cfg, "--run-dir", str(root / "run"), "--device", "cpu")[0] == 0
+    # The batch at data position 13 makes a NaN gradient: the guard rolls back to the initial weights
+    # and skips positions 1..13, so guard.jsonl holds one event and refused/ the abandoned step 10.
+    os.environ["ANDREA_TEST_GUARD_NAN_AT"] = "13"
+    try:
+        assert _cli("train", "--config", cfg, "--run-dir", str(root / "run"), "--device", "cpu")[0] == 0
+    finally:
+        del os.environ["ANDREA_TEST_GUARD_NAN_AT"]
+    assert b'"rolled_back_to":0' in (root / "run" / "guard.jsonl").read_bytes()
     fork(str(root / "run"), [BranchSpec("a", {"train.lr": 1e-3})], step=10)
     # What `andrea pivot` leaves when it dies after its checkpoint (docs/design.md, the pivot journal):
     # read at every trainer start, which may resume (the pivot had not stopped it yet).
@@ -417,6 +425,9 @@ def run_case(base: Path, name: str, kind: str, seed: int, readers: bool = True) 
 @example(case=("run.yaml", "wrong-type"), seed=5)  # AttributeError: run.yaml's environment not a mapping
 @example(case=("data.jsonl", "wrong-type"), seed=0)  # TypeError/KeyError reading data.jsonl (issue 25.6)
 @example(case=("data.jsonl", "truncate"), seed=3)  # the next start's line glued onto a torn one
+# guard.jsonl (issue 27), whatever the draw: a torn line, and a value of the wrong type in an event.
+@example(case=("guard.jsonl", "truncate"), seed=0)
+@example(case=("guard.jsonl", "wrong-type"), seed=0)
 def test_every_corrupted_run_file_resumes_or_is_refused_by_name(base, case, seed):
     name, kind = case
     outcome = run_case(base, name, kind, seed)

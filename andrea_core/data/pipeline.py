@@ -156,12 +156,21 @@ class DataPipeline:
         self.store.restore(self.mixer, step)
         record_data_changes(self.store.run, self.arms, self.unavailable, step, self.store.warn)
 
+    def rewind(self, step: int) -> None:
+        """The mixer as checkpoint `step` left it (0: a fresh one), for a rollback in the same process:
+        built anew and restored, as a trainer starting from that checkpoint would build it."""
+        self.mixer = make_mixer(self.policy, list(self.arms), self.cfg.train.seed)
+        self.store.restore(self.mixer, step)
+
     def save_state(self, step: int) -> None:
         """Write .state.json for `step`; the trainer calls it just before writing checkpoint `step`."""
         self.store.save(self.mixer, step)
 
-    def batch(self, step: int) -> Batch:
-        rng = step_rng(self.cfg.train.seed, step)
+    def batch(self, step: int, position: int | None = None) -> Batch:
+        """The batch of `step`, drawn at data position `position` (default: the step itself). The
+        divergence guard moves the position past batches it skips (guard_events.Remedies); the mixer
+        is still asked and told by step, so its bookkeeping is the same either way."""
+        rng = step_rng(self.cfg.train.seed, step if position is None else position)
         arm = self.arms[self.mixer.choose(step, rng)]
         T = self.cfg.model.block_size
         offsets = rng.integers(0, len(arm.train) - T - 1, size=self.cfg.train.batch_size)

@@ -27,7 +27,7 @@ import io
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from andrea_core.data.policy import CORPUS_KINDS, ArmSpec, Policy, SourceUnavail
 from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
 from andrea_core.ops.fork import BranchSpec, check_destination
+from andrea_core.run.guard_events import GuardEvent, read_events
 from andrea_core.run.lineage import phases
 from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.run.record import read_run
@@ -64,6 +65,9 @@ class BranchResult:
     val_loss: dict[str, float] = field(default_factory=dict)  # held-out loss per arm
     val_mean: float | None = None  # mean over arms
     problem: str | None = None  # why the branch is out of the running
+    # The divergence guard's events of the branch itself (guard.jsonl, after the fork point): a branch
+    # that rolled back trained a remedied timeline (batches skipped, a cooled learning rate).
+    guard_events: list[dict] = field(default_factory=list)
     history: list[LossEntry] = field(default_factory=list, repr=False)
     per_sequence: np.ndarray | None = field(default=None, repr=False)  # held-out loss per sequence
 
@@ -310,6 +314,7 @@ def compare_branches(
             result.final_loss = losses[-1]
             result.ema_loss = ema(losses)
             result.train_noise = float(np.std(losses[-window:], ddof=1)) if len(losses) > 1 else None
+        result.guard_events = [asdict(e) for e in read_events(run, warn=warn) if is_own_event(e, fork_step)]
         ckpt = run.newest_valid_checkpoint(model.n_params, warn=warn)
         if failed and name in failed:
             result.problem = failed[name]
@@ -522,6 +527,16 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
         f"winner; below, there is no winner (within noise).",
         "",
     ]
+    rolled = [b for b in c.branches if b.guard_events]
+    for b in rolled:
+        events = "; ".join(
+            f"{e['kind']} at step {e['step']}, "
+            + (f"rolled back to {e['rolled_back_to']}" if e["action"] == "rollback" else "stopped")
+            for e in b.guard_events
+        )
+        lines += [f"Branch {markdown_code(b.name)} rolled back (divergence guard): {events}.", ""]
+    if not rolled:
+        lines += ["No branch rolled back (divergence guard).", ""]
     if plot_src:
         lines += [f"![training and held-out loss of the branches]({plot_src})", ""]
     lines += ["Branch run directories (lineage in each `run.yaml`):", ""]
@@ -538,6 +553,14 @@ def write_report(c: Comparison, report_dir: str, png: bytes | None = None) -> di
     out.write_atomic("plot.png", png if png is not None else plot_comparison(c))
     out.write_text("report.md", report_markdown(c, "plot.png"))
     return {"report": out.path("report.md"), "plot": out.path("plot.png")}
+
+
+def is_own_event(e: GuardEvent, fork_step: int) -> bool:
+    """An event of the branch itself, not one of the parent's it copied: a branch never rolls back
+    past its fork point, and the copied ones rolled back before it (run/guard_events.events_up_to)."""
+    if e.action == "rollback":
+        return e.rolled_back_to >= fork_step
+    return e.step > fork_step
 
 
 def forked_from(branch_urls: list[str]) -> tuple[str, int]:

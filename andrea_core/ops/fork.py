@@ -28,9 +28,19 @@ from typing import Any
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
 from andrea_core.config import ConfigError, RunConfig, load_yaml
 from andrea_core.data.policy import load_policy, parse_policy
+from andrea_core.run.guard_events import events_up_to
 from andrea_core.run.lineage import fork_records
 from andrea_core.run.record import config_differences, read_run, run_n_params
-from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, STATE, TOKENIZER_JSON, RunDir
+from andrea_core.run.rundir import (
+    FORKS,
+    GUARD_LOG,
+    LOSS_LOG,
+    POLICY_YAML,
+    RUN_YAML,
+    STATE,
+    TOKENIZER_JSON,
+    RunDir,
+)
 from andrea_core.train.setup import create_run
 
 # Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
@@ -259,6 +269,11 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
     # The branch's history is the parent's up to the fork point, never what the parent logged after it.
     if parent.exists(LOSS_LOG) and not branch.exists(LOSS_LOG):
         branch.write_atomic(LOSS_LOG, history_up_to(parent.read_bytes(LOSS_LOG), step))
+    # Its divergence-guard events too: those that shaped the parent's timeline up to the fork point.
+    if parent.exists(GUARD_LOG) and not branch.exists(GUARD_LOG):
+        kept = events_up_to(parent.read_bounded(GUARD_LOG), step)
+        if kept:
+            branch.write_atomic(GUARD_LOG, kept)
     same_policy = plan.policy_text == parent.read_text(POLICY_YAML)
     if parent.exists(STATE) and same_policy and not branch.exists(STATE):
         branch.write_atomic(STATE, parent.read_bytes(STATE))

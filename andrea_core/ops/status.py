@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.command import process_argv, trainer_max_steps
 from andrea_core.config import ConfigError
+from andrea_core.run.guard_events import read_events
 from andrea_core.run.lock import (
     ALIVE,
     UNKNOWN,
@@ -30,7 +31,7 @@ from andrea_core.run.lock import (
     trainer_liveness,
 )
 from andrea_core.run.loss_log import LossEntry, read_history
-from andrea_core.run.rundir import RunDir
+from andrea_core.run.rundir import GUARD_LOG, RunDir
 
 WINDOW_S = 60.0
 
@@ -58,6 +59,7 @@ class RunStatus:
     policy: str | None = None
     mixer: str | None = None
     audit: dict | None = None  # the newest sample audit's headline numbers
+    guard: dict | None = None  # the divergence guard's last event (guard.jsonl), and how many there are
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -155,6 +157,15 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
             "val_loss": val,
             **{k: m.get(k) for k in ("distinct_2", "repetition", "gzip_ratio")},
         }
+
+    events = read_events(run, warn=st.problems.append)
+    if events:
+        st.guard = {**asdict(events[-1]), "events": len(events)}
+        if events[-1].action == "stop" and not live:
+            st.problems.append(
+                f"the divergence guard stopped the run at step {events[-1].step} "
+                f"(event {events[-1].number} in {GUARD_LOG}): see README, 'When a run diverges'"
+            )
 
     st.state, st.summary = _verdict(st, lock, verdict, run, now)
     return st
@@ -255,6 +266,22 @@ def format_status(st: RunStatus, now: float | None = None) -> str:
             f"step {a['step']}: val loss {mean} ({arms}), distinct-2 {a['distinct_2']:.3f}, "
             f"repetition {a['repetition']:.3f}",
         )
+    if st.guard:
+        row("guard", guard_summary(st.guard, now))
     for problem in st.problems:
         row("PROBLEM", problem)
     return "\n".join(lines)
+
+
+def guard_summary(event: dict, now: float) -> str:
+    """The divergence guard's last event, in one row."""
+    e = event
+    what = f"{e['kind']} at step {e['step']} (since step {e['spike_start']})"
+    if e["action"] == "stop":
+        done = "stopped the run (its bound, train.guard.max_rollbacks)"
+    else:
+        to = checkpoint_name(e["rolled_back_to"]) if e["rolled_back_to"] else "the initial weights"
+        remedy = [f"skipped {e['skip']} batches"] if e["skip"] else []
+        remedy += [f"lr x{e['lr_scale']:.3g} for {e['cooldown']} steps"] if e["lr_scale"] < 1 else []
+        done = f"rolled back to {to}, {', '.join(remedy) or 'no remedy'}"
+    return f"event {e['number']} of {e['events']}, {_ago(now - e['time'])} ago: {what}; {done}"

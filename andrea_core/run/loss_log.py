@@ -1,9 +1,11 @@
 """`.loss.json` (contract): the run's append-only audit trail, as JSON Lines.
 
-One object per line: {"step", "loss", "lr", "arm", "tokens", "segment", "time"}. Never rewritten,
-truncated, archived or moved. Each trainer start opens a new segment; after a resume from step S the
-steps above S are logged again under it. The canonical history is, for each step, the entry of the
-newest segment, with an abandoned timeline's tail (steps past a later resume point) dropped.
+One object per line: {"step", "loss", "lr", "arm", "tokens", "segment", "time"} and, where the trainer
+measured it, "grad_norm" (the global gradient norm before clipping; the divergence guard reads it back).
+Never rewritten, truncated, archived or moved. Each trainer start (and each rollback of the divergence
+guard) opens a new segment; after a resume from step S the steps above S are logged again under it.
+The canonical history is, for each step, the entry of the newest segment, with an abandoned timeline's
+tail (steps past a later resume point) dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class LossEntry(NamedTuple):
     tokens: int
     segment: int
     time: float
+    grad_norm: float = math.nan  # absent from lines written before it was logged
 
 
 # A malformed line of any kind (torn by a crash, junk, nested past the parser's recursion limit) is
@@ -73,6 +76,7 @@ def _entry(obj: dict) -> LossEntry:
         int(obj.get("tokens", 0)),
         int(obj["segment"]),
         float(obj.get("time", 0.0)),
+        float(obj.get("grad_norm", math.nan)),
     )
 
 
@@ -112,7 +116,10 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
                     obj = json.loads(line)
                     step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
                 loss, lr, arm, t = obj["loss"], obj.get("lr", nan), obj.get("arm"), obj.get("time", 0.0)
-                append(LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t)))
+                g = float(obj.get("grad_norm", nan))
+                append(
+                    LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t), g)
+                )
             except JSON_LINE_ERRORS:
                 skipped += 1  # a crash mid-append leaves a torn line; it never breaks a reader
     return entries, skipped
@@ -176,20 +183,34 @@ class LossWriter:
         # The part of a line between "lr" and "time" changes only with the arm (and the batch shape).
         self._middles: dict[tuple[str | None, int], str] = {}
 
-    def log(self, step: int, loss: float, lr: float, arm: str | None, tokens: int, t: float) -> None:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        arm: str | None,
+        tokens: int,
+        t: float,
+        grad_norm: float | None = None,
+    ) -> None:
         loss, lr, t = float(loss), float(lr), round(t, 3)
-        # One check for all three: a sum of finite floats is finite unless it overflows, and an overflow
-        # only sends the line down the json.dumps path below, which writes the same text.
-        if math.isfinite(loss + lr + t):
+        # One check for all of them: a sum of finite floats is finite unless it overflows, and an
+        # overflow only sends the line down the json.dumps path below, which writes the same text.
+        g = 0.0 if grad_norm is None else float(grad_norm)
+        if math.isfinite(loss + lr + t + g):
             middle = self._middles.get((arm, tokens))
             if middle is None:
                 middle = f',"arm":{json.dumps(arm)},"tokens":{tokens:d},"segment":{self.segment},"time":'
                 self._middles[(arm, tokens)] = middle
             # Exactly json.dumps' text (repr of finite floats), without building a dict and an encoder.
-            line = f'{{"step":{step:d},"loss":{loss!r},"lr":{lr!r}{middle}{t!r}}}\n'
+            tail = "" if grad_norm is None else f',"grad_norm":{g!r}'
+            line = f'{{"step":{step:d},"loss":{loss!r},"lr":{lr!r}{middle}{t!r}{tail}}}\n'
         else:
             entry = {"step": step, "loss": loss, "lr": lr, "arm": arm, "tokens": tokens}
-            line = json.dumps({**entry, "segment": self.segment, "time": t}, separators=(",", ":")) + "\n"
+            entry = {**entry, "segment": self.segment, "time": t}
+            if grad_norm is not None:
+                entry["grad_norm"] = g
+            line = json.dumps(entry, separators=(",", ":")) + "\n"
         self._buffer.append(line.encode())
 
     def flush(self, durable: bool = False) -> None:

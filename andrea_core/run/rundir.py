@@ -71,6 +71,7 @@ SAMPLES = ".samples.json"
 STATE = ".state.json"
 LOCK = ".trainer.json"
 FORKS = "forks.jsonl"
+GUARD_LOG = "guard.jsonl"  # the divergence guard's events (run/guard_events.py)
 ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 

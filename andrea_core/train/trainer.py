@@ -47,6 +47,7 @@ from andrea_core.run.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
 from andrea_core.train import distributed
 from andrea_core.train.audit import Auditor
 from andrea_core.train.checkpoint_writer import Checkpointer
+from andrea_core.train.guard import Divergence, Guard, roll_back
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.progress import Progress
 from andrea_core.train.setup import prepare_run
@@ -66,9 +67,11 @@ class _StepLoss:
     step: int
     arm: str | None
     lr: float
-    pending: torch.Tensor | None  # the loss on the CPU; on CUDA its pinned host copy, filled later
+    # The loss (or [loss, gradient norm]) on the CPU; on CUDA its pinned host copy, filled later.
+    pending: torch.Tensor | None
     ready: torch.cuda.Event | None = None  # CUDA: recorded right after the copy into `pending`
     loss: float | None = None
+    grad_norm: float | None = None
 
 
 class _BatchPrefetch:
@@ -97,6 +100,12 @@ class _BatchPrefetch:
         if started != step:  # a batch drawn for another step has already moved the mixer on
             raise RuntimeError(f"prefetched the batch of step {started}, but step {step} asked for one")
         return built
+
+    def discard(self) -> None:
+        """Drop the batch being built for a step that will not come (a rollback), once it is built."""
+        if self._pending is not None:
+            self._pending[1].exception()
+            self._pending = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -224,6 +233,11 @@ class Trainer:
             self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
         if self.world.is_main:
             self.loss_log = LossWriter(self.run, warn=self.log)
+        # The divergence guard (guard.py): its events shape which batches and learning rates come next.
+        self.guard = Guard(
+            self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
+        )
+        self.guard.restart(self.start_step, self.data.store.phase.start_step)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.startswith("cuda")
@@ -264,12 +278,14 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _build_batch(self, step: int) -> tuple[str, torch.Tensor, torch.Tensor]:
-        batch = self.data.batch(step)
+        batch = self.data.batch(step, position=self.guard.data_step(step))
         return (batch.arm, *self._to_device(batch))
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _step(self, x: torch.Tensor, y: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """One optimizer step over the global batch, in train.grad_accum_steps micro-batches; returns
-        the mean of their losses, still on the device."""
+        the mean of their losses, still on the device, and leaves the gradient norm before clipping in
+        `self.grad_norm` (on the device; None where not measured). `step`: the loop's step, for the
+        divergence guard (None: a bare step, as the benchmarks take one)."""
         n = self.cfg.train.grad_accum_steps
         total = None
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True) if n > 1 else [(x, y)]):
@@ -283,21 +299,34 @@ class Trainer:
                 (loss / n if n > 1 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         total = distributed.global_mean(self.world, total)  # the logged loss: the mean over all ranks
+        if step is not None:
+            self.guard.poison(step, self.model)  # ANDREA_TEST_GUARD_NAN_AT (tests only)
+        norm = None
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        elif step is not None and self.guard.enabled:
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.model.parameters() if p.grad is not None]
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.grad_norm = norm
         return total / n if n > 1 else total
 
     def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
         return self.forward.no_sync() if skip else contextlib.nullcontext()
 
-    def _send_home(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start bringing a step's loss to the host. On CUDA the copy to pinned memory is queued right
-        behind the step, and an event after it, so that reading it waits for this step alone."""
+    def _send_home(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start bringing a step's loss (and gradient norm: one tensor [loss, norm], one copy) to the
+        host. On CUDA the copy to pinned memory is queued right behind the step, and an event after it,
+        so that reading it waits for this step alone."""
+        if grad_norm is not None:
+            loss = torch.stack([loss.float(), grad_norm.float()])
         if self.device == "cpu":
             return loss, None
-        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+        host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True)
         host.copy_(loss, non_blocking=True)
         ready = torch.cuda.Event(blocking=True)  # a waiting host sleeps instead of spinning a core
         ready.record()
@@ -352,18 +381,22 @@ class Trainer:
         if result.loss is None:
             if result.ready is not None:
                 result.ready.synchronize()
-            result.loss = result.pending.item()
+            values = result.pending.tolist()
+            result.loss, result.grad_norm = (values, None) if result.pending.dim() == 0 else values
             result.pending = result.ready = None
-            if not math.isfinite(result.loss):
+            tokens = self.cfg.train.batch_size * self.cfg.model.block_size
+            self.loss_log.log(
+                result.step, result.loss, result.lr, result.arm, tokens, time.time(), result.grad_norm
+            )
+            self.loss_log.flush()
+            if not math.isfinite(result.loss) and not self.guard.enabled:
                 self.loss_log.flush(durable=True)
                 newest = self.checkpointer.records[-1].name if self.checkpointer.records else None
                 raise FloatingPointError(
                     f"loss is {result.loss} at step {result.step}; not checkpointing a diverged model "
                     f"(newest checkpoint: {newest or 'none from this start'})"
                 )
-            tokens = self.cfg.train.batch_size * self.cfg.model.block_size
-            self.loss_log.log(result.step, result.loss, result.lr, result.arm, tokens, time.time())
-            self.loss_log.flush()
+            self.guard.check(result.step, result.loss, result.grad_norm, result.arm)  # raises Divergence
             every = self.cfg.train.checkpoint_every
             next_ckpt = min(self.max_steps, (result.step // every + 1) * every)
             self.progress.step(result.step, result.loss, tokens, next_ckpt)
@@ -455,7 +488,13 @@ class Trainer:
             require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
             self._build()
-            return self._loop(flags)
+            while True:
+                try:
+                    return self._loop(flags)
+                except Divergence as d:
+                    # Back to a checkpoint before it, remedied, and the loop again from there (guard.py);
+                    # at the guard's bound DivergedTooOften instead, and the trainer stops.
+                    roll_back(self, d)
         finally:
             if hasattr(self, "batches"):
                 self.batches.close()  # a batch being built draws from the mixer: let it finish
@@ -497,12 +536,12 @@ class Trainer:
             self._check_lease()  # taken over while paused: stop before anything else is written
             step += 1
             t0 = time.perf_counter()
-            lr = lr_at(step, t)
+            lr = lr_at(step, t) * self.guard.lr_factor(step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             arm, x, y = self.batches.take(step)
             torch.manual_seed(step_seed(t.seed, step))
-            current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y)))
+            current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y, step), self.grad_norm))
             if previous is not None:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
             previous = current

@@ -1,0 +1,365 @@
+"""The divergence guard (train.guard): notices a diverging step, decides the rollback and its remedy,
+and stops the run at its bound.
+
+The trainer consults it at three points: `check` when a step's loss and gradient norm reach the host
+(one step late), `data_step` and `lr_factor` for every step it trains. A divergence is a non-finite
+loss or gradient norm, or `consecutive` steps whose loss (or norm) is far above a robust running
+statistic of the steps before: the median of the last `window`, plus `loss_mads` median absolute
+deviations, and at least `loss_ratio` times the median and `loss_floor` above it. What the guard
+decides is appended to guard.jsonl (guard_events.py) before it takes effect, and the detector's state
+is rebuilt from .loss.json's canonical history at every start and rollback, so that a resume, whatever
+moment it came at, replays the same decisions: the run stays bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, restore
+from andrea_core.config import GuardConfig
+from andrea_core.run.guard_events import GuardEvent, Remedies, append_event, read_events
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import GUARD_LOG, RunDir
+
+EXIT_DIVERGED = 3  # `andrea train` stopped by the guard's bound; systemd's unit does not restart on it
+
+
+class Divergence(Exception):
+    """A step the guard judged diverging (raised from the trainer's read of that step)."""
+
+    def __init__(
+        self,
+        kind: str,
+        step: int,
+        spike_start: int,
+        value: float,
+        statistic: float | None,
+        threshold: float | None,
+    ):
+        self.kind, self.step, self.spike_start = kind, step, spike_start
+        self.value, self.statistic, self.threshold = value, statistic, threshold
+        super().__init__(f"{kind} at step {step}: {describe(kind, value, statistic, threshold)}")
+
+
+class DivergedTooOften(Exception):
+    """The bound: `max_rollbacks` rollbacks in one region and a divergence again. The trainer stops."""
+
+
+def describe(kind: str, value: float, statistic: float | None, threshold: float | None) -> str:
+    what = "loss" if kind.endswith("loss") or kind == "loss-spike" else "gradient norm"
+    if statistic is None:
+        return f"{what} {value}"
+    return f"{what} {value:.4g} > threshold {threshold:.4g} (running median {statistic:.4g})"
+
+
+def _median(values: Iterable[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+class _Series:
+    """One watched quantity (loss or gradient norm): its last `window` values and its thresholds."""
+
+    def __init__(self, window: int, mads: float, ratio: float, floor: float, min_history: int):
+        self.values: deque[float] = deque(maxlen=window)
+        self.mads, self.ratio, self.floor, self.min_history = mads, ratio, floor, min_history
+
+    def judge(self, value: float) -> tuple[float, float] | None:
+        """(median, threshold) if `value` spikes above the values before it; then remember it."""
+        verdict = None
+        if len(self.values) >= self.min_history:
+            med = _median(self.values)
+            mad = _median(abs(v - med) for v in self.values)
+            threshold = max(med + self.mads * mad, med * self.ratio, med + self.floor)
+            if value > threshold:
+                verdict = (med, threshold)
+        self.values.append(value)
+        return verdict
+
+
+class Detector:
+    """The guard's running statistics. Its state after a history is a function of each arm's last
+    `window + consecutive` steps and the last `window + consecutive` steps overall (`replay`)."""
+
+    def __init__(self, cfg: GuardConfig, vocab_size: int):
+        self.cfg = cfg
+        self.ceiling = cfg.loss_ceiling * math.log(vocab_size)
+        self.reset()
+
+    def reset(self) -> None:
+        c = self.cfg
+        self.loss: dict[str | None, _Series] = {}  # per arm
+        self.grad = _Series(c.window, c.grad_mads, c.grad_ratio, c.grad_floor, c.min_history)
+        self.streak = 0  # spiking steps in a row, so far
+        self.streak_start = 0
+
+    def replay(self, history: list[tuple[int, float, float, str | None]]) -> None:
+        """Rebuild the state the live run had after the last of `history` ((step, loss, grad norm, arm)
+        of the canonical history, oldest first); a NaN grad norm (not logged) is left out."""
+        self.reset()
+        keep = self.cfg.window + self.cfg.consecutive
+        chosen = set(range(max(0, len(history) - keep), len(history)))
+        per_arm: dict[str | None, int] = {}
+        for i in range(len(history) - 1, -1, -1):
+            arm = history[i][3]
+            if per_arm.get(arm, 0) < keep:
+                per_arm[arm] = per_arm.get(arm, 0) + 1
+                chosen.add(i)
+        for i in sorted(chosen):
+            step, loss, grad_norm, arm = history[i]
+            self.observe(step, loss, None if math.isnan(grad_norm) else grad_norm, arm)
+
+    def observe(
+        self, step: int, loss: float, grad_norm: float | None, arm: str | None = None
+    ) -> Divergence | None:
+        if not math.isfinite(loss):
+            return Divergence("non-finite-loss", step, step, loss, None, None)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return Divergence("non-finite-grad-norm", step, step, grad_norm, None, None)
+        c = self.cfg
+        series = self.loss.get(arm)
+        if series is None:
+            series = self.loss[arm] = _Series(
+                c.window, c.loss_mads, c.loss_ratio, c.loss_floor, c.min_history
+            )
+        spikes = []
+        judged = series.judge(loss)
+        if judged is None and loss > self.ceiling:
+            judged = (_median(series.values), self.ceiling)
+        if judged is not None:
+            spikes.append(("loss-spike", loss, *judged))
+        if grad_norm is not None and not math.isnan(grad_norm):
+            judged = self.grad.judge(grad_norm)
+            if judged is not None:
+                spikes.append(("grad-norm-spike", grad_norm, *judged))
+        if not spikes:
+            self.streak = 0
+            return None
+        if self.streak == 0:
+            self.streak_start = step
+        self.streak += 1
+        if self.streak < c.consecutive:
+            return None
+        kind, value, med, threshold = spikes[0]
+        return Divergence(kind, step, self.streak_start, value, med, threshold)
+
+
+class Guard:
+    """The guard of one trainer: its events so far, their remedies, the detector, the bound."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        cfg: GuardConfig,
+        vocab_size: int,
+        log: Callable[[str], None] = print,
+        writes: bool = True,
+    ):
+        self.run, self.cfg, self.log = run, cfg, log
+        self.writes = writes  # rank 0 records events; the other ranks decide the same, in memory
+        self.events: list[GuardEvent] = read_events(run, warn=log)
+        self.remedies = Remedies(self.events)
+        self.detector = Detector(cfg, vocab_size)
+        self.floor = 0  # the oldest step this run may roll back to (restart)
+        # ANDREA_TEST_GUARD_NAN_AT=P[,P...] (tests only): the batches at these data positions make the
+        # step's gradient NaN, a poisoned batch; the guard then skips it like any other.
+        raw = os.environ.get("ANDREA_TEST_GUARD_NAN_AT") or ""
+        self.poisoned = {int(p) for p in raw.split(",") if p.strip()}
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    def data_step(self, step: int) -> int:
+        return self.remedies.data_step(step)
+
+    def lr_factor(self, step: int) -> float:
+        return self.remedies.lr_factor(step)
+
+    def restart(self, step: int, phase_start: int) -> None:
+        """At a start from checkpoint `step` (or a rollback to it): the detector as the uninterrupted
+        run had it, from .loss.json's canonical history of this phase. Before `floor` the run was under
+        another policy or was its parent: neither its losses nor its checkpoints are this run's."""
+        self.floor = max(phase_start, read_run(self.run).lineage.get("parent_step") or 0)
+        history = [
+            (e.step, e.loss, e.grad_norm, e.arm)
+            for e in read_history(self.run)
+            if self.floor < e.step <= step
+        ]
+        self.detector.replay(history)
+
+    def poison(self, step: int, model: torch.nn.Module) -> None:
+        """The test hook: a NaN in the first gradient when step's batch is a poisoned one."""
+        if self.poisoned and self.data_step(step) in self.poisoned:
+            p = next(model.parameters())
+            if p.grad is not None:
+                p.grad.view(-1)[0] = math.nan
+
+    def check(self, step: int, loss: float, grad_norm: float | None, arm: str | None) -> None:
+        """Raise Divergence if this step completes one (with the guard off, the trainer itself stops at
+        a non-finite loss, as it did before the guard)."""
+        if not self.cfg.enabled:
+            return
+        divergence = self.detector.observe(step, loss, grad_norm, arm)
+        if divergence is not None:
+            raise divergence
+
+    def plan(self, d: Divergence, checkpoints: list[int], floor: int) -> GuardEvent:
+        """The event answering `d`: a rollback to the newest of `checkpoints` (valid, oldest first) at
+        least rollback_margin steps before the spike began, escalated by the rollbacks before it in its
+        region; or the stop, past the bound or with nothing to roll back to. `floor`: the oldest step
+        this run may go back to (its fork point or its phase's start: before it the run was another)."""
+        c = self.cfg
+        region = [e for e in self.events if e.action == "rollback" and e.step >= d.step - c.rollback_window]
+        level = len(region)
+        allowed = [s for s in checkpoints if floor <= s < d.spike_start]
+        far = [s for s in allowed if s <= d.spike_start - c.rollback_margin]
+        target: int | None
+        if far:
+            target = far[-1]
+        elif floor == 0:
+            target = 0  # the initial weights: a pure function of the seed
+        else:
+            target = allowed[0] if allowed else None  # the phase's first checkpoint, however near
+        stop = level >= c.max_rollbacks or target is None
+        return GuardEvent(
+            number=max((e.number for e in self.events), default=0) + 1,
+            action="stop" if stop else "rollback",
+            step=d.step,
+            spike_start=d.spike_start,
+            kind=d.kind,
+            value=d.value,
+            statistic=d.statistic,
+            threshold=d.threshold,
+            rolled_back_to=None if stop else target,
+            level=level,
+            skip=0 if stop or not c.skip_batches else (d.step - target) * 2**level,
+            lr_scale=1.0 if stop else c.lr_scale ** (level + 1),
+            cooldown=0 if stop or c.lr_scale == 1 else c.cooldown_steps * 2**level,
+            time=0.0,
+        )
+
+    def record(self, event: GuardEvent, now: float) -> None:
+        """Append `event` durably (rank 0), then let it take effect."""
+        event = GuardEvent(**{**event.__dict__, "time": round(now, 3)})
+        if self.writes:
+            append_event(self.run, event)
+        self.events.append(event)
+        self.remedies = Remedies(self.events)
+
+    def rollback_line(self, e: GuardEvent) -> str:
+        remedy = []
+        if e.skip:
+            first = e.rolled_back_to + 1
+            remedy.append(f"skipping data positions {first}..{first + e.skip - 1}")
+        if e.lr_scale < 1:
+            remedy.append(f"lr x{e.lr_scale:.3g} for {e.cooldown} steps")
+        return (
+            f"guard: {e.kind} at step {e.step} (since step {e.spike_start}: "
+            f"{describe(e.kind, e.value, e.statistic, e.threshold)}); rollback {e.level + 1} of "
+            f"{self.cfg.max_rollbacks} in its region: back to "
+            f"{checkpoint_name(e.rolled_back_to) if e.rolled_back_to else 'the initial weights (step 0)'}, "
+            f"{', '.join(remedy)} (event {e.number} in {GUARD_LOG})"
+        )
+
+    def stop_line(self, e: GuardEvent) -> str:
+        region = [
+            x for x in self.events if x.action == "rollback" and x.step >= e.step - self.cfg.rollback_window
+        ]
+        done = "; ".join(
+            f"event {x.number}: {x.kind} at step {x.step}, back to {x.rolled_back_to}" for x in region
+        )
+        why = (
+            f"after {len(region)} rollbacks within {self.cfg.rollback_window} steps ({done})"
+            if region
+            else "with no checkpoint of this phase to roll back to"
+        )
+        return (
+            f"diverged again at step {e.step} "
+            f"({e.kind}: {describe(e.kind, e.value, e.statistic, e.threshold)}) "
+            f"{why}; stopping (exit {EXIT_DIVERGED}, event {e.number} in {self.run.path(GUARD_LOG)}). "
+            f"Try a lower train.lr or a stronger remedy (train.guard.lr_scale, cooldown_steps, "
+            f"max_rollbacks) in a fork: andrea fork {self.run.url} --branch NAME --set train.lr=..."
+        )
+
+
+def roll_back(trainer: Any, d: Divergence) -> int:
+    """The recovery, in the process of `trainer` (a train.trainer.Trainer, whose module imports this
+    one): quiesce, decide, record, restore; returns the step the loop goes on from. Raises
+    DivergedTooOften at the bound (the event is recorded first).
+
+    Crash-safe by order. The checkpoints past the target (a timeline now abandoned) are moved aside
+    into refused/ before the event is appended: a crash between the two resumes from the target without
+    the event, trains into the same divergence (resume is bit-exact) and records the same event; a
+    crash after the append resumes from the target with the event, exactly as this process goes on."""
+    from andrea_core.model.gpt import GPT
+    from andrea_core.run.loss_log import LossWriter
+    from andrea_core.train.audit import Auditor
+
+    g, run, main = trainer.guard, trainer.run, trainer.world.is_main
+    trainer.batches.discard()  # the batch of a step that will not come
+    trainer.auditor.wait()
+    trainer.checkpointer.wait()  # the write in flight belongs to the steps before the divergence
+    trainer.loss_log.flush(durable=True)  # the diverging steps stay in .loss.json, in their segment
+    steps = run.checkpoint_steps()
+    ckpt: Checkpoint | None = None
+    while True:
+        event = g.plan(d, steps, g.floor)
+        target = event.rolled_back_to
+        if event.action == "stop" or (target == 0 and 0 not in steps):
+            break
+        try:
+            ckpt = run.read_checkpoint(target, trainer.model.n_params)
+            break
+        except CheckpointError as e:
+            trainer.log(f"guard: cannot roll back to {e}; trying an older checkpoint")
+            steps.remove(target)
+    if event.action == "stop":
+        g.record(event, time.time())
+        raise DivergedTooOften(g.stop_line(g.events[-1]))
+    if main:
+        trainer._set_aside_refused(newer_than=target)
+    _test_signal("set-aside")
+    g.record(event, time.time())
+    trainer.log(g.rollback_line(g.events[-1]))
+    _test_signal("recorded")
+    if ckpt is not None:
+        restore(ckpt, trainer.model, trainer.optimizer)
+    else:  # the initial weights and a fresh AdamW, exactly as a new run builds them
+        torch.manual_seed(trainer.cfg.train.seed)
+        fresh = GPT(trainer.cfg.model).to(trainer.device)
+        with torch.no_grad():
+            for p, q in zip(trainer.model.parameters(), fresh.parameters(), strict=True):
+                p.copy_(q)
+        trainer.optimizer.state.clear()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.data.rewind(target)
+    trainer.start_step = target
+    if main:
+        trainer.loss_log.close()
+        trainer.loss_log = LossWriter(run, warn=trainer.log)  # a new segment, as at any resume
+        trainer.auditor = Auditor(
+            run, trainer.cfg, trainer.model, trainer.data, trainer.device, target, log=trainer.log
+        )
+    g.restart(target, trainer.data.store.phase.start_step)
+    _test_signal("restored")
+    return target
+
+
+def _test_signal(point: str) -> None:
+    """ANDREA_TEST_GUARD_SIGNAL=<point>:<SIGNAL> (tests only): this process sends itself SIGNAL at that
+    moment of a rollback (set-aside, recorded, restored), as a kill or a stop would land there."""
+    raw = os.environ.get("ANDREA_TEST_GUARD_SIGNAL") or ""
+    where, _, name = raw.partition(":")
+    if where == point:
+        os.kill(os.getpid(), getattr(signal, name))

@@ -1,0 +1,276 @@
+"""The divergence guard (issue 27): a run that survives its own divergence, bounded, recorded, replayable.
+
+Real trainer processes on andrea-tiny, one thread. The divergences are real too: a learning rate far too
+high, or a batch whose gradient is NaN (ANDREA_TEST_GUARD_NAN_AT names data positions; the NaN goes into
+a real gradient, so the weights really are poisoned); everything after the detection is the trainer's
+own recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _env, andrea
+from test_systemd import read_unit
+from tiny import tiny_config
+
+from andrea_core.checkpoint import restore
+from andrea_core.config import load_run_config
+from andrea_core.data.pipeline import DataPipeline
+from andrea_core.model.gpt import GPT
+from andrea_core.run.guard_events import read_events
+from andrea_core.run.loss_log import parse_entries, read_history
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import GUARD_LOG, RunDir
+from andrea_core.train.guard import EXIT_DIVERGED
+from andrea_core.train.optim import lr_at
+
+POISON = 25  # the data position whose batch makes a NaN gradient
+STEPS = 60
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**_env(), **extra}
+
+
+def train(run: Path, *args: str, check: bool = True, **extra: str):
+    return andrea("train", "--run-dir", str(run), "--device", "cpu", *args, check=check, env=env(**extra))
+
+
+def poisoned_config(folder: Path, **overrides) -> str:
+    """Checkpoints every 10 steps, all kept; a rollback at least 10 steps before the spike."""
+    settings = {
+        "train__checkpoint_every": 10,
+        "train__max_steps": STEPS,
+        "train__log_every": 10,
+        "train__guard__rollback_margin": 10,
+        "retention__keep_last": None,
+        **overrides,
+    }
+    return tiny_config(folder, **settings)
+
+
+def facts(run: Path) -> list[dict]:
+    """The events as recorded, all but their time."""
+    return [{k: v for k, v in e.__dict__.items() if k != "time"} for e in read_events(RunDir(str(run)))]
+
+
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory) -> Path:
+    """Steps 1..60, the batch at position 25 poisoned: diverges at step 25, recovers, finishes."""
+    root = tmp_path_factory.mktemp("recovered")
+    train(root / "run", "--config", poisoned_config(root), ANDREA_TEST_GUARD_NAN_AT=str(POISON))
+    return root / "run"
+
+
+def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(recovered, one_thread):
+    run = RunDir(str(recovered))
+    (event,) = facts(recovered)
+    # Read one step late (while step 26 trains), at once: no checkpoint of the poisoned timeline exists.
+    assert event == {
+        "number": 1,
+        "action": "rollback",
+        "step": POISON,
+        "spike_start": POISON,
+        "kind": "non-finite-grad-norm",
+        "value": event["value"],
+        "statistic": None,
+        "threshold": None,
+        "rolled_back_to": 10,  # the newest checkpoint at least rollback_margin (10) steps before 25
+        "level": 0,
+        "skip": 15,  # the batches of steps 11..25: step 11 now draws position 26
+        "lr_scale": 0.3,
+        "cooldown": 1000,
+    }
+    assert math.isnan(event["value"])
+    # The abandoned timeline's checkpoint 20 is kept as evidence, out of the resume's way.
+    assert [n.rsplit(".", 1)[0] for n in run.listdir("refused")] == ["step_000020.bin"]
+    assert run.checkpoint_steps() == [10, 20, 30, 40, 50, 60]
+
+    # .loss.json keeps the diverging steps in their segment (the poisoned step's norm is NaN); the
+    # rollback opened a new one at step 11, as a resume from checkpoint 10 would.
+    entries = parse_entries((recovered / ".loss.json").read_bytes())[0]
+    assert [e.step for e in entries if e.segment == 1] == list(range(1, POISON + 1))
+    assert math.isnan(entries[POISON - 1].grad_norm) and math.isfinite(entries[POISON - 1].loss)
+    assert [e.step for e in entries if e.segment == 2] == list(range(11, STEPS + 1))
+    history = read_history(run)
+    assert [e.step for e in history] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(e.loss) and math.isfinite(e.grad_norm) for e in history)
+    cfg = read_run(run).config
+    by_step = {e.step: e for e in history}
+    for s in (10, 11, 60):  # the cooldown's factor from step 11 on, none before
+        assert by_step[s].lr == lr_at(s, cfg.train) * (0.3 if s > 10 else 1.0)
+
+    # Exactly the recorded batches are skipped: the loss logged for step 11 (and 21) is the loss of
+    # checkpoint 10's (20's) weights on the batch at position 26 (36), not on the step's own.
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    data = DataPipeline.for_run(run, cfg, warn=lambda _: None)  # one arm: the mixer has no say
+    for ckpt_step in (10, 20):
+        restore(run.read_checkpoint(ckpt_step, model.n_params), model, torch.optim.AdamW(model.parameters()))
+        s = ckpt_step + 1
+        with torch.no_grad():
+            losses = {
+                p: model(data.batch(s, position=p).x, data.batch(s, position=p).y)[1].item()
+                for p in (s, s + 15)
+            }
+        assert by_step[s].loss == losses[s + 15] != losses[s]
+
+
+def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes(recovered, tmp_path):
+    reference = (recovered / "step_000060.bin").read_bytes()
+    for point, sig, status in [
+        ("set-aside", "SIGKILL", -signal.SIGKILL),  # checkpoint 20 moved aside, the event not yet written
+        ("recorded", "SIGKILL", -signal.SIGKILL),  # the event written, the weights not yet restored
+        ("restored", "SIGKILL", -signal.SIGKILL),  # restored, not one step trained since
+        ("recorded", "SIGTERM", 0),  # as everywhere else: exit 0, nothing lost
+    ]:
+        root = tmp_path / f"{point}-{sig}"
+        root.mkdir()
+        cfg = poisoned_config(root)
+        proc = train(
+            root / "run",
+            "--config",
+            cfg,
+            check=False,
+            ANDREA_TEST_GUARD_NAN_AT=str(POISON),
+            ANDREA_TEST_GUARD_SIGNAL=f"{point}:{sig}",
+        )
+        assert proc.returncode == status, (point, sig, proc.stdout, proc.stderr)
+        assert not (root / "run" / "step_000060.bin").exists()
+        train(root / "run", ANDREA_TEST_GUARD_NAN_AT=str(POISON))  # the restart systemd would make
+        assert (root / "run" / "step_000060.bin").read_bytes() == reference, (point, sig)
+        assert facts(root / "run") == facts(recovered), (point, sig)
+
+
+@pytest.mark.slow
+def test_a_a_learning_rate_far_too_high_recovers_and_finishes_near_a_sane_run(tmp_path):
+    sane, high = tmp_path / "sane", tmp_path / "high"
+    common = {"train__checkpoint_every": 10, "train__max_steps": 300}
+    train(sane, "--config", tiny_config(tmp_path, "sane", **common))
+    proc = train(high, "--config", tiny_config(tmp_path, "high", train__lr=1.0, **common))
+    assert "guard: loss-spike at step" in proc.stdout + proc.stderr
+
+    events = read_events(RunDir(str(high)))
+    assert events and all(e.action == "rollback" for e in events)
+    first = events[0]
+    # In warm-up, long before step 50: no checkpoint is rollback_margin steps back, so the initial weights.
+    assert first.kind == "loss-spike" and first.step < 50 and first.rolled_back_to == 0
+    assert first.value > first.threshold and first.value > 1.5 * math.log(256)  # worse than uniform
+    assert RunDir(str(high)).checkpoint_steps()[-1] == 300
+
+    def final(run: Path) -> float:
+        tail = read_history(RunDir(str(run)))[-20:]
+        assert tail[-1].step == 300
+        return sum(e.loss for e in tail) / len(tail)
+
+    # Unguarded, this run stays between 17 and 37 to step 300; recovered, it is within a nat of sane.
+    assert final(high) < final(sane) + 1.0, (final(high), final(sane))
+
+
+def test_e_the_bound_stops_with_its_own_status_and_systemd_does_not_restart_on_it(tmp_path):
+    run = tmp_path / "run"
+    cfg = poisoned_config(tmp_path, train__guard__max_rollbacks=2, train__guard__rollback_margin=5)
+    every_batch = ",".join(map(str, range(15, 400)))  # every rollback lands on poison again
+    proc = train(run, "--config", cfg, check=False, ANDREA_TEST_GUARD_NAN_AT=every_batch)
+    assert proc.returncode == EXIT_DIVERGED == 3, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    events = facts(run)
+    assert [(e["action"], e["step"], e["rolled_back_to"], e["level"], e["skip"]) for e in events] == [
+        ("rollback", 15, 10, 0, 5),  # step 11 then draws position 16: poisoned
+        ("rollback", 11, 0, 1, 22),  # nothing 5 steps before 11 but the initial weights; twice the skip
+        ("stop", 1, None, 2, 0),  # a third in the region: the bound
+    ]
+    assert line.startswith("andrea: diverged again at step 1 (non-finite-grad-norm")
+    for named in (
+        "event 1: non-finite-grad-norm at step 15, back to 10",
+        "event 2:",
+        "event 3 in",
+        "train.lr",
+    ):
+        assert named in line, line
+    assert proc.stderr.count("andrea:") == 1
+
+    # A restart cannot help, and does not train on: it stops again at once, with the same status.
+    again = train(run, check=False, ANDREA_TEST_GUARD_NAN_AT=every_batch)
+    assert again.returncode == EXIT_DIVERGED
+    assert [e["action"] for e in facts(run)] == ["rollback", "rollback", "stop", "stop"]
+
+    service = read_unit()["Service"]
+    assert service["Restart"] == "on-failure"
+    assert str(EXIT_DIVERGED) in service["RestartPreventExitStatus"].split()
+
+
+def test_a_fork_copies_the_events_up_to_its_fork_point_and_status_shows_the_last(recovered, tmp_path):
+    parent = tmp_path / "parent"
+    shutil.copytree(recovered, parent)
+    branches = {}
+    for step in (10, 20):
+        andrea("fork", str(parent), "--step", str(step), "--branch", "b", "--set", "train.log_every=5")
+        branches[step] = tmp_path / f"parent-fork{step}-b"
+    assert not (branches[10] / GUARD_LOG).exists()  # the rollback to 10 shaped nothing up to step 10
+    assert (branches[20] / GUARD_LOG).read_bytes() == (parent / GUARD_LOG).read_bytes()
+
+    # The branch at 20 replays the remedy: its steps 21..30 are the parent's, batch for batch.
+    andrea("train", "--run-dir", str(branches[20]), "--max-steps", "30", "--device", "cpu")
+    mine = {e.step: e.loss for e in read_history(RunDir(str(branches[20])))}
+    theirs = {e.step: e.loss for e in read_history(RunDir(str(parent)))}
+    assert [mine[s] for s in range(21, 31)] == [theirs[s] for s in range(21, 31)]
+
+    (status,) = json.loads(andrea("status", str(parent), "--json").stdout)
+    assert status["guard"]["number"] == 1 and status["guard"]["rolled_back_to"] == 10
+    text = andrea("status", str(parent)).stdout
+    assert "non-finite-grad-norm at step 25 (since step 25); rolled back to step_000010.bin" in text
+    assert "skipped 15 batches, lr x0.3 for 1000 steps" in text
+
+
+def test_a_pivot_keeps_the_events(recovered, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(recovered, run)
+    before = (run / GUARD_LOG).read_bytes()
+    andrea("pivot", str(run), "--policy", "tiny-mix", "--no-restart")
+    andrea("train", "--run-dir", str(run), "--max-steps", "70", "--device", "cpu")
+    assert (run / GUARD_LOG).read_bytes() == before
+    assert read_history(RunDir(str(run)))[-1].step == 70
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("train.guard.window=2", "train.guard.window must be >= 3"),
+        ("train.guard.lr_scale=0", "train.guard.lr_scale must be in (0, 1]"),
+        ("train.guard.max_rollbacks=0", "train.guard.max_rollbacks must be >= 1"),
+        ("train.guard.loss_ceiling=1", "train.guard.loss_ceiling must be > 1"),
+        ("train.guard.consecutive=yes", "train.guard.consecutive: expected int"),
+    ],
+)
+def test_guard_settings_are_validated_before_any_work(tmp_path, override, named):
+    key, value = override.split("=")
+    cfg = load_run_config(tiny_config(tmp_path)).to_dict()
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = {"yes": "yes"}.get(value) or float(value)
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps(cfg))
+    proc = andrea("train", "--config", str(path), "--run-dir", str(tmp_path / "run"), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("andrea: error:") == 1 and named in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_d_long_clean_runs_fire_no_event(tmp_path):
+    """CI's share of (d): 1,500 clean steps (bench/divergence.py --clean runs the 10,000)."""
+    run = tmp_path / "run"
+    cfg = tiny_config(tmp_path, train__max_steps=1500, train__checkpoint_every=500, train__log_every=500)
+    train(run, "--config", cfg)
+    history = read_history(RunDir(str(run)))
+    assert [e.step for e in history] == list(range(1, 1501))
+    assert not (run / GUARD_LOG).exists()
