@@ -274,24 +274,27 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
     if journal is not None and "unreadable" in journal:
         raise ConfigError(f"{journal['unreadable']}: the pivot journal is unreadable; not pivoting")
     if journal is not None:
-        # The journal's policy text is what would be installed: re-validated and re-hashed here, so a
-        # journal whose recorded hash is the operator's policy's but whose text is not is refused.
-        text = journal.get("policy_text")
-        if text is None:
-            raise ConfigError(f"{run.path(PIVOT_JSON)}: no policy_text; not pivoting (abandon it first)")
-        recorded = parse_policy_text(text, f"{run.path(PIVOT_JSON)}: policy_text")
-        if recorded.hash != journal.get("policy_hash"):
-            raise ConfigError(
-                f"{run.path(PIVOT_JSON)}: its policy_text hashes to {recorded.hash}, not to the policy_hash "
-                f"{journal.get('policy_hash')} it records: a forged or damaged journal; not pivoting "
-                "(inspect it, then remove it)"
-            )
         if journal.get("policy_hash") != checked.policy.hash:
             raise ConfigError(
                 f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} (hash "
                 f"{journal.get('policy_hash')}) is under way, not to {checked.policy.name!r}: finish it "
                 f"(rerun it with --policy {journal.get('source') or journal.get('policy')}) or abandon it "
                 f"(andrea pivot {run.url} --abandon) first"
+            )
+        # The journal's policy text is what would be installed: re-validated and re-hashed here, so a
+        # journal whose recorded hash is the operator's policy's but whose text is not is refused.
+        text = journal.get("policy_text")
+        if text is None:
+            raise ConfigError(
+                f"{run.path(PIVOT_JSON)}: the pivot to {checked.policy.name!r} under way records no "
+                f"policy_text, so it cannot be resumed; abandon it (andrea pivot {run.url} --abandon) first"
+            )
+        recorded = parse_policy_text(text, f"{run.path(PIVOT_JSON)}: policy_text")
+        if recorded.hash != journal.get("policy_hash"):
+            raise ConfigError(
+                f"{run.path(PIVOT_JSON)}: its policy_text hashes to {recorded.hash}, not to the policy_hash "
+                f"{journal.get('policy_hash')} it records: a forged or damaged journal; not pivoting "
+                "(inspect it, then remove it)"
             )
         log(f"resuming the pivot to {checked.policy.name!r} after step {journal.get('step')!r} (pivot.json)")
         return journal
