@@ -92,7 +92,7 @@ def test_a_holder_paused_inside_its_renewal_does_not_block_the_takeover_nor_writ
         taker = lock.acquire(run, log=lambda m: None)
         took = time.monotonic() - paused
         assert taker.generation == 2 and read_lock(run).host == "host-b"
-        assert took < 0.6 + 1 + 2.5 + 2, f"the takeover took {took:.1f}s"
+        assert took < 15, f"the takeover took {took:.1f}s (ttl 0.6 s, flock wait 2.5 s)"
         after = run.read_bytes(LOCK)
         holder.send_signal(signal.SIGCONT)
         out, _ = holder.communicate(timeout=60)
@@ -138,7 +138,7 @@ def test_a_paused_process_holding_the_directory_flock_does_not_block_a_takeover(
         )
         took = time.monotonic() - t0
         assert taker.stdout == "generation 2\n", taker.stderr
-        assert took < 0.6 + 1 + 2.5 + 5, took
+        assert took < 15, took
         holder.send_signal(signal.SIGCONT)
         wait_for(lambda: holder.poll() is not None, 30, "the continued holder to see its lease lost")
         assert read_lock(run).host == "host-b" and read_lock(run).generation == 2
