@@ -62,7 +62,16 @@ HOSTS = ("soak-a", "soak-b")  # ANDREA_TEST_HOST: two "machines" sharing the run
 COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
 COMMON += ["sigstop-short", "sigstop-long", "pivot", "abandon", "fork", "readers", "second-trainer"]
 KINDS = {"local": [*COMMON, "disk-full"], "s3": [*COMMON, "s3-deny", "s3-lost-reply"]}
-PIVOT_KILLS = [None, "checkpointed", "stopped", "archive-move-1", "archived", "loss-kept", "installed", "random"]
+PIVOT_KILLS = [
+    None,
+    "checkpointed",
+    "stopped",
+    "archive-move-1",
+    "archived",
+    "loss-kept",
+    "installed",
+    "random",
+]
 HALF_DONE = ["stopped", "archive-move-1", "archived", "loss-kept"]
 POLICIES = ("tiny-mix", "stdlib-only")
 
@@ -86,7 +95,9 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
         elif kind == "sigstop-long":
             f["stop_s"] = round(rng.uniform(TTL_S + 2.0, 3 * TTL_S + 2.0), 2)
         elif kind in ("disk-full", "s3-deny"):
-            f["for_s"] = round(rng.choice([rng.uniform(0.5, TTL_S / 2), rng.uniform(TTL_S + 1, 4 * TTL_S)]), 2)
+            f["for_s"] = round(
+                rng.choice([rng.uniform(0.5, TTL_S / 2), rng.uniform(TTL_S + 1, 4 * TTL_S)]), 2
+            )
             f["leave"] = rng.choice([0, 256 * 1024])
         elif kind == "s3-lost-reply":
             f["key"] = rng.choice(["step_", ".state.json", ".trainer.json", ".loss.json", ".samples.json"])
@@ -256,7 +267,10 @@ class _RelayHandler(http.server.BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 
 
-DENY_PUTS = {"Version": "2012-10-17", "Statement": [{"Effect": "Deny", "Action": "s3:PutObject", "Resource": "*"}]}
+DENY_PUTS = {
+    "Version": "2012-10-17",
+    "Statement": [{"Effect": "Deny", "Action": "s3:PutObject", "Resource": "*"}],
+}
 ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 
 
@@ -336,7 +350,9 @@ class S3Store:
 
     def deny(self, on: bool) -> None:
         if on:
-            self.iam.put_user_policy(UserName="trainer", PolicyName="deny", PolicyDocument=json.dumps(DENY_PUTS))
+            self.iam.put_user_policy(
+                UserName="trainer", PolicyName="deny", PolicyDocument=json.dumps(DENY_PUTS)
+            )
         else:
             self.iam.delete_user_policy(UserName="trainer", PolicyName="deny")
 
@@ -566,7 +582,9 @@ class Soak:
         return rc
 
     def checkpoints(self) -> list[int]:
-        return sorted(int(m.group(1)) for n in self.store.listdir("run") if (m := re.fullmatch(r"step_(\d+)\.bin", n)))
+        return sorted(
+            int(m.group(1)) for n in self.store.listdir("run") if (m := re.fullmatch(r"step_(\d+)\.bin", n))
+        )
 
     # --- faults ----------------------------------------------------------------------------------
 
@@ -627,7 +645,11 @@ class Soak:
         other = HOSTS[1 - HOSTS.index(self.host)]
         w = self.start_trainer(host=other, ANDREA_LEASE_WAIT_S=str(wait_s))
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and w.popen.poll() is None and not w.first("watching whether it renews"):
+        while (
+            time.monotonic() < deadline
+            and w.popen.poll() is None
+            and not w.first("watching whether it renews")
+        ):
             time.sleep(0.02)
         return w
 
@@ -639,11 +661,19 @@ class Soak:
         holder.signal(signal.SIGCONT)
         rc = w.wait(TTL_S + 60)
         if rc != 2:
-            self.violate("5", f"a trainer started while the holder was paused {f['stop_s']}s exited {rc}, not 2:\n{w.tail()}")
+            self.violate(
+                "5",
+                f"a trainer started while the holder was paused {f['stop_s']}s exited {rc}, "
+                f"not 2:\n{w.tail()}",
+            )
             if rc is None:
                 w.signal(signal.SIGKILL)
         if holder.popen.poll() is not None:
-            self.violate("7", f"a pause of {f['stop_s']}s < ttl ended the holder (exit {holder.popen.returncode}):\n{holder.tail()}")
+            self.violate(
+                "7",
+                f"a pause of {f['stop_s']}s < ttl ended the holder "
+                f"(exit {holder.popen.returncode}):\n{holder.tail()}",
+            )
         g1 = (self.lock() or {}).get("generation")
         if g1 != g0 and holder.popen.poll() is None:
             self.violate("5", f"a pause shorter than the ttl changed the lock's generation {g0} -> {g1}")
@@ -666,10 +696,11 @@ class Soak:
             time.sleep(wait_more)
         holder.signal(signal.SIGCONT)
         if took is None:
+            waiter = f"exited {w.popen.returncode}" if w.popen.poll() is not None else "still waiting"
             self.violate(
                 "7",
                 f"a holder paused {f['stop_s']}s (> ttl {TTL_S:g}s) was not taken over within "
-                f"{TAKEOVER_BOUND:g}s; the waiter: {'exited %s' % w.popen.returncode if w.popen.poll() is not None else 'still waiting'}:\n{w.tail()}",
+                f"{TAKEOVER_BOUND:g}s; the waiter: {waiter}:\n{w.tail()}",
             )
             w.expect_exit = True
             w.signal(signal.SIGKILL)
@@ -683,7 +714,9 @@ class Soak:
         rc = holder.wait(TERM_BOUND)
         self.lost_leases.append((holder, took))
         if rc != 2:
-            self.violate("5", f"a taken-over trainer, resumed, exited {rc}, not 2 (lost its lease):\n{holder.tail()}")
+            self.violate(
+                "5", f"a taken-over trainer, resumed, exited {rc}, not 2 (lost its lease):\n{holder.tail()}"
+            )
             if rc is None:
                 holder.signal(signal.SIGKILL)
                 holder.wait(30)
@@ -709,7 +742,9 @@ class Soak:
         finally:
             end()
         if t.popen.poll() is not None:
-            self.violate("7", f"{what} for {f['for_s']}s ended training (exit {t.popen.returncode}):\n{t.tail()}")
+            self.violate(
+                "7", f"{what} for {f['for_s']}s ended training (exit {t.popen.returncode}):\n{t.tail()}"
+            )
             t.expect_exit = True  # reported once
             return
         # The next boundary after the outage publishes a checkpoint again.
@@ -738,16 +773,34 @@ class Soak:
                 return
             time.sleep(0.05)
         if t.popen.poll() is not None:
-            self.violate("7", f"a lost reply to a put of {relay.dropped[-1][1]} ended training (exit {t.popen.returncode}):\n{t.tail()}")
+            self.violate(
+                "7",
+                f"a lost reply to a put of {relay.dropped[-1][1]} ended training "
+                f"(exit {t.popen.returncode}):\n{t.tail()}",
+            )
             t.expect_exit = True
         else:
-            self.violate("7", f"after a lost reply to a put of {relay.dropped[-1][1]} no checkpoint was written:\n{t.tail()}")
+            self.violate(
+                "7",
+                f"after a lost reply to a put of {relay.dropped[-1][1]} no checkpoint was "
+                f"written:\n{t.tail()}",
+            )
 
     def _phases(self) -> set[str]:
         return {n for n in self.store.listdir("run/archive") if n.startswith("phase_")}
 
     def _pivot_cmd(self, policy: str) -> list[str]:
-        return ["pivot", self.store.run_url, "--policy", policy, "--no-restart", "--max-steps", str(self.big), "--timeout", str(TOOL_BOUND)]
+        return [
+            "pivot",
+            self.store.run_url,
+            "--policy",
+            policy,
+            "--no-restart",
+            "--max-steps",
+            str(self.big),
+            "--timeout",
+            str(TOOL_BOUND),
+        ]
 
     def _run_pivot(self, policy: str, kill: str | None, kill_s: float = 0.0) -> int:
         argv = self._pivot_cmd(policy)
@@ -799,7 +852,9 @@ class Soak:
         rc = refused.wait(TOOL_BOUND)
         time.sleep(0.05)
         if rc != 2 or "pivot.json" not in refused.text():
-            self.violate("7", f"a trainer on a half-done pivot exited {rc}, not 2 naming pivot.json:\n{refused.tail()}")
+            self.violate(
+                "7", f"a trainer on a half-done pivot exited {rc}, not 2 naming pivot.json:\n{refused.tail()}"
+            )
             if rc is None:
                 refused.signal(signal.SIGKILL)
             if rc == 0 or rc is None:
@@ -847,7 +902,16 @@ class Soak:
         fork = next((e for e in reversed(self.events) if e[0] == "fork"), None)
         if fork:
             branches = [f"{run}-fork{fork[1]}-{n}" for n in fork[2]]
-            cmds.append(["compare", *branches, "--out", str(self.work / f"report-{self.fault_i}"), "--val-sequences", "4"])
+            cmds.append(
+                [
+                    "compare",
+                    *branches,
+                    "--out",
+                    str(self.work / f"report-{self.fault_i}"),
+                    "--val-sequences",
+                    "4",
+                ]
+            )
         procs = [(c, self.spawn(c[0], c)) for c in cmds]
         for c, p in procs:
             rc = p.wait(TOOL_BOUND)
@@ -869,7 +933,11 @@ class Soak:
             if rc is None:
                 second.signal(signal.SIGKILL)
         after = self.lock()
-        if before and after and (before.get("pid"), before.get("generation")) != (after.get("pid"), after.get("generation")):
+        if (
+            before
+            and after
+            and (before.get("pid"), before.get("generation")) != (after.get("pid"), after.get("generation"))
+        ):
             if self.trainer.popen.poll() is None:
                 self.violate("5", f"a refused second trainer changed the lock: {before} -> {after}")
 
@@ -888,12 +956,23 @@ class Soak:
         for name in self.store.names():
             if name == "run" or name.startswith("run-fork"):
                 continue
-            snap.update({f"store:{k}": v for k, v in self.store.files(name).items() if not k.startswith(".soak-filler")})
+            snap.update(
+                {
+                    f"store:{k}": v
+                    for k, v in self.store.files(name).items()
+                    if not k.startswith(".soak-filler")
+                }
+            )
         for p in sorted(self.cache.rglob("*")):
             if p.is_file():
                 snap[f"cache:{p.relative_to(self.cache)}"] = f"{p.stat().st_size}:{p.stat().st_mtime_ns}"
         # The processes' working directory: a file left there (a report, a log) is an untracked file.
-        git = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True)
+        git = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         for line in git.stdout.splitlines():
             if line.startswith("?? "):
                 snap[f"repo:{line[3:]}"] = "untracked"
@@ -927,13 +1006,20 @@ class Soak:
                 for _, inv, _ in self.violations[n_before:]:
                     self.stats[kind][f"violations ({inv})"] += 1
             if self.args.verbose:
-                print(f"fault {f['i']:4d} {kind:16s} step {self.trainer.step():6d} {'ok' if len(self.violations) == n_before else 'VIOLATION'}", flush=True)
+                print(
+                    f"fault {f['i']:4d} {kind:16s} step {self.trainer.step():6d} "
+                    f"{'ok' if len(self.violations) == n_before else 'VIOLATION'}",
+                    flush=True,
+                )
         # The end: stop on a step, then train to the next grid step and complete there.
         self.fault_i = len(schedule)
         self.stop_trainer(signal.SIGTERM)
         last = max(self.checkpoints())
         self.final = (last // self.every + 2) * self.every
-        final = self.spawn("trainer", ["train", "--run-dir", self.store.run_url, "--device", "cpu", "--max-steps", str(self.final)])
+        final = self.spawn(
+            "trainer",
+            ["train", "--run-dir", self.store.run_url, "--device", "cpu", "--max-steps", str(self.final)],
+        )
         rc = final.wait(600)
         if rc != 0:
             self.violate("7", f"the last trainer (to step {self.final}) exited {rc}:\n{final.tail()}")
@@ -964,7 +1050,11 @@ class Soak:
             if rc != 0:
                 raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
             if event[0] == "pivot":
-                p = self.spawn("ref-pivot", ["pivot", str(ref), "--policy", event[2], "--no-restart", "--max-steps", str(self.big)], host)
+                p = self.spawn(
+                    "ref-pivot",
+                    ["pivot", str(ref), "--policy", event[2], "--no-restart", "--max-steps", str(self.big)],
+                    host,
+                )
                 if p.wait(600) != 0:
                     raise SystemExit(f"soak: the reference pivot failed:\n{p.tail(30)}")
             elif event[0] == "fork":
@@ -980,11 +1070,17 @@ class Soak:
         self.fault_i = -1
         got_root = self.work / "got"
         got_root.mkdir()
-        self.store.copy_out([n for n in self.store.names() if n == "run" or n.startswith("run-fork")], got_root)
+        self.store.copy_out(
+            [n for n in self.store.names() if n == "run" or n.startswith("run-fork")], got_root
+        )
         got, ref = got_root / "run", ref_root / "run"
 
         def steps(d: Path) -> list[int]:
-            return sorted(int(m.group(1)) for p in d.glob("step_*.bin") if (m := re.fullmatch(r"step_(\d+)\.bin", p.name)))
+            return sorted(
+                int(m.group(1))
+                for p in d.glob("step_*.bin")
+                if (m := re.fullmatch(r"step_(\d+)\.bin", p.name))
+            )
 
         # (1) the final checkpoint, and every checkpoint both kept, byte for byte
         final = checkpoint_name(self.final)
@@ -1003,8 +1099,14 @@ class Soak:
 
         hg, hr = history(got), history(ref)
         if hg != hr:
-            first = next((i for i, (a, b) in enumerate(zip(hg, hr)) if a != b), min(len(hg), len(hr)))
-            self.violate("2", f"canonical loss history differs from step {first + 1} (lengths {len(hg)}, {len(hr)}): {hg[first:first + 1]} vs {hr[first:first + 1]}")
+            first = next(
+                (i for i, (a, b) in enumerate(zip(hg, hr, strict=False)) if a != b), min(len(hg), len(hr))
+            )
+            self.violate(
+                "2",
+                f"canonical loss history differs from step {first + 1} (lengths {len(hg)}, {len(hr)}): "
+                f"{hg[first : first + 1]} vs {hr[first : first + 1]}",
+            )
 
         # (3) archived phases (and the phase in force): policy.yaml, each step's bandit state and audit
         pg = sorted(p.name for p in (got / "archive").glob("phase_*")) if (got / "archive").exists() else []
@@ -1012,15 +1114,28 @@ class Soak:
         if pg != pr:
             self.violate("3", f"archived phases {pg}, the reference's {pr}")
         for name in sorted(set(pg) & set(pr)):
-            self._same_sidecars(got / "archive" / name, ref / "archive" / name, f"archive/{name}", boundary=int(name.split("_step_")[1]))
+            self._same_sidecars(
+                got / "archive" / name,
+                ref / "archive" / name,
+                f"archive/{name}",
+                boundary=int(name.split("_step_")[1]),
+            )
         self._same_sidecars(got, ref, "the phase in force", boundary=self.final)
 
         # (4) fork branches: complete, their fork point kept in the parent, one forks.jsonl line each
-        lines = [json.loads(x) for x in (got / "forks.jsonl").read_text().splitlines() if x.strip()] if (got / "forks.jsonl").exists() else []
+        lines = (
+            [json.loads(x) for x in (got / "forks.jsonl").read_text().splitlines() if x.strip()]
+            if (got / "forks.jsonl").exists()
+            else []
+        )
         keyed = Counter((int(x["step"]), tuple(x.get("names", []))) for x in lines)
-        for kind, step, names in (e for e in self.events if e[0] == "fork"):
+        for _, step, names in (e for e in self.events if e[0] == "fork"):
             if keyed.get((step, tuple(names)), 0) != 1:
-                self.violate("4", f"forks.jsonl has {keyed.get((step, tuple(names)), 0)} lines for the fork at {step} {names}")
+                self.violate(
+                    "4",
+                    f"forks.jsonl has {keyed.get((step, tuple(names)), 0)} lines for the fork at "
+                    f"{step} {names}",
+                )
             if not (got / checkpoint_name(step)).exists():
                 self.violate("4", f"the fork point {checkpoint_name(step)} was not kept")
             for n in names:
@@ -1044,11 +1159,19 @@ class Soak:
         high = 0
         for e in entries:
             if e.segment < high:
-                self.violate("5", f".loss.json: a line of segment {e.segment} (step {e.step}) after segment {high}'s: a writer that was not the holder")
+                self.violate(
+                    "5",
+                    f".loss.json: a line of segment {e.segment} (step {e.step}) after segment {high}'s: "
+                    "a writer that was not the holder",
+                )
                 break
             high = e.segment
         for p, took in self.lost_leases:
-            late = [line for t, line in p.lines if t > took + 0.5 and re.search(r"checkpoint step_\d+\.bin \(", line)]
+            late = [
+                line
+                for t, line in p.lines
+                if t > took + 0.5 and re.search(r"checkpoint step_\d+\.bin \(", line)
+            ]
             if late:
                 self.violate("5", f"trainer pid {p.pid} published after its lease was taken over: {late}")
 
@@ -1070,7 +1193,10 @@ class Soak:
             if not p.exists():
                 return {}
             doc = json.loads(p.read_text())
-            return {int(e["step"]): {k: v for k, v in e.items() if k != "previous"} for e in [doc, *doc.get("previous", [])]}
+            return {
+                int(e["step"]): {k: v for k, v in e.items() if k != "previous"}
+                for e in [doc, *doc.get("previous", [])]
+            }
 
         def audits(d: Path) -> dict[int, dict]:
             p = d / ".samples.json"
@@ -1082,7 +1208,11 @@ class Soak:
 
         sg, sr = states(got), states(ref)
         if boundary not in sg or boundary not in sr:
-            self.violate("3", f"{where}: the bandit state of step {boundary} is missing (soak {sorted(sg)}, reference {sorted(sr)})")
+            self.violate(
+                "3",
+                f"{where}: the bandit state of step {boundary} is missing "
+                f"(soak {sorted(sg)}, reference {sorted(sr)})",
+            )
         for s in sorted(set(sg) & set(sr)):
             if sg[s] != sr[s]:
                 self.violate("3", f"{where}: the bandit state of step {s} differs from the reference's")
@@ -1126,7 +1256,9 @@ def main() -> int:
     kinds = args.kinds.split(",") if args.kinds else None
     unknown = sorted(set(kinds or []) - set(KINDS[args.store]))
     if unknown:
-        ap.error(f"--kinds: {unknown} are not fault kinds of --store {args.store} ({', '.join(KINDS[args.store])})")
+        ap.error(
+            f"--kinds: {unknown} are not fault kinds of --store {args.store} ({', '.join(KINDS[args.store])})"
+        )
     schedule = draw_schedule(args.seed, args.faults, args.store, args.every, kinds)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="andrea-soak-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -1144,9 +1276,13 @@ def main() -> int:
     finally:
         soak.close()
     wall = time.time() - t0
-    print(f"\nsoak: store {args.store}, seed {args.seed}, {args.faults} faults, checkpoint every {args.every} steps, "
-          f"lease renew {RENEW_S:g}s / ttl {TTL_S:g}s; final step {getattr(soak, 'final', '?')}; "
-          f"{len([e for e in soak.events if e[0] == 'pivot'])} pivots, {len([e for e in soak.events if e[0] == 'fork'])} forks")
+    print(
+        f"\nsoak: store {args.store}, seed {args.seed}, {args.faults} faults, "
+        f"checkpoint every {args.every} steps, "
+        f"lease renew {RENEW_S:g}s / ttl {TTL_S:g}s; final step {getattr(soak, 'final', '?')}; "
+        f"{sum(e[0] == 'pivot' for e in soak.events)} pivots, "
+        f"{sum(e[0] == 'fork' for e in soak.events)} forks"
+    )
     print(f"{'fault kind':18s} {'injected':>8s} {'survived':>8s} {'wall s':>8s}  violations")
     for kind in KINDS[args.store]:
         c = soak.stats[kind]
@@ -1157,7 +1293,10 @@ def main() -> int:
         print(f"at the end ({inv}): {what.splitlines()[0]}")
     if args.store == "s3":
         print(f"replies lost after the write: {[(k, status) for _, k, status in soak.store.relay.dropped]}")
-    print(f"violations: {len(soak.violations)}; wall time {wall:.0f} s (soak {getattr(soak, 'soak_s', 0):.0f} s)")
+    print(
+        f"violations: {len(soak.violations)}; wall time {wall:.0f} s "
+        f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"
+    )
     if soak.violations or aborted:
         first = min((v[0] for v in soak.violations if v[0] >= 0), default=args.faults - 1)
         print(f"schedule prefix to the first violation (--seed {args.seed} reproduces it):")
