@@ -428,7 +428,7 @@ class Soak:
         self.every = args.every
         self.big = 10**6
         (work / "logs").mkdir()
-        self.cache = work / "cache"
+        self.cache = Path(args.cache) if args.cache else work / "cache"
         self.store = LocalStore(work, args.disk_mb) if args.store == "local" else S3Store(work)
         from tiny import tiny_config
 
@@ -964,7 +964,9 @@ class Soak:
                 }
             )
         for p in sorted(self.cache.rglob("*")):
-            if p.is_file():
+            # runs/: the append mirrors of a run on a store without append (rundir.MirroredAppendFile),
+            # the run's own scratch; one a killed trainer leaves holds its unpublished tail, by design.
+            if p.is_file() and p.relative_to(self.cache).parts[0] != "runs":
                 snap[f"cache:{p.relative_to(self.cache)}"] = f"{p.stat().st_size}:{p.stat().st_mtime_ns}"
         # The processes' working directory: a file left there (a report, a log) is an untracked file.
         git = subprocess.run(
@@ -1249,6 +1251,7 @@ def main() -> int:
     ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 4 per fault)")
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--work", help="keep the soak's files here (default: a temporary folder, removed)")
+    ap.add_argument("--cache", help="ANDREA_CACHE_DIR of every process (default: WORK/cache, built first)")
     ap.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind)")
     ap.add_argument("--verbose", action="store_true", help="one line per fault")
     args = ap.parse_args()
@@ -1291,6 +1294,9 @@ def main() -> int:
     end = [v for v in soak.violations if v[0] < 0 or v[0] >= args.faults]
     for _, inv, what in end:
         print(f"at the end ({inv}): {what.splitlines()[0]}")
+    mirrors = list((soak.cache / "runs").rglob("*.json.*")) if (soak.cache / "runs").exists() else []
+    if mirrors:
+        print(f"append mirrors left in the cache by killed trainers (kept by design): {len(mirrors)}")
     if args.store == "s3":
         print(f"replies lost after the write: {[(k, status) for _, k, status in soak.store.relay.dropped]}")
     print(
