@@ -95,10 +95,12 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
         elif kind == "sigstop-long":
             f["stop_s"] = round(rng.uniform(TTL_S + 2.0, 3 * TTL_S + 2.0), 2)
         elif kind in ("disk-full", "s3-deny"):
-            f["for_s"] = round(
-                rng.choice([rng.uniform(0.5, TTL_S / 2), rng.uniform(TTL_S + 1, 4 * TTL_S)]), 2
-            )
-            f["leave"] = rng.choice([0, 256 * 1024])
+            # Alternately shorter and longer than the lease's ttl, and (the disk) with room for the small
+            # files or not a byte left: every pairing within four outages.
+            n = sum(g["kind"] == kind for g in out)
+            short, long_ = rng.uniform(0.5, TTL_S / 2), rng.uniform(TTL_S + 1, 4 * TTL_S)
+            f["for_s"] = round(long_ if n % 2 else short, 2)
+            f["leave"] = 0 if n // 2 % 2 else 256 * 1024
         elif kind == "s3-lost-reply":
             f["key"] = rng.choice(["step_", ".state.json", ".trainer.json", ".loss.json", ".samples.json"])
         elif kind == "pivot":
