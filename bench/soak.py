@@ -60,7 +60,8 @@ TOOL_BOUND = 240.0  # a pivot, a fork, a reader
 HOSTS = ("soak-a", "soak-b")  # ANDREA_TEST_HOST: two "machines" sharing the run directory
 
 COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
-COMMON += ["sigstop-short", "sigstop-long", "pivot", "abandon", "fork", "readers", "second-trainer"]
+COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
+COMMON += ["second-trainer"]
 KINDS = {"local": [*COMMON, "disk-full"], "s3": [*COMMON, "s3-deny", "s3-lost-reply"]}
 PIVOT_KILLS = [
     None,
@@ -725,6 +726,26 @@ class Soak:
         self.trainer, self.host = w, w.host
         if not self.wait_training(w):
             w.expect_exit = False
+
+    def f_sigterm_waiting(self, f: dict) -> None:
+        """SIGTERM to a trainer still waiting for another host's lease (systemctl stop while it starts):
+        it exits 0 before its first step, at once, not after its wait."""
+        w = self._waiter(600.0)
+        if w.popen.poll() is not None:
+            self.violate(
+                "5", f"a trainer started against a live lease exited {w.popen.returncode}:\n{w.tail()}"
+            )
+            return
+        w.expect_exit = True
+        w.signal(signal.SIGTERM)
+        rc = w.wait(TERM_BOUND)
+        if rc != 0:
+            self.violate(
+                "7", f"SIGTERM to a trainer waiting for a lease: exit {rc}, not 0 within {TERM_BOUND:g}s"
+            )
+            if rc is None:
+                w.signal(signal.SIGKILL)
+                w.wait(30)
 
     def f_disk_full(self, f: dict) -> None:
         self._outage(f, self.store.fill, self.store.unfill, "the disk full")
