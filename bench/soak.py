@@ -1010,7 +1010,12 @@ class Soak:
         if not self.wait_training(self.trainer):
             raise SystemExit(f"soak: the first trainer did not start:\n{self.trainer.tail()}")
         t_start = time.time()
+        self.injected = 0
         for f in schedule:
+            if self.args.time_limit and time.time() - t_start > self.args.time_limit:
+                print(f"time limit: {self.injected} of {len(schedule)} faults injected", flush=True)
+                break
+            self.injected += 1
             self.fault_i = f["i"]
             n_before = len(self.violations)
             self.wait_steps(f["gap_steps"])
@@ -1037,7 +1042,7 @@ class Soak:
                     flush=True,
                 )
         # The end: stop on a step, then train to the next grid step and complete there.
-        self.fault_i = len(schedule)
+        self.fault_i = self.injected
         self.stop_trainer(signal.SIGTERM)
         last = max(self.checkpoints())
         self.final = (last // self.every + 2) * self.every
@@ -1269,6 +1274,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=40)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--time-limit", type=float, default=0, help="inject no fault after this many seconds")
     ap.add_argument("--store", choices=("local", "s3"), default="local")
     ap.add_argument("--every", type=int, default=5, help="checkpoint_every of the run (5)")
     ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 4 per fault)")
@@ -1314,7 +1320,7 @@ def main() -> int:
         c = soak.stats[kind]
         v = ", ".join(f"{k.split()[1]} x{n}" for k, n in sorted(c.items()) if k.startswith("violations"))
         print(f"{kind:18s} {c['injected']:8d} {c['survived']:8d} {soak.wall[kind]:8.1f}  {v or '-'}")
-    end = [v for v in soak.violations if v[0] < 0 or v[0] >= args.faults]
+    end = [v for v in soak.violations if v[0] < 0 or v[0] >= getattr(soak, "injected", 0)]
     for _, inv, what in end:
         print(f"at the end ({inv}): {what.splitlines()[0]}")
     mirrors = list((soak.cache / "runs").rglob("*.json.*")) if (soak.cache / "runs").exists() else []
@@ -1327,7 +1333,8 @@ def main() -> int:
         f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"
     )
     if soak.violations or aborted:
-        first = min((v[0] for v in soak.violations if v[0] >= 0), default=args.faults - 1)
+        injected = getattr(soak, "injected", args.faults)
+        first = min((v[0] for v in soak.violations if 0 <= v[0] < injected), default=injected - 1)
         print(f"schedule prefix to the first violation (--seed {args.seed} reproduces it):")
         for f in schedule[: first + 1]:
             print("  " + json.dumps(f))
