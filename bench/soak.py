@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from andrea_core.checkpoint import checkpoint_name  # noqa: E402
-from andrea_core.loss_log import newest_segments, parse_entries  # noqa: E402
+from andrea_core.run.loss_log import newest_segments, parse_entries  # noqa: E402
 
 PYTHON = sys.executable
 RENEW_S, TTL_S = 1.0, 3.0  # the lease's timing for every process of the soak (ANDREA_LEASE_*)
@@ -74,7 +74,7 @@ PIVOT_KILLS = [
     "random",
 ]
 HALF_DONE = ["stopped", "archive-move-1", "archived", "loss-kept"]
-POLICIES = ("tiny-mix", "stdlib-only")
+POLICIES = ("tiny-mix", "stdlib-only")  # the run's policy and the one it pivots to and back from
 
 
 def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | None = None) -> list[dict]:
@@ -435,6 +435,8 @@ class Soak:
         self.store = LocalStore(work, args.disk_mb) if args.store == "local" else S3Store(work)
         from tiny import tiny_config
 
+        self.policies = self._freeze_policies()
+
         self.config = tiny_config(
             work,
             name="soak",
@@ -443,7 +445,7 @@ class Soak:
                 "train__sample_every": 4 * self.every,
                 "train__log_every": 1,
                 "train__max_steps": self.big,
-                "data__policy": "tiny-mix",
+                "data__policy": self.policies["tiny-mix"],
                 "retention__keep_last": 3,
                 "retention__keep_every": 10 * self.every,
             },
@@ -460,6 +462,35 @@ class Soak:
         self.lost_leases: list[tuple[Proc, float]] = []  # a trainer taken over, and when
         self.fault_i = -1
         self.forks = 0
+
+    def _freeze_policies(self) -> dict[str, str]:
+        """tiny-mix and stdlib-only as files of the soak's own, their prose arm reading a copy of the
+        text it would read (site-packages' .md/.rst/.txt/METADATA), made once: a package installed
+        into the shared environment during the soak must not change the reference's data."""
+        import yaml
+
+        from andrea_core.data.sources import _site_packages
+
+        prose = self.work / "prose"
+        prose.mkdir()
+        total = 0
+        for root in _site_packages():
+            for pattern in ("*.md", "*.rst", "*.txt", "METADATA"):
+                for f in sorted(root.rglob(pattern)):
+                    if total < 2_000_000 and f.is_file() and f.stat().st_size > 200:
+                        dest = prose / str(f.relative_to(root)).replace("/", "__")
+                        dest.write_bytes(f.read_bytes())
+                        total += dest.stat().st_size
+        out = {}
+        for name in POLICIES:
+            doc = yaml.safe_load((REPO / "configs" / "policies" / f"{name}.yaml").read_text())
+            for arm in doc["arms"]:
+                if arm["kind"] == "prose":
+                    arm["paths"] = [str(prose)]
+            path = self.work / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(doc, sort_keys=False))
+            out[name] = str(path)
+        return out
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -817,7 +848,7 @@ class Soak:
             "pivot",
             self.store.run_url,
             "--policy",
-            policy,
+            self.policies[policy],
             "--no-restart",
             "--max-steps",
             str(self.big),
@@ -969,7 +1000,8 @@ class Soak:
     def prepare(self) -> None:
         """Token caches built before anything is watched: a trainer start reads them."""
         for policy in POLICIES:
-            rc, out = self.tool("data", ["data", "prepare", policy, "--config", self.config], timeout=900)
+            argv = ["data", "prepare", self.policies[policy], "--config", self.config]
+            rc, out = self.tool("data", argv, timeout=900)
             if rc != 0:
                 raise SystemExit(f"soak: andrea data prepare {policy} failed:\n{out}")
 
@@ -1082,7 +1114,15 @@ class Soak:
             if event[0] == "pivot":
                 p = self.spawn(
                     "ref-pivot",
-                    ["pivot", str(ref), "--policy", event[2], "--no-restart", "--max-steps", str(self.big)],
+                    [
+                        "pivot",
+                        str(ref),
+                        "--policy",
+                        self.policies[event[2]],
+                        "--no-restart",
+                        "--max-steps",
+                        str(self.big),
+                    ],
                     host,
                 )
                 if p.wait(600) != 0:
