@@ -1245,10 +1245,25 @@ class Soak:
             if late:
                 self.violate("5", f"trainer pid {p.pid} published after its lease was taken over: {late}")
 
-        # (8) retention: pivot boundaries, fork points, multiples of keep_every and the newest keep_last
+        # (8) retention: pivot boundaries, fork points, and of the checkpoints the run published (its
+        # trainers' logs; an outage legitimately skips some) the multiples of keep_every and the newest
+        # keep_last, less a closed phase's tail (moved into its archive folder by the pivot)
         have = set(steps(got))
-        need = {e[1] for e in self.events} | {s for s in steps(ref) if s % (10 * self.every) == 0}
-        need |= set(sorted(set(steps(ref)) | have)[-3:]) if self.final in have else set()
+        published = {
+            int(m.group(1))
+            for p in self.procs
+            if p.what == "trainer"
+            for _, line in p.lines
+            if (m := re.search(r"checkpoint step_(\d+)\.bin \(", line))
+        }
+        tails = {
+            int(m.group(1))
+            for a in (got / "archive").glob("phase_*/step_*.bin")
+            if (m := re.search(r"step_(\d+)", a.name))
+        }
+        published -= tails - have
+        need = {e[1] for e in self.events} | {s for s in published if s % (10 * self.every) == 0}
+        need |= set(sorted(published | have)[-3:])
         missing = sorted(need - have)
         if missing:
             self.violate("8", f"retention did not keep {[checkpoint_name(s) for s in missing]}")
@@ -1335,6 +1350,11 @@ def main() -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="andrea-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)  # the processes it started are stopped on the way out
     soak = Soak(args, work)
     aborted = None
     try:
