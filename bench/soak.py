@@ -210,6 +210,10 @@ class DroppingRelay(http.server.ThreadingHTTPServer):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client killed mid-request: normal here
+            super().handle_error(request, client_address)
+
 
 class _RelayHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
