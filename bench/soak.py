@@ -1,0 +1,1411 @@
+"""A chaos soak (issue 28): a seeded schedule of every fault the project claims to survive, thrown at one
+long andrea-tiny run, and the invariants checked against a reference run that makes the same pivots and
+forks at the same steps with no fault.
+
+Everything is real: trainers are `python -m andrea_core train` processes, signals are kill(2), the disk
+is a tmpfs that is filled for real, the object store is the tests' moto server (tests/moto_s3.py) whose
+IAM policy denies puts, and a lost reply is a relay in front of it that forwards a put to the store and
+then drops the connection instead of the answer. The soak itself is the supervisor: after a fault it
+restarts the trainer as systemd's Restart=on-failure (or an operator) would.
+
+    python bench/soak.py --faults 1000 --seed 1              # local tmpfs run directory (needs root)
+    python bench/soak.py --faults 1000 --seed 1 --store s3   # on moto
+
+The invariants (issue 28): (1) the final checkpoint (and every checkpoint both runs kept) is
+byte-identical to the reference's; (2) the canonical loss history equals the reference's; (3) every
+archived phase holds the reference's sidecars (policy.yaml byte for byte, each step's bandit state and
+audit equal); (4) every fork branch is complete, its fork point kept; (5) never two writers: the lock's
+generation never goes down, `.loss.json`'s segments never go back in file order (a paused, taken-over
+trainer appending after its successor), and a trainer that lost its lease publishes no checkpoint after
+the takeover (from its log, stamped as read) and exits 2; (6) nothing outside the run directory and its
+branches was created or changed; (7) every stop, takeover, pivot, fork and reader ends within its bound;
+(8) retention kept what its rules keep. `--seed` draws the same schedule; a violation prints the
+schedule's prefix up to the fault that showed it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import http.client
+import http.server
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from andrea_core.checkpoint import checkpoint_name  # noqa: E402
+from andrea_core.run.loss_log import newest_segments, parse_entries  # noqa: E402
+
+PYTHON = sys.executable
+RENEW_S, TTL_S = 1.0, 3.0  # the lease's timing for every process of the soak (ANDREA_LEASE_*)
+TERM_BOUND = 90.0  # SIGTERM to exit 0: one step and one checkpoint (plus a loaded machine's slack)
+TAKEOVER_BOUND = TTL_S + RENEW_S + 1.0 + 5.0  # a paused holder's lease taken over after it stops
+TOOL_BOUND = 240.0  # a pivot, a fork, a reader
+HOSTS = ("soak-a", "soak-b")  # ANDREA_TEST_HOST: two "machines" sharing the run directory
+
+COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
+COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
+COMMON += ["second-trainer"]
+KINDS = {"local": [*COMMON, "disk-full"], "s3": [*COMMON, "s3-deny", "s3-lost-reply"]}
+PIVOT_KILLS = [
+    None,
+    "checkpointed",
+    "stopped",
+    "archive-move-1",
+    "archived",
+    "loss-kept",
+    "installed",
+    "random",
+]
+HALF_DONE = ["stopped", "archive-move-1", "archived", "loss-kept"]
+POLICIES = ("tiny-mix", "stdlib-only")  # the run's policy and the one it pivots to and back from
+
+
+def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | None = None) -> list[dict]:
+    """The faults, drawn from `seed` alone: the same seed gives the same schedule (`kinds`: only those)."""
+    rng = random.Random(seed)
+    out, deck = [], []
+    for i in range(n):
+        if not deck:  # every kind once per round, in a drawn order: 40 faults throw each kind twice or more
+            deck = [k for k in KINDS[store] if not kinds or k in kinds]
+            rng.shuffle(deck)
+        kind = deck.pop()
+        f = {"i": i, "kind": kind, "gap_steps": rng.randint(0, 2 * every)}
+        if kind in ("sigkill", "sigkill-startup"):
+            f["after_s"] = round(rng.uniform(0.0, 4.0), 2)
+        elif kind == "sigkill-write":
+            f["after_s"] = round(rng.uniform(0.0, 0.08), 3)
+        elif kind == "sigstop-short":
+            f["stop_s"] = round(rng.uniform(0.2, 0.6 * TTL_S), 2)
+        elif kind == "sigstop-long":
+            f["stop_s"] = round(rng.uniform(TTL_S + 2.0, 3 * TTL_S + 2.0), 2)
+        elif kind in ("disk-full", "s3-deny"):
+            # Alternately shorter and longer than the lease's ttl, and (the disk) with room for the small
+            # files or not a byte left: every pairing within four outages.
+            n = sum(g["kind"] == kind for g in out)
+            short, long_ = rng.uniform(0.5, TTL_S / 2), rng.uniform(TTL_S + 1, 4 * TTL_S)
+            f["for_s"] = round(long_ if n % 2 else short, 2)
+            f["leave"] = 0 if n // 2 % 2 else 256 * 1024
+        elif kind == "s3-lost-reply":
+            f["key"] = rng.choice(["step_", ".state.json", ".trainer.json", ".loss.json", ".samples.json"])
+        elif kind == "pivot":
+            f["kill"] = rng.choice(PIVOT_KILLS)
+            f["kill_s"] = round(rng.uniform(0.5, 8.0), 2)
+        elif kind == "abandon":
+            f["kill"] = rng.choice(HALF_DONE)
+        elif kind == "fork":
+            f["kill"] = rng.choice(["checkpoint", "random", None])
+            f["kill_s"] = round(rng.uniform(0.2, 3.0), 2)
+        out.append(f)
+    return out
+
+
+# --- stores ------------------------------------------------------------------------------------------
+
+
+class LocalStore:
+    """A run directory on a tmpfs of its own (mounted here; needs root), filled for real."""
+
+    name = "local"
+
+    def __init__(self, work: Path, size_mb: int):
+        self.root = work / "disk"
+        self.root.mkdir()
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(self.root)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"soak: cannot mount a tmpfs (needs root): {proc.stderr.strip()}")
+        self.run_url = str(self.root / "run")
+        self.filler: Path | None = None
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def url(self, name: str) -> str:
+        return str(self.root / name)
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir())
+
+    def files(self, top: str) -> dict[str, str]:
+        """relative path -> sha256 of every file under `top` (a name beside the run, '' for all)."""
+        out = {}
+        base = self.root / top if top else self.root
+        for p in sorted(base.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                out[str(p.relative_to(self.root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        return out
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return (self.root / rel).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def listdir(self, rel: str) -> list[str]:
+        p = self.root / rel
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+
+    def copy_out(self, names: list[str], dest: Path) -> None:
+        for n in names:
+            shutil.copytree(self.root / n, dest / n, symlinks=True)
+
+    def fill(self, leave: int) -> None:
+        st = os.statvfs(self.root)
+        self.filler = self.root / f".soak-filler-{uuid.uuid4().hex}"
+        want = st.f_bavail * st.f_frsize - leave
+        chunk = b"\0" * (1 << 20)
+        with open(self.filler, "wb") as f:
+            while want > 0:
+                try:
+                    want -= f.write(chunk[: min(len(chunk), want)])
+                except OSError:
+                    break
+
+    def unfill(self) -> None:
+        if self.filler is not None:
+            self.filler.unlink(missing_ok=True)
+            self.filler = None
+
+    def close(self) -> None:
+        self.unfill()
+        subprocess.run(["umount", "-l", str(self.root)], check=False)
+
+
+class DroppingRelay(http.server.ThreadingHTTPServer):
+    """An HTTP relay in front of moto. Armed with a key pattern, it forwards the next PUT of a matching
+    key to the store, reads the store's answer (the write has committed) and closes the connection
+    instead of answering: the client sees a reply lost after the write, and retries."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.armed: str | None = None
+        self.dropped: list[tuple[float, str, int]] = []
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _RelayHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client killed mid-request: normal here
+            super().handle_error(request, client_address)
+
+
+class _RelayHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            raw = b""
+            while True:
+                line = self.rfile.readline()
+                raw += line
+                size = int(line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while True:  # trailers, then the blank line
+                        t = self.rfile.readline()
+                        raw += t
+                        if t in (b"\r\n", b"\n", b""):
+                            return raw
+                raw += self.rfile.read(size + 2)
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _relay(self) -> None:
+        body = self._body()
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=120)
+        conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+        for k, v in self.headers.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        if body:
+            conn.send(body)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        srv = self.server
+        with srv.lock:
+            drop = srv.armed is not None and self.command == "PUT" and srv.armed in self.path.split("?")[0]
+            if drop:
+                srv.dropped.append((time.time(), self.path.split("?")[0], resp.status))
+                srv.armed = None
+        if drop:
+            self.close_connection = True
+            return
+        self.send_response_only(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        if self.command == "HEAD":
+            self.send_header("Content-Length", resp.getheader("Content-Length") or "0")
+        else:
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+
+DENY_PUTS = {
+    "Version": "2012-10-17",
+    "Statement": [{"Effect": "Deny", "Action": "s3:PutObject", "Resource": "*"}],
+}
+ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+
+
+class S3Store:
+    """The run directory in a bucket of the tests' moto server (IAM checked, as test_full_disk's
+    fixture sets it up), reached by every process through the dropping relay."""
+
+    name = "s3"
+    bucket = "soak"
+
+    def __init__(self, work: Path):
+        import boto3
+        from s3_server import CREDENTIALS, start_s3_server
+
+        os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
+        try:
+            self.server = start_s3_server()
+        finally:
+            del os.environ["INITIAL_NO_AUTH_ACTION_COUNT"]
+        boot = dict(endpoint_url=self.server.endpoint, region_name="us-east-1")
+        iam = boto3.client("iam", **boot, aws_access_key_id="root", aws_secret_access_key="root")
+        iam.create_user(UserName="trainer")
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument=json.dumps(ALLOW_ALL))
+        creds = dict(aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+        self.iam = boto3.client("iam", **boot, **creds)
+        self.s3 = boto3.client("s3", **boot, **creds)
+        self.s3.create_bucket(Bucket=self.bucket)
+        self.relay = DroppingRelay(self.server.port)
+        self._env = {
+            **CREDENTIALS,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "FSSPEC_S3_ENDPOINT_URL": self.relay.endpoint,
+        }
+        self.run_url = f"s3://{self.bucket}/run"
+
+    def env(self) -> dict[str, str]:
+        return self._env
+
+    def url(self, name: str) -> str:
+        return f"s3://{self.bucket}/{name}"
+
+    def _keys(self, prefix: str = "") -> dict[str, str]:
+        out, token = {}, None
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            page = self.s3.list_objects_v2(**kw)
+            for o in page.get("Contents", []):
+                out[o["Key"]] = o["ETag"].strip('"')
+            if not page.get("IsTruncated"):
+                return out
+            token = page["NextContinuationToken"]
+
+    def names(self) -> list[str]:
+        return sorted({k.split("/", 1)[0] for k in self._keys()})
+
+    def files(self, top: str) -> dict[str, str]:
+        return self._keys(f"{top}/" if top else "")
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return self.s3.get_object(Bucket=self.bucket, Key=rel)["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            return None
+
+    def listdir(self, rel: str) -> list[str]:
+        prefix = rel.rstrip("/") + "/"
+        return sorted({k[len(prefix) :].split("/", 1)[0] for k in self._keys(prefix)})
+
+    def copy_out(self, names: list[str], dest: Path) -> None:
+        for n in names:
+            for key in self._keys(f"{n}/"):
+                p = dest / key
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(self.read(key) or b"")
+
+    def deny(self, on: bool) -> None:
+        if on:
+            self.iam.put_user_policy(
+                UserName="trainer", PolicyName="deny", PolicyDocument=json.dumps(DENY_PUTS)
+            )
+        else:
+            self.iam.delete_user_policy(UserName="trainer", PolicyName="deny")
+
+    def close(self) -> None:
+        self.relay.shutdown()
+        self.server.stop()
+
+
+# --- processes ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """A process the soak started, its output read on a thread and stamped with the time it was read."""
+
+    popen: subprocess.Popen
+    what: str
+    host: str
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    expect_exit: bool = False  # the soak asked it to stop (or killed it)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.popen.stdout:
+            self.lines.append((time.time(), raw.decode(errors="replace").rstrip("\n")))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def tail(self, n: int = 12) -> str:
+        return "\n".join(line for _, line in self.lines[-n:])
+
+    def step(self) -> int:
+        for _, line in reversed(self.lines):
+            m = re.search(r"step (\d+)/", line)
+            if m:
+                return int(m.group(1))
+        return 0
+
+    def first(self, pattern: str, after: float = 0.0) -> float | None:
+        """When a line matching `pattern` was read (the first after `after`), or None."""
+        for t, line in list(self.lines):
+            if t >= after and re.search(pattern, line):
+                return t
+        return None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class Violation(Exception):
+    pass
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.args = args
+        self.work = work
+        self.every = args.every
+        self.big = 10**6
+        (work / "logs").mkdir()
+        self.cache = Path(args.cache) if args.cache else work / "cache"
+        self.store = LocalStore(work, args.disk_mb) if args.store == "local" else S3Store(work)
+        from tiny import tiny_config
+
+        self.policies = self._freeze_policies()
+
+        self.config = tiny_config(
+            work,
+            name="soak",
+            **{
+                "train__checkpoint_every": self.every,
+                "train__sample_every": 4 * self.every,
+                "train__log_every": 1,
+                "train__max_steps": self.big,
+                "data__policy": self.policies["tiny-mix"],
+                "retention__keep_last": 3,
+                "retention__keep_every": 10 * self.every,
+            },
+        )
+        self.host = HOSTS[0]
+        self.trainer: Proc | None = None
+        self.procs: list[Proc] = []
+        self.violations: list[tuple[int, str, str]] = []  # (fault index, invariant, what)
+        self.stats: dict[str, Counter] = defaultdict(Counter)
+        self.wall: dict[str, float] = defaultdict(float)
+        self.events: list[tuple] = []  # ("pivot", boundary, policy) / ("fork", step, branches), in order
+        self.policy = "tiny-mix"
+        self.generations: list[tuple[float, int]] = []
+        self.lost_leases: list[tuple[Proc, float]] = []  # a trainer taken over, and when
+        self.fault_i = -1
+        self.forks = 0
+
+    def _freeze_policies(self) -> dict[str, str]:
+        """tiny-mix and stdlib-only as files of the soak's own, their prose arm reading a copy of the
+        text it would read (site-packages' .md/.rst/.txt/METADATA), made once: a package installed
+        into the shared environment during the soak must not change the reference's data."""
+        import yaml
+
+        from andrea_core.data.sources import _site_packages
+
+        prose = self.work / "prose"
+        prose.mkdir()
+        total = 0
+        for root in _site_packages():
+            for pattern in ("*.md", "*.rst", "*.txt", "METADATA"):
+                for f in sorted(root.rglob(pattern)):
+                    if total < 2_000_000 and f.is_file() and f.stat().st_size > 200:
+                        dest = prose / str(f.relative_to(root)).replace("/", "__")
+                        dest.write_bytes(f.read_bytes())
+                        total += dest.stat().st_size
+        out = {}
+        for name in POLICIES:
+            doc = yaml.safe_load((REPO / "configs" / "policies" / f"{name}.yaml").read_text())
+            for arm in doc["arms"]:
+                if arm["kind"] == "prose":
+                    arm["paths"] = [str(prose)]
+            path = self.work / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(doc, sort_keys=False))
+            out[name] = str(path)
+        return out
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def env(self, host: str | None = None, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.store.env())
+        env.update(
+            PYTHONPATH=str(REPO),
+            PYTHONUNBUFFERED="1",
+            ANDREA_CACHE_DIR=str(self.cache),
+            ANDREA_LEASE_RENEW_S=str(RENEW_S),
+            ANDREA_LEASE_TTL_S=str(TTL_S),
+            ANDREA_TEST_HOST=host or self.host,
+        )
+        env.pop("ANDREA_TEST_PIVOT_KILL_AFTER", None)
+        env.pop("ANDREA_TEST_FORK_KILL_AFTER", None)
+        env.update(extra)
+        return env
+
+    def spawn(self, what: str, argv: list[str], host: str | None = None, **extra: str) -> Proc:
+        popen = subprocess.Popen(
+            ["nice", "-n", str(self.args.nice), PYTHON, "-m", "andrea_core", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env(host, **extra),
+            cwd=REPO,
+            start_new_session=True,
+        )
+        p = Proc(popen, what, host or self.host)
+        self.procs.append(p)
+        return p
+
+    def tool(self, what: str, argv: list[str], timeout: float = TOOL_BOUND, **extra: str) -> tuple[int, str]:
+        p = self.spawn(what, argv, **extra)
+        rc = p.wait(timeout)
+        if rc is None:
+            p.signal(signal.SIGKILL)
+            p.wait(30)
+            self.violate("7", f"`andrea {' '.join(argv)}` did not end within {timeout:g}s:\n{p.tail()}")
+            return -9999, p.text()
+        time.sleep(0.05)  # the reader thread's last lines
+        return rc, p.text()
+
+    def violate(self, invariant: str, what: str) -> None:
+        self.violations.append((self.fault_i, invariant, what))
+        print(f"  VIOLATION ({invariant}) at fault {self.fault_i}: {what}", flush=True)
+
+    def start_trainer(self, first: bool = False, host: str | None = None, **extra: str) -> Proc:
+        argv = ["train", "--run-dir", self.store.run_url, "--device", "cpu", "--max-steps", str(self.big)]
+        if first:
+            argv[1:1] = ["--config", self.config]
+        p = self.spawn("trainer", argv, host, **extra)
+        return p
+
+    def lock(self) -> dict | None:
+        raw = self.store.read("run/.trainer.json")
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        if isinstance(doc, dict) and isinstance(doc.get("generation"), int):
+            g = doc["generation"]
+            if self.generations and g < self.generations[-1][1]:
+                self.violate("5", f"the lock's generation went down: {self.generations[-1][1]} -> {g}")
+            self.generations.append((time.time(), g))
+        return doc if isinstance(doc, dict) else None
+
+    def wait_steps(self, n: int, timeout: float = 300.0) -> None:
+        """Let the live trainer train `n` more steps (restarting it if it ended on its own)."""
+        self.ensure_trainer()
+        target = self.trainer.step() + n
+        deadline = time.monotonic() + timeout
+        while self.trainer.step() < target:
+            if self.trainer.popen.poll() is not None:
+                self.ensure_trainer()
+                target = min(target, self.trainer.step() + n)
+            if time.monotonic() > deadline:
+                self.violate("7", f"the trainer made no progress for {timeout:g}s:\n{self.trainer.tail()}")
+                return
+            time.sleep(0.02)
+
+    def wait_training(self, p: Proc, timeout: float = 300.0) -> bool:
+        """Until `p` logs its first step (True), or exits (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if p.step() > 0 or p.first(r"training steps"):
+                return True
+            if p.popen.poll() is not None:
+                return False
+            time.sleep(0.02)
+        self.violate("7", f"a trainer did not start training within {timeout:g}s:\n{p.tail()}")
+        return False
+
+    def ensure_trainer(self) -> None:
+        """The supervisor: a trainer that ended unasked is restarted (and reported when it should not
+        have ended: any exit we did not cause is a violation, as Restart=on-failure would mask it)."""
+        for _ in range(5):
+            t = self.trainer
+            if t is not None and t.popen.poll() is None:
+                return
+            if t is not None and not t.expect_exit:
+                self.violate("7", f"the trainer exited {t.popen.returncode} unasked:\n{t.tail()}")
+            self.trainer = self.start_trainer()
+            if self.wait_training(self.trainer):
+                self.lock()
+                return
+        raise Violation(f"the trainer cannot be restarted:\n{self.trainer.tail()}")
+
+    def stop_trainer(self, sig: int = signal.SIGTERM, bound: float = TERM_BOUND) -> int | None:
+        t = self.trainer
+        if t is None or t.popen.poll() is not None:
+            return None if t is None else t.popen.returncode
+        t.expect_exit = True
+        t.signal(sig)
+        if sig == signal.SIGSTOP:
+            return None
+        rc = t.wait(bound)
+        if rc is None:
+            self.violate("7", f"the trainer did not exit within {bound:g}s of signal {sig}:\n{t.tail()}")
+            t.signal(signal.SIGKILL)
+            rc = t.wait(30)
+        return rc
+
+    def checkpoints(self) -> list[int]:
+        return sorted(
+            int(m.group(1)) for n in self.store.listdir("run") if (m := re.fullmatch(r"step_(\d+)\.bin", n))
+        )
+
+    # --- faults ----------------------------------------------------------------------------------
+
+    def f_sigkill(self, f: dict) -> None:
+        time.sleep(f["after_s"])
+        self.stop_trainer(signal.SIGKILL)
+
+    def f_sigkill_write(self, f: dict) -> None:
+        """SIGKILL aimed at a checkpoint's writes: right after the boundary step is logged, the bandit
+        state, the loss log's sync and the checkpoint's bytes follow within milliseconds."""
+        t = self.trainer
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            s = t.step()
+            if s and s % self.every == 0 and t.first(rf"step {s}/", time.time() - 0.05):
+                break
+            time.sleep(0.002)
+        time.sleep(f["after_s"])
+        self.stop_trainer(signal.SIGKILL)
+
+    def f_sigkill_renewal(self, f: dict) -> None:
+        """SIGKILL right as the lease is renewed (the lock's bytes seen to change)."""
+        before = self.store.read("run/.trainer.json")
+        deadline = time.monotonic() + 10 * RENEW_S
+        while time.monotonic() < deadline:
+            if self.store.read("run/.trainer.json") != before:
+                break
+            time.sleep(0.005)
+        self.stop_trainer(signal.SIGKILL)
+
+    def f_sigkill_startup(self, f: dict) -> None:
+        self.stop_trainer(signal.SIGKILL)
+        self.trainer = self.start_trainer()
+        time.sleep(f["after_s"])
+        self.stop_trainer(signal.SIGKILL)
+
+    def f_sigterm(self, f: dict) -> None:
+        step = self.trainer.step()
+        rc = self.stop_trainer(signal.SIGTERM)
+        if rc != 0:
+            self.violate("7", f"SIGTERM at step {step}: exit {rc}, not 0:\n{self.trainer.tail()}")
+
+    def f_sigusr1(self, f: dict) -> None:
+        t = self.trainer
+        since = time.time()
+        t.signal(signal.SIGUSR1)
+        deadline = time.monotonic() + TERM_BOUND
+        while time.monotonic() < deadline and not t.first(r"checkpoint step_\d+\.bin \(", since):
+            if t.popen.poll() is not None:
+                self.violate("7", f"SIGUSR1 ended the trainer (exit {t.popen.returncode}):\n{t.tail()}")
+                return
+            time.sleep(0.02)
+        if not t.first(r"checkpoint step_\d+\.bin \(", since):
+            self.violate("7", f"SIGUSR1: no checkpoint within {TERM_BOUND:g}s:\n{t.tail()}")
+
+    def _waiter(self, wait_s: float) -> Proc:
+        """A trainer on the other host, started against the live run, watching its lease."""
+        other = HOSTS[1 - HOSTS.index(self.host)]
+        w = self.start_trainer(host=other, ANDREA_LEASE_WAIT_S=str(wait_s))
+        deadline = time.monotonic() + 120
+        while (
+            time.monotonic() < deadline
+            and w.popen.poll() is None
+            and not w.first("watching whether it renews")
+        ):
+            time.sleep(0.02)
+        return w
+
+    def f_sigstop_short(self, f: dict) -> None:
+        holder, g0 = self.trainer, (self.lock() or {}).get("generation")
+        w = self._waiter(0.0)
+        holder.signal(signal.SIGSTOP)
+        time.sleep(f["stop_s"])
+        holder.signal(signal.SIGCONT)
+        rc = w.wait(TTL_S + 60)
+        if rc != 2:
+            self.violate(
+                "5",
+                f"a trainer started while the holder was paused {f['stop_s']}s exited {rc}, "
+                f"not 2:\n{w.tail()}",
+            )
+            if rc is None:
+                w.signal(signal.SIGKILL)
+        if holder.popen.poll() is not None:
+            self.violate(
+                "7",
+                f"a pause of {f['stop_s']}s < ttl ended the holder "
+                f"(exit {holder.popen.returncode}):\n{holder.tail()}",
+            )
+        g1 = (self.lock() or {}).get("generation")
+        if g1 != g0 and holder.popen.poll() is None:
+            self.violate("5", f"a pause shorter than the ttl changed the lock's generation {g0} -> {g1}")
+
+    def f_sigstop_long(self, f: dict) -> None:
+        holder = self.trainer
+        w = self._waiter(4 * TTL_S + f["stop_s"] + 30)
+        stopped = time.time()
+        holder.signal(signal.SIGSTOP)
+        holder.expect_exit = True
+        deadline = time.monotonic() + max(f["stop_s"], TAKEOVER_BOUND)
+        took = None
+        while time.monotonic() < deadline:
+            took = w.first(r"taking over the stale lock")
+            if took or w.popen.poll() is not None:
+                break
+            time.sleep(0.02)
+        wait_more = f["stop_s"] - (time.time() - stopped)
+        if wait_more > 0:
+            time.sleep(wait_more)
+        holder.signal(signal.SIGCONT)
+        if took is None:
+            waiter = f"exited {w.popen.returncode}" if w.popen.poll() is not None else "still waiting"
+            self.violate(
+                "7",
+                f"a holder paused {f['stop_s']}s (> ttl {TTL_S:g}s) was not taken over within "
+                f"{TAKEOVER_BOUND:g}s; the waiter: {waiter}:\n{w.tail()}",
+            )
+            w.expect_exit = True
+            w.signal(signal.SIGKILL)
+            w.wait(30)
+            if holder.popen.poll() is None:
+                return  # the holder goes on
+            self.trainer = holder
+            return
+        if took - stopped > TAKEOVER_BOUND:
+            self.violate("7", f"takeover of a paused holder took {took - stopped:.1f}s > {TAKEOVER_BOUND:g}s")
+        rc = holder.wait(TERM_BOUND)
+        self.lost_leases.append((holder, took))
+        if rc != 2:
+            self.violate(
+                "5", f"a taken-over trainer, resumed, exited {rc}, not 2 (lost its lease):\n{holder.tail()}"
+            )
+            if rc is None:
+                holder.signal(signal.SIGKILL)
+                holder.wait(30)
+        self.trainer, self.host = w, w.host
+        if not self.wait_training(w):
+            w.expect_exit = False
+
+    def f_sigterm_waiting(self, f: dict) -> None:
+        """SIGTERM to a trainer still waiting for another host's lease (systemctl stop while it starts):
+        it exits 0 before its first step, at once, not after its wait."""
+        w = self._waiter(600.0)
+        if w.popen.poll() is not None:
+            self.violate(
+                "5", f"a trainer started against a live lease exited {w.popen.returncode}:\n{w.tail()}"
+            )
+            return
+        w.expect_exit = True
+        w.signal(signal.SIGTERM)
+        rc = w.wait(TERM_BOUND)
+        if rc != 0:
+            self.violate(
+                "7", f"SIGTERM to a trainer waiting for a lease: exit {rc}, not 0 within {TERM_BOUND:g}s"
+            )
+            if rc is None:
+                w.signal(signal.SIGKILL)
+                w.wait(30)
+
+    def f_disk_full(self, f: dict) -> None:
+        self._outage(f, self.store.fill, self.store.unfill, "the disk full")
+
+    def f_s3_deny(self, f: dict) -> None:
+        self._outage(f, lambda leave: self.store.deny(True), lambda: self.store.deny(False), "puts denied")
+
+    def _outage(self, f: dict, begin, end, what: str) -> None:
+        t = self.trainer
+        begin(f.get("leave", 0))
+        try:
+            deadline = time.monotonic() + f["for_s"]
+            while time.monotonic() < deadline:
+                if t.popen.poll() is not None:
+                    break
+                time.sleep(0.05)
+        finally:
+            end()
+        if t.popen.poll() is not None:
+            self.violate(
+                "7", f"{what} for {f['for_s']}s ended training (exit {t.popen.returncode}):\n{t.tail()}"
+            )
+            t.expect_exit = True  # reported once
+            return
+        # The next boundary after the outage publishes a checkpoint again.
+        since = time.time()
+        deadline = time.monotonic() + TERM_BOUND
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            if t.first(r"checkpoint step_\d+\.bin \(", since):
+                return
+            time.sleep(0.05)
+        self.violate("7", f"after {what} for {f['for_s']}s no checkpoint was written again:\n{t.tail()}")
+
+    def f_s3_lost_reply(self, f: dict) -> None:
+        relay, t = self.store.relay, self.trainer
+        n = len(relay.dropped)
+        relay.armed = f"run/{f['key']}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(relay.dropped) == n and t.popen.poll() is None:
+            time.sleep(0.02)
+        relay.armed = None
+        if len(relay.dropped) == n:
+            return  # nothing of that key was put in a minute (the trainer may have ended: see below)
+        since = time.time()
+        deadline = time.monotonic() + TERM_BOUND
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            if t.first(r"checkpoint step_\d+\.bin \(", since):
+                return
+            time.sleep(0.05)
+        if t.popen.poll() is not None:
+            self.violate(
+                "7",
+                f"a lost reply to a put of {relay.dropped[-1][1]} ended training "
+                f"(exit {t.popen.returncode}):\n{t.tail()}",
+            )
+            t.expect_exit = True
+        else:
+            self.violate(
+                "7",
+                f"after a lost reply to a put of {relay.dropped[-1][1]} no checkpoint was "
+                f"written:\n{t.tail()}",
+            )
+
+    def _phases(self) -> set[str]:
+        return {n for n in self.store.listdir("run/archive") if n.startswith("phase_")}
+
+    def _pivot_cmd(self, policy: str) -> list[str]:
+        return [
+            "pivot",
+            self.store.run_url,
+            "--policy",
+            self.policies[policy],
+            "--no-restart",
+            "--max-steps",
+            str(self.big),
+            "--timeout",
+            str(TOOL_BOUND),
+        ]
+
+    def _run_pivot(self, policy: str, kill: str | None, kill_s: float = 0.0) -> int:
+        argv = self._pivot_cmd(policy)
+        if self.trainer is not None:
+            self.trainer.expect_exit = True  # the pivot stops it (exit 0)
+        if kill == "random":
+            p = self.spawn("pivot", argv)
+            time.sleep(kill_s)
+            p.signal(signal.SIGKILL)
+            rc = p.wait(TOOL_BOUND)
+            return -9 if rc is None else rc
+        extra = {"ANDREA_TEST_PIVOT_KILL_AFTER": kill} if kill else {}
+        rc, out = self.tool("pivot", argv, **extra)
+        if rc not in (0, -9):
+            self.violate("7", f"andrea pivot exited {rc}:\n{out[-2000:]}")
+        return rc
+
+    def f_pivot(self, f: dict) -> None:
+        policy = POLICIES[1 - POLICIES.index(self.policy)]
+        before = self._phases()
+        rc = self._run_pivot(policy, f["kill"], f.get("kill_s", 0.0))
+        if rc != 0:  # killed: rerun the same pivot, as the journal says to
+            self._settle_after_kill()
+            rc, out = self.tool("pivot", self._pivot_cmd(policy))
+            if rc != 0:
+                self.violate("7", f"the rerun pivot exited {rc}:\n{out[-2000:]}")
+        new = self._phases() - before
+        if len(new) > 1:
+            self.violate("3", f"one pivot made {len(new)} phase folders: {sorted(new)}")
+        if new:
+            boundary = int(re.search(r"step_(\d+)", max(new)).group(1))
+            self.events.append(("pivot", boundary, policy))
+            self.policy = policy
+        self.trainer.expect_exit = True
+        self.ensure_trainer()
+
+    def _settle_after_kill(self) -> None:
+        """A pivot killed before it stopped the trainer leaves it training: fine. Killed after, the
+        trainer is gone and the rerun finishes the stop."""
+        if self.trainer is not None and self.trainer.popen.poll() is not None:
+            self.trainer.expect_exit = True
+
+    def f_abandon(self, f: dict) -> None:
+        policy = POLICIES[1 - POLICIES.index(self.policy)]
+        before = self._phases()
+        self._run_pivot(policy, f["kill"])
+        # As systemd would: a start, refused with the journal's two ways out (exit 2).
+        refused = self.start_trainer()
+        rc = refused.wait(TOOL_BOUND)
+        time.sleep(0.05)
+        if rc != 2 or "pivot.json" not in refused.text():
+            self.violate(
+                "7", f"a trainer on a half-done pivot exited {rc}, not 2 naming pivot.json:\n{refused.tail()}"
+            )
+            if rc is None:
+                refused.signal(signal.SIGKILL)
+            if rc == 0 or rc is None:
+                self.trainer = refused
+        rc, out = self.tool("abandon", ["pivot", self.store.run_url, "--abandon"])
+        if rc != 0:
+            self.violate("7", f"andrea pivot --abandon exited {rc}:\n{out[-2000:]}")
+        if self._phases() != before:
+            self.violate("3", f"--abandon left the phases {sorted(self._phases())}, not {sorted(before)}")
+        if self.trainer is not None:
+            self.trainer.expect_exit = True
+        self.ensure_trainer()
+
+    def f_fork(self, f: dict) -> None:
+        # A multiple of keep_every stays for good; the newest grid checkpoint (before the first) may be
+        # deleted by retention while the fork reads it (a clear refusal, then retried on a newer one).
+        have = self.checkpoints()
+        grid = [s for s in have if s % (10 * self.every) == 0] or [s for s in have if s % self.every == 0]
+        if not grid:
+            return
+        step = grid[-1]
+        self.forks += 1
+        names = [f"f{self.forks}a", f"f{self.forks}b"]
+        argv = ["fork", self.store.run_url, "--step", str(step)]
+        for n in names:
+            argv += ["--branch", n]
+        if f["kill"] == "checkpoint":
+            self.tool("fork", argv, ANDREA_TEST_FORK_KILL_AFTER=f"{names[0]}/{checkpoint_name(step)}")
+        elif f["kill"] == "random":
+            p = self.spawn("fork", argv)
+            time.sleep(f["kill_s"])
+            p.signal(signal.SIGKILL)
+            p.wait(TOOL_BOUND)
+        rc, out = self.tool("fork", argv)
+        if rc == 2 and "no such file" in out and step % (10 * self.every) and step not in self.checkpoints():
+            return  # retention deleted it meanwhile, before any line was added: nothing was forked
+        if rc != 0:
+            self.violate("4", f"andrea fork --step {step} exited {rc}:\n{out[-2000:]}")
+            return
+        self.events.append(("fork", step, names))
+
+    def f_readers(self, f: dict) -> None:
+        run = self.store.run_url
+        cmds = [["status", run], ["gc", run, "--dry-run"], ["gc", run], ["lineage", run]]
+        fork = next((e for e in reversed(self.events) if e[0] == "fork"), None)
+        if fork:
+            branches = [f"{run}-fork{fork[1]}-{n}" for n in fork[2]]
+            cmds.append(
+                [
+                    "compare",
+                    *branches,
+                    "--out",
+                    str(self.work / f"report-{self.fault_i}"),
+                    "--val-sequences",
+                    "4",
+                ]
+            )
+        procs = [(c, self.spawn(c[0], c)) for c in cmds]
+        for c, p in procs:
+            rc = p.wait(TOOL_BOUND)
+            time.sleep(0.05)
+            if rc is None:
+                p.signal(signal.SIGKILL)
+                self.violate("7", f"andrea {c[0]} did not end within {TOOL_BOUND:g}s")
+            elif rc == 2 and c[0] == "gc" and "--dry-run" not in c and "is in use by trainer" in p.text():
+                pass  # gc takes the lock (retention is the trainer's while it runs): a clear refusal
+            elif rc != 0:
+                self.violate("7", f"andrea {' '.join(c[:1])} exited {rc} on a live run:\n{p.tail()}")
+
+    def f_second_trainer(self, f: dict) -> None:
+        before = self.lock()
+        second = self.start_trainer()
+        rc = second.wait(TOOL_BOUND)
+        if rc != 2:
+            self.violate("5", f"a second trainer on the live run exited {rc}, not 2:\n{second.tail()}")
+            if rc is None:
+                second.signal(signal.SIGKILL)
+        after = self.lock()
+        if (
+            before
+            and after
+            and (before.get("pid"), before.get("generation")) != (after.get("pid"), after.get("generation"))
+        ):
+            if self.trainer.popen.poll() is None:
+                self.violate("5", f"a refused second trainer changed the lock: {before} -> {after}")
+
+    # --- the soak --------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Token caches built before anything is watched: a trainer start reads them."""
+        for policy in POLICIES:
+            argv = ["data", "prepare", self.policies[policy], "--config", self.config]
+            rc, out = self.tool("data", argv, timeout=900)
+            if rc != 0:
+                raise SystemExit(f"soak: andrea data prepare {policy} failed:\n{out}")
+
+    def outside(self) -> dict[str, str]:
+        """Every file the soak watches that is neither in the run directory nor in a branch of it."""
+        snap = {}
+        for name in self.store.names():
+            if name == "run" or name.startswith("run-fork"):
+                continue
+            snap.update(
+                {
+                    f"store:{k}": v
+                    for k, v in self.store.files(name).items()
+                    if not k.startswith(".soak-filler")
+                }
+            )
+        for p in sorted(self.cache.rglob("*")):
+            # runs/: the append mirrors of a run on a store without append (rundir.MirroredAppendFile),
+            # the run's own scratch; one a killed trainer leaves holds its unpublished tail, by design.
+            if p.is_file() and p.relative_to(self.cache).parts[0] != "runs":
+                snap[f"cache:{p.relative_to(self.cache)}"] = f"{p.stat().st_size}:{p.stat().st_mtime_ns}"
+        # The processes' working directory: a file left there (a report, a log) is an untracked file.
+        git = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        for line in git.stdout.splitlines():
+            if line.startswith("?? "):
+                snap[f"repo:{line[3:]}"] = "untracked"
+        return snap
+
+    def run(self, schedule: list[dict]) -> None:
+        self.prepare()
+        watched = self.outside()
+        self.trainer = self.start_trainer(first=True)
+        if not self.wait_training(self.trainer):
+            raise SystemExit(f"soak: the first trainer did not start:\n{self.trainer.tail()}")
+        t_start = time.time()
+        self.injected = 0
+        for f in schedule:
+            if self.args.time_limit and time.time() - t_start > self.args.time_limit:
+                print(f"time limit: {self.injected} of {len(schedule)} faults injected", flush=True)
+                break
+            self.injected += 1
+            self.fault_i = f["i"]
+            n_before = len(self.violations)
+            self.wait_steps(f["gap_steps"])
+            t0 = time.perf_counter()
+            kind = f["kind"]
+            self.stats[kind]["injected"] += 1
+            try:
+                getattr(self, "f_" + kind.replace("-", "_"))(f)
+                self.ensure_trainer()
+            except Violation as e:
+                self.violate("7", str(e))
+                raise
+            finally:
+                self.wall[kind] += time.perf_counter() - t0
+            if len(self.violations) == n_before:
+                self.stats[kind]["survived"] += 1
+            else:
+                for _, inv, _ in self.violations[n_before:]:
+                    self.stats[kind][f"violations ({inv})"] += 1
+            if self.args.verbose:
+                print(
+                    f"fault {f['i']:4d} {kind:16s} step {self.trainer.step():6d} "
+                    f"{'ok' if len(self.violations) == n_before else 'VIOLATION'}",
+                    flush=True,
+                )
+        # The end: stop on a step, then train to the next grid step and complete there.
+        self.fault_i = self.injected
+        self.stop_trainer(signal.SIGTERM)
+        last = max(self.checkpoints())
+        self.final = (last // self.every + 2) * self.every
+        final = self.spawn(
+            "trainer",
+            ["train", "--run-dir", self.store.run_url, "--device", "cpu", "--max-steps", str(self.final)],
+        )
+        rc = final.wait(600)
+        if rc != 0:
+            self.violate("7", f"the last trainer (to step {self.final}) exited {rc}:\n{final.tail()}")
+        self.soak_s = time.time() - t_start
+        self.lock()
+        now = self.outside()
+        changed = sorted(k for k in set(watched) | set(now) if watched.get(k) != now.get(k))
+        if changed:
+            self.violate("6", f"changed outside the run and its branches: {changed[:20]}")
+
+    # --- the reference and the invariants --------------------------------------------------------
+
+    def reference(self) -> Path:
+        """The same run with no fault: stopped at each event's step (`--max-steps`), the event replayed
+        there with the same command (pivot offline at the newest checkpoint, fork --step), trained on."""
+        ref_root = self.work / "ref"
+        ref_root.mkdir()
+        ref = ref_root / "run"
+        host = "soak-ref"
+        first = True
+        for event in [*self.events, ("end", self.final, None)]:
+            argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(event[1])]
+            if first:
+                argv[1:1] = ["--config", self.config]
+                first = False
+            p = self.spawn("ref", argv, host, FSSPEC_S3_ENDPOINT_URL="")
+            rc = p.wait(1800)
+            if rc != 0:
+                raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
+            if event[0] == "pivot":
+                p = self.spawn(
+                    "ref-pivot",
+                    [
+                        "pivot",
+                        str(ref),
+                        "--policy",
+                        self.policies[event[2]],
+                        "--no-restart",
+                        "--max-steps",
+                        str(self.big),
+                    ],
+                    host,
+                )
+                if p.wait(600) != 0:
+                    raise SystemExit(f"soak: the reference pivot failed:\n{p.tail(30)}")
+            elif event[0] == "fork":
+                argv = ["fork", str(ref), "--step", str(event[1])]
+                for n in event[2]:
+                    argv += ["--branch", n]
+                p = self.spawn("ref-fork", argv, host)
+                if p.wait(600) != 0:
+                    raise SystemExit(f"soak: the reference fork failed:\n{p.tail(30)}")
+        return ref_root
+
+    def check(self, ref_root: Path) -> None:
+        self.fault_i = -1
+        got_root = self.work / "got"
+        got_root.mkdir()
+        self.store.copy_out(
+            [n for n in self.store.names() if n == "run" or n.startswith("run-fork")], got_root
+        )
+        got, ref = got_root / "run", ref_root / "run"
+
+        def steps(d: Path) -> list[int]:
+            return sorted(
+                int(m.group(1))
+                for p in d.glob("step_*.bin")
+                if (m := re.fullmatch(r"step_(\d+)\.bin", p.name))
+            )
+
+        # (1) the final checkpoint, and every checkpoint both kept, byte for byte
+        final = checkpoint_name(self.final)
+        if not (got / final).exists():
+            self.violate("1", f"no final {final}")
+        elif (got / final).read_bytes() != (ref / final).read_bytes():
+            self.violate("1", f"{final} differs from the reference's")
+        for s in sorted(set(steps(got)) & set(steps(ref))):
+            if (got / checkpoint_name(s)).read_bytes() != (ref / checkpoint_name(s)).read_bytes():
+                self.violate("1", f"{checkpoint_name(s)} differs from the reference's")
+
+        # (2) the canonical loss history
+        def history(d: Path) -> list[tuple]:
+            entries, _ = parse_entries((d / ".loss.json").read_bytes())
+            return [(e.step, e.loss, e.lr, e.arm, e.tokens) for e in newest_segments(entries)]
+
+        hg, hr = history(got), history(ref)
+        if hg != hr:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(hg, hr, strict=False)) if a != b), min(len(hg), len(hr))
+            )
+            self.violate(
+                "2",
+                f"canonical loss history differs from step {first + 1} (lengths {len(hg)}, {len(hr)}): "
+                f"{hg[first : first + 1]} vs {hr[first : first + 1]}",
+            )
+
+        # (3) archived phases (and the phase in force): policy.yaml, each step's bandit state and audit
+        pg = sorted(p.name for p in (got / "archive").glob("phase_*")) if (got / "archive").exists() else []
+        pr = sorted(p.name for p in (ref / "archive").glob("phase_*")) if (ref / "archive").exists() else []
+        if pg != pr:
+            self.violate("3", f"archived phases {pg}, the reference's {pr}")
+        for name in sorted(set(pg) & set(pr)):
+            self._same_sidecars(
+                got / "archive" / name,
+                ref / "archive" / name,
+                f"archive/{name}",
+                boundary=int(name.split("_step_")[1]),
+            )
+        self._same_sidecars(got, ref, "the phase in force", boundary=self.final)
+
+        # (4) fork branches: complete, their fork point kept in the parent, one forks.jsonl line each
+        lines = (
+            [json.loads(x) for x in (got / "forks.jsonl").read_text().splitlines() if x.strip()]
+            if (got / "forks.jsonl").exists()
+            else []
+        )
+        keyed = Counter((int(x["step"]), tuple(x.get("names", []))) for x in lines)
+        for _, step, names in (e for e in self.events if e[0] == "fork"):
+            if keyed.get((step, tuple(names)), 0) != 1:
+                self.violate(
+                    "4",
+                    f"forks.jsonl has {keyed.get((step, tuple(names)), 0)} lines for the fork at "
+                    f"{step} {names}",
+                )
+            if not (got / checkpoint_name(step)).exists():
+                self.violate("4", f"the fork point {checkpoint_name(step)} was not kept")
+            for n in names:
+                b = got_root / f"run-fork{step}-{n}"
+                if not (b / "run.yaml").exists():
+                    self.violate("4", f"branch {b.name} is unfinished (no run.yaml)")
+                    continue
+                rb = ref_root / f"run-fork{step}-{n}"
+                for rel in ("run.yaml", "policy.yaml", checkpoint_name(step), ".loss.json"):
+                    a, r = b / rel, rb / rel
+                    if rel == "run.yaml":
+                        continue  # names its parent's URL: another store, another path
+                    if not a.exists() or a.read_bytes() != r.read_bytes():
+                        if rel == ".loss.json" and a.exists() and history(b) == history(rb):
+                            continue
+                        self.violate("4", f"branch {b.name}: {rel} differs from the reference branch's")
+
+        # (5) never two writers: .loss.json's segments never go back in file order; a trainer taken over
+        # published nothing after its takeover
+        entries, _ = parse_entries((got / ".loss.json").read_bytes())
+        high = 0
+        for e in entries:
+            if e.segment < high:
+                self.violate(
+                    "5",
+                    f".loss.json: a line of segment {e.segment} (step {e.step}) after segment {high}'s: "
+                    "a writer that was not the holder",
+                )
+                break
+            high = e.segment
+        for p, took in self.lost_leases:
+            late = [
+                line
+                for t, line in p.lines
+                if t > took + 0.5 and re.search(r"checkpoint step_\d+\.bin \(", line)
+            ]
+            if late:
+                self.violate("5", f"trainer pid {p.pid} published after its lease was taken over: {late}")
+
+        # (8) retention: pivot boundaries, fork points, and of the checkpoints the run published (its
+        # trainers' logs; an outage legitimately skips some) the multiples of keep_every and the newest
+        # keep_last, less a closed phase's tail (moved into its archive folder by the pivot)
+        have = set(steps(got))
+        published = {
+            int(m.group(1))
+            for p in self.procs
+            if p.what == "trainer"
+            for _, line in p.lines
+            if (m := re.search(r"checkpoint step_(\d+)\.bin \(", line))
+        }
+        tails = {
+            int(m.group(1))
+            for a in (got / "archive").glob("phase_*/step_*.bin")
+            if (m := re.search(r"step_(\d+)", a.name))
+        }
+        published -= tails - have
+        need = {e[1] for e in self.events} | {s for s in published if s % (10 * self.every) == 0}
+        need |= set(sorted(published | have)[-3:])
+        missing = sorted(need - have)
+        if missing:
+            self.violate("8", f"retention did not keep {[checkpoint_name(s) for s in missing]}")
+
+    def _same_sidecars(self, got: Path, ref: Path, where: str, boundary: int) -> None:
+        a, r = got / "policy.yaml", ref / "policy.yaml"
+        if (a.read_bytes() if a.exists() else None) != (r.read_bytes() if r.exists() else None):
+            self.violate("3", f"{where}: policy.yaml differs")
+
+        def states(d: Path) -> dict[int, dict]:
+            p = d / ".state.json"
+            if not p.exists():
+                return {}
+            doc = json.loads(p.read_text())
+            return {
+                int(e["step"]): {k: v for k, v in e.items() if k != "previous"}
+                for e in [doc, *doc.get("previous", [])]
+            }
+
+        def audits(d: Path) -> dict[int, dict]:
+            p = d / ".samples.json"
+            if not p.exists():
+                return {}
+            doc = json.loads(p.read_text())
+            items = doc.get("audits", doc) if isinstance(doc, dict) else doc
+            return {int(x["step"]): x for x in items}
+
+        sg, sr = states(got), states(ref)
+        if boundary not in sg or boundary not in sr:
+            self.violate(
+                "3",
+                f"{where}: the bandit state of step {boundary} is missing "
+                f"(soak {sorted(sg)}, reference {sorted(sr)})",
+            )
+        for s in sorted(set(sg) & set(sr)):
+            if sg[s] != sr[s]:
+                self.violate("3", f"{where}: the bandit state of step {s} differs from the reference's")
+        ag, ar = audits(got), audits(ref)
+        for s in sorted(set(ag) & set(ar)):
+            if _audit_key(ag[s]) != _audit_key(ar[s]):
+                self.violate("3", f"{where}: the audit of step {s} differs from the reference's")
+        # The reference stops at each event's step with --max-steps, and a trainer's last step is always
+        # audited: its audits off the audit grid are the reference's own, not the run's.
+        lost = [s for s in ar if s not in ag and (not ag or s > min(ag)) and s % (4 * self.every) == 0]
+        if lost:
+            self.violate("3", f"{where}: audits of steps {lost} are missing")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.signal(signal.SIGCONT)
+                p.signal(signal.SIGKILL)
+                p.wait(30)
+        self.store.close()
+
+
+def _audit_key(audit: dict) -> dict:
+    """An audit without the wall-clock fields it records (when it ran, how long it took)."""
+    return {k: v for k, v in audit.items() if k not in ("time", "seconds", "elapsed_s", "wall_s")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--faults", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--time-limit", type=float, default=0, help="inject no fault after this many seconds")
+    ap.add_argument("--store", choices=("local", "s3"), default="local")
+    ap.add_argument("--every", type=int, default=5, help="checkpoint_every of the run (5)")
+    ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 4 per fault)")
+    ap.add_argument("--nice", type=int, default=10)
+    ap.add_argument("--work", help="keep the soak's files here (default: a temporary folder, removed)")
+    ap.add_argument("--cache", help="ANDREA_CACHE_DIR of every process (default: WORK/cache, built first)")
+    ap.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind)")
+    ap.add_argument("--verbose", action="store_true", help="one line per fault")
+    args = ap.parse_args()
+    args.disk_mb = args.disk_mb or 48 + 4 * args.faults
+    kinds = args.kinds.split(",") if args.kinds else None
+    unknown = sorted(set(kinds or []) - set(KINDS[args.store]))
+    if unknown:
+        ap.error(
+            f"--kinds: {unknown} are not fault kinds of --store {args.store} ({', '.join(KINDS[args.store])})"
+        )
+    schedule = draw_schedule(args.seed, args.faults, args.store, args.every, kinds)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="andrea-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)  # the processes it started are stopped on the way out
+    soak = Soak(args, work)
+    aborted = None
+    try:
+        try:
+            soak.run(schedule)
+        except Violation as e:
+            aborted = str(e)
+        if aborted is None:
+            ref = soak.reference()
+            soak.check(ref)
+    finally:
+        soak.close()
+    wall = time.time() - t0
+    print(
+        f"\nsoak: store {args.store}, seed {args.seed}, {args.faults} faults, "
+        f"checkpoint every {args.every} steps, "
+        f"lease renew {RENEW_S:g}s / ttl {TTL_S:g}s; final step {getattr(soak, 'final', '?')}; "
+        f"{sum(e[0] == 'pivot' for e in soak.events)} pivots, "
+        f"{sum(e[0] == 'fork' for e in soak.events)} forks"
+    )
+    print(f"{'fault kind':18s} {'injected':>8s} {'survived':>8s} {'wall s':>8s}  violations")
+    for kind in KINDS[args.store]:
+        c = soak.stats[kind]
+        v = ", ".join(f"{k.split()[1]} x{n}" for k, n in sorted(c.items()) if k.startswith("violations"))
+        print(f"{kind:18s} {c['injected']:8d} {c['survived']:8d} {soak.wall[kind]:8.1f}  {v or '-'}")
+    end = [v for v in soak.violations if v[0] < 0 or v[0] >= getattr(soak, "injected", 0)]
+    for _, inv, what in end:
+        print(f"at the end ({inv}): {what.splitlines()[0]}")
+    mirrors = list((soak.cache / "runs").rglob("*.json.*")) if (soak.cache / "runs").exists() else []
+    if mirrors:
+        print(f"append mirrors left in the cache by killed trainers (kept by design): {len(mirrors)}")
+    if args.store == "s3":
+        print(f"replies lost after the write: {[(k, status) for _, k, status in soak.store.relay.dropped]}")
+    print(
+        f"violations: {len(soak.violations)}; wall time {wall:.0f} s "
+        f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"
+    )
+    if soak.violations or aborted:
+        injected = getattr(soak, "injected", args.faults)
+        first = min((v[0] for v in soak.violations if 0 <= v[0] < injected), default=injected - 1)
+        print(f"schedule prefix to the first violation (--seed {args.seed} reproduces it):")
+        for f in schedule[: first + 1]:
+            print("  " + json.dumps(f))
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if soak.violations or aborted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
