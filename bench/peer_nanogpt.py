@@ -67,9 +67,18 @@ sys.path.insert(0, str(REPO))
 TINY_SHAKESPEARE_CHARS = 1_115_394
 # nanoGPT's CPU recipe (its README), as config overrides of its train.py; --max_iters per round.
 NANOGPT_RECIPE = [
-    "--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
-    "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0", "--wandb_log=False",
-]  # fmt: skip
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--dropout=0.0",
+    "--wandb_log=False",
+]
 BLOCK, BATCH, EVAL_ITERS = 64, 12, 20
 ITER_RE = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", re.M)
 EVAL_RE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", re.M)
@@ -187,11 +196,21 @@ def child_env(threads: int, work: Path) -> dict[str, str]:
 def run_nanogpt(nanogpt: Path, data: Path, out: Path, steps: int, decay: int, threads: int, work: Path):
     """nanoGPT's train.py in its checkout, our data folder and output folder given as absolute paths
     (os.path.join('data', '/abs') is '/abs'): nothing is written into the checkout."""
-    argv = [sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_RECIPE,
-            f"--max_iters={steps}", f"--lr_decay_iters={decay}", f"--dataset={data}", f"--out_dir={out}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "train.py",
+        "config/train_shakespeare_char.py",
+        *NANOGPT_RECIPE,
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={decay}",
+        f"--dataset={data}",
+        f"--out_dir={out}",
+    ]
     proc = subprocess.run(argv, cwd=nanogpt, env=child_env(threads, work), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"nanoGPT's train.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise SystemExit(
+            f"nanoGPT's train.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
     iters = [(int(i), float(ms) / 1000) for i, _, ms in ITER_RE.findall(proc.stdout)]
     ends = list(np.cumsum([dt for _, dt in iters]))
     evals = EVAL_RE.findall(proc.stdout)
@@ -200,14 +219,28 @@ def run_nanogpt(nanogpt: Path, data: Path, out: Path, steps: int, decay: int, th
 
 
 def run_andrea(config: Path, run: Path, steps: int, threads: int, work: Path):
-    from andrea_core.loss_log import read_history
-    from andrea_core.rundir import RunDir
+    from andrea_core.run.loss_log import read_history
+    from andrea_core.run.rundir import RunDir
 
-    argv = [sys.executable, "-m", "andrea_core", "train", "--config", str(config), "--run-dir", str(run),
-            "--max-steps", str(steps), "--device", "cpu"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "andrea_core",
+        "train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        str(steps),
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.run(argv, cwd=REPO, env=child_env(threads, work), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"andrea train exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise SystemExit(
+            f"andrea train exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
     history = read_history(RunDir(str(run)))
     if [e.step for e in history] != list(range(1, steps + 1)):
         raise SystemExit(f"{run}: .loss.json does not hold every step 1..{steps}")
@@ -219,12 +252,14 @@ def andrea_val_loss(run: Path, andrea_data: Path, threads: int) -> tuple[float, 
     of the validation split (a fixed seed); and the run's own last audit figure."""
     import torch
 
-    from andrea_core.rundir import RunDir
-    from andrea_core.samples import read_audits
-    from andrea_core.weights import load_model, read_weights
+    from andrea_core.model.weights import load_model
+    from andrea_core.run.record import read_weights
+    from andrea_core.run.rundir import RunDir
+    from andrea_core.run.samples import read_audits
 
     torch.set_num_threads(threads)
-    model = load_model(read_weights(str(run)))  # the newest valid checkpoint, validated
+    weights = read_weights(str(run))  # the newest valid checkpoint, validated against run.yaml
+    model = load_model(weights.model_config, weights.checkpoint)
     val = np.fromfile(andrea_data / "val.bin", dtype=np.uint16).astype(np.int64)
     rng = np.random.default_rng(1337)
     losses = []
@@ -241,31 +276,40 @@ def andrea_val_loss(run: Path, andrea_data: Path, threads: int) -> tuple[float, 
 
 def rounds(args, ng_data: Path, an_data: Path, work: Path) -> None:
     config = write_andrea_config(work, an_data, args.round_steps, args.decay, args.threads)
-    print(f"\nrounds of {args.round_steps} steps, first {args.skip} not timed, {args.window}-step windows, "
-          f"{args.threads} threads; A = nanoGPT, B = andrea")  # fmt: skip
+    print(
+        f"\nrounds of {args.round_steps} steps, first {args.skip} not timed, {args.window}-step windows, "
+        f"{args.threads} threads; A = nanoGPT, B = andrea"
+    )
     ratios = []
     for pair in range(1, args.pairs + 1):
         a = None
         if args.nanogpt:
             load = load_note()
-            ends, _ = run_nanogpt(args.nanogpt, ng_data, work / f"ng-{pair}", args.round_steps, args.decay,
-                                  args.threads, work)  # fmt: skip
+            ends, _ = run_nanogpt(
+                args.nanogpt, ng_data, work / f"ng-{pair}", args.round_steps, args.decay, args.threads, work
+            )
             a = windowed_median(ends, args.skip, args.window)
-            print(f"  A{pair} nanoGPT  median {a * 1e3:7.2f} ms  mean {mean_step(ends, args.skip) * 1e3:7.2f} ms"
-                  f"  ({load})")  # fmt: skip
+            print(
+                f"  A{pair} nanoGPT  median {a * 1e3:7.2f} ms  "
+                f"mean {mean_step(ends, args.skip) * 1e3:7.2f} ms  ({load})"
+            )
         load = load_note()
         ends = run_andrea(config, work / f"an-{pair}", args.round_steps, args.threads, work)
         b = windowed_median(ends, args.skip, args.window)
-        print(f"  B{pair} andrea   median {b * 1e3:7.2f} ms  mean {mean_step(ends, args.skip) * 1e3:7.2f} ms"
-              f"  ({load})")  # fmt: skip
+        print(
+            f"  B{pair} andrea   median {b * 1e3:7.2f} ms  mean {mean_step(ends, args.skip) * 1e3:7.2f} ms"
+            f"  ({load})"
+        )
         if a is not None:
             ratios.append(a / b)
             print(f"  pair {pair}: nanoGPT / andrea = {a / b:.3f}")
         shutil.rmtree(work / f"an-{pair}", ignore_errors=True)  # 10 MB a checkpoint
         shutil.rmtree(work / f"ng-{pair}", ignore_errors=True)
     if ratios:
-        print(f"ratio nanoGPT / andrea (> 1: andrea faster): median {statistics.median(ratios):.3f}, "
-              f"spread {min(ratios):.3f}..{max(ratios):.3f} over {len(ratios)} pairs  ({load_note()})")  # fmt: skip
+        print(
+            f"ratio nanoGPT / andrea (> 1: andrea faster): median {statistics.median(ratios):.3f}, "
+            f"spread {min(ratios):.3f}..{max(ratios):.3f} over {len(ratios)} pairs  ({load_note()})"
+        )
     else:
         print("SKIPPED the nanoGPT side: no --nanogpt DIR given; no ratio (andrea's side ran alone)")
 
@@ -275,7 +319,9 @@ def final(args, ng_data: Path, an_data: Path, work: Path) -> None:
     print(f"\nfinal pair of {steps} steps, validation losses:")
     if args.nanogpt:
         load = load_note()
-        ends, val = run_nanogpt(args.nanogpt, ng_data, work / "ng-final", steps, args.decay, args.threads, work)
+        ends, val = run_nanogpt(
+            args.nanogpt, ng_data, work / "ng-final", steps, args.decay, args.threads, work
+        )
         a = windowed_median(ends, args.skip, args.window)
         print(f"  nanoGPT  val loss {val:.4f} (its estimate_loss)   median step {a * 1e3:.2f} ms  ({load})")
     else:
@@ -286,8 +332,10 @@ def final(args, ng_data: Path, an_data: Path, work: Path) -> None:
     ends = run_andrea(config, work / "an-final", steps, args.threads, work)
     b = windowed_median(ends, args.skip, args.window)
     val, audit = andrea_val_loss(work / "an-final", an_data, args.threads)
-    print(f"  andrea   val loss {val:.4f} (the same estimator)  median step {b * 1e3:.2f} ms  ({load}); "
-          f"its audit's val loss {audit:.4f}")  # fmt: skip
+    print(
+        f"  andrea   val loss {val:.4f} (the same estimator)  median step {b * 1e3:.2f} ms  ({load}); "
+        f"its audit's val loss {audit:.4f}"
+    )
     if a is not None:
         print(f"  final pair: nanoGPT / andrea = {a / b:.3f}")
     shutil.rmtree(work / "an-final", ignore_errors=True)
@@ -295,6 +343,9 @@ def final(args, ng_data: Path, an_data: Path, work: Path) -> None:
 
 
 # --- profile -------------------------------------------------------------------------------------
+
+
+STEP_PART = "fwd + bwd + clip + optimizer (_step)"
 
 
 class Timers:
@@ -323,15 +374,18 @@ class Timers:
         print(f"  {'part':<46} {'calls':>6} {'wall ms/step':>12} {'cpu ms/step':>12} {'% of step':>9}")
         for name in self.wall:
             wall, cpu = sum(self.wall[name]) / steps, sum(self.cpu[name]) / steps
-            print(f"  {name:<46} {len(self.wall[name]):>6} {wall * 1e3:>12.3f} {cpu * 1e3:>12.3f} "
-                  f"{100 * wall / step_s:>8.1f}%")  # fmt: skip
+            print(
+                f"  {name:<46} {len(self.wall[name]):>6} {wall * 1e3:>12.3f} {cpu * 1e3:>12.3f} "
+                f"{100 * wall / step_s:>8.1f}%"
+            )
 
 
 def profile(args, an_data: Path, work: Path) -> None:
     import torch
 
-    from andrea_core import distributed, trainer as trainer_module
-    from andrea_core.trainer import Trainer
+    from andrea_core.train import distributed
+    from andrea_core.train import trainer as trainer_module
+    from andrea_core.train.trainer import Trainer
 
     steps = args.profile
     config = write_andrea_config(work, an_data, steps, args.decay, args.threads)
@@ -347,7 +401,7 @@ def profile(args, an_data: Path, work: Path) -> None:
         build()
         t.patch(tr.batches, "take", "batch: take (wait for the prefetch thread)")
         t.patch(tr.batches, "start", "batch: start the prefetch thread")
-        t.patch(tr.data, "batch", "  prefetch thread: draw the batch (own thread)")
+        t.patch(tr.data, "batch", "  draw the batch (data.batch; CUDA: own thread)")
         t.patch(tr.data.mixer, "choose", "    bandit choose (in the draw)")
         t.patch(tr.data, "observe", "bandit observe")
         t.patch(tr, "forward", "  forward")
@@ -361,14 +415,13 @@ def profile(args, an_data: Path, work: Path) -> None:
         t.patch(tr, "_audit", "sample audit")
 
     tr._build = build_and_patch
-    t.patch(tr, "_step", "fwd + bwd + clip + optimizer (_step)")
+    t.patch(tr, "_step", STEP_PART)
     t.patch(tr, "_read", "loss read + log + progress (_read)")
     t.patch(tr, "_check_lease", "lease check at the step's start")
     t.patch(trainer_module, "lr_at", "lr schedule")
     t.patch(distributed, "share_flags", "signal flags (share_flags)")
     t.patch(torch.nn.utils, "clip_grad_norm_", "  clip_grad_norm_")
-    seed = torch.manual_seed
-    trainer_module.torch.manual_seed = t.wrap("step seed (torch.manual_seed)", seed)
+    t.patch(trainer_module, "seed_step", "step seed (seed_step)")
     loop = tr._loop
     span = {}
 
@@ -381,16 +434,18 @@ def profile(args, an_data: Path, work: Path) -> None:
 
     tr._loop = timed_loop
     load = load_note()
-    try:
-        tr.train()
-    finally:
-        torch.manual_seed = seed
+    tr.train()
     step_s = (span["t1"] - span["t0"]) / steps
-    print(f"\nandrea trainer, {steps} steps in this process: {step_s * 1e3:.2f} ms a step (wall, loop)  ({load})")
+    print(
+        f"\nandrea trainer, {steps} steps in this process: {step_s * 1e3:.2f} ms a step "
+        f"(wall, the loop)  ({load})"
+    )
     t.table(steps, step_s)
-    fwd = sum(t.wall["  forward"])
-    print(f"  (backward = _step - forward - clip - optimizer - zero_grad: "
-          f"{(sum(t.wall['fwd + bwd + clip + optimizer (_step)']) - fwd - sum(t.wall['  clip_grad_norm_']) - sum(t.wall['  optimizer step']) - sum(t.wall['  zero_grad'])) / steps * 1e3:.3f} ms/step)")  # fmt: skip
+    parts = ("  forward", "  clip_grad_norm_", "  optimizer step", "  zero_grad")
+    backward = sum(t.wall[STEP_PART]) - sum(sum(t.wall[q]) for q in parts)
+    print(
+        f"  (backward = _step - forward - clip - optimizer - zero_grad: {backward / steps * 1e3:.3f} ms/step)"
+    )
 
 
 def load_nanogpt_model(nanogpt: Path):
@@ -407,26 +462,42 @@ def compare_models(args, ng_data: Path, an_data: Path, blocks: int = 10, per_blo
     import torch.nn.functional as F  # noqa: F401
 
     from andrea_core.config import load_run_config
-    from andrea_core.model import GPT
-    from andrea_core.optim import build_optimizer
+    from andrea_core.model.gpt import GPT
+    from andrea_core.train.optim import build_optimizer
 
     torch.set_num_threads(args.threads)
     ngm = load_nanogpt_model(args.nanogpt)
     meta = pickle.loads((ng_data / "meta.pkl").read_bytes())
     torch.manual_seed(1337)
-    ng = ngm.GPT(ngm.GPTConfig(block_size=BLOCK, vocab_size=meta["vocab_size"], n_layer=4, n_head=4, n_embd=128,
-                               dropout=0.0, bias=False))  # fmt: skip
+    ng = ngm.GPT(
+        ngm.GPTConfig(
+            block_size=BLOCK,
+            vocab_size=meta["vocab_size"],
+            n_layer=4,
+            n_head=4,
+            n_embd=128,
+            dropout=0.0,
+            bias=False,
+        )
+    )
     ng_opt = ng.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
-    cfg = load_run_config(str(write_andrea_config(Path(tempfile.mkdtemp()), an_data, 100, 2000, args.threads)))
+    cfg = load_run_config(
+        str(write_andrea_config(Path(tempfile.mkdtemp()), an_data, 100, 2000, args.threads))
+    )
     an = GPT(cfg.model)
     an_opt = build_optimizer(an, cfg.train, "cpu")
-    data = {"A nanoGPT": np.fromfile(ng_data / "train.bin", np.uint16), "B andrea": np.fromfile(an_data / "train.bin", np.uint16)}
+    data = {
+        "A nanoGPT": np.fromfile(ng_data / "train.bin", np.uint16),
+        "B andrea": np.fromfile(an_data / "train.bin", np.uint16),
+    }
     sides = {"A nanoGPT": (ng, ng_opt), "B andrea": (an, an_opt)}
     parts = ("forward", "backward", "clip", "optimizer", "zero_grad")
     times = {s: {p: [] for p in parts} for s in sides}
     rng = np.random.default_rng(0)
-    print(f"\nfwd/bwd/optimizer in this process, {blocks} blocks of {per_block} steps each, alternated, "
-          f"{args.threads} threads  ({load_note()})")  # fmt: skip
+    print(
+        f"\nfwd/bwd/optimizer in this process, {blocks} blocks of {per_block} steps each, alternated, "
+        f"{args.threads} threads  ({load_note()})"
+    )
     for b in range(blocks):
         for side, (model, opt) in sides.items():
             tokens = data[side].astype(np.int64)
@@ -451,27 +522,32 @@ def compare_models(args, ng_data: Path, an_data: Path, blocks: int = 10, per_blo
     print(f"  {'part (median ms)':<16}" + "".join(f"{s:>12}" for s in sides) + f"{'A/B':>8}")
     for p in (*parts, "total"):
         med = {
-            s: (statistics.median(times[s][p]) if p != "total" else sum(statistics.median(times[s][q]) for q in parts))
+            s: (
+                statistics.median(times[s][p])
+                if p != "total"
+                else sum(statistics.median(times[s][q]) for q in parts)
+            )
             for s in sides
-        }  # fmt: skip
+        }
         a, b = med["A nanoGPT"], med["B andrea"]
         print(f"  {p:<16}{a * 1e3:>12.3f}{b * 1e3:>12.3f}{a / b:>8.3f}")
-    for s, (model, opt) in sides.items():
+    for s, (model, _) in sides.items():
         n = sum(p.numel() for p in model.parameters())
         print(f"  {s}: {n:,} parameters in {len(list(model.parameters()))} tensors")
 
 
 def torch_profile(args, an_data: Path, work: Path, steps: int = 20) -> None:
     """torch.profiler over `steps` trainer steps (after 10 untimed): the ops by self CPU time."""
-    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profiler
 
     from andrea_core.config import load_run_config
-    from andrea_core.trainer import Trainer
+    from andrea_core.train.trainer import Trainer
 
     config = write_andrea_config(work, an_data, 10 + steps, args.decay, args.threads)
-    tr = Trainer(str(work / "torch-profile-run"), load_run_config(str(config)), device="cpu", log=lambda m: None)
+    tr = Trainer(
+        str(work / "torch-profile-run"), load_run_config(str(config)), device="cpu", log=lambda m: None
+    )
     tr.progress.stream = open(os.devnull, "w")  # noqa: SIM115
     step = tr._step
     prof = torch_profiler(activities=[ProfilerActivity.CPU])
@@ -506,7 +582,10 @@ def main() -> None:
     args = p.parse_args()
     if args.nanogpt is not None:
         args.nanogpt = args.nanogpt.resolve()
-        if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "config/train_shakespeare_char.py").is_file():
+        if (
+            not (args.nanogpt / "train.py").is_file()
+            or not (args.nanogpt / "config/train_shakespeare_char.py").is_file()
+        ):
             p.error(f"--nanogpt {args.nanogpt}: no train.py and config/train_shakespeare_char.py there")
     if args.round_steps <= args.skip + args.window:
         p.error("--round-steps must exceed --skip + --window")

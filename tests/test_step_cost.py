@@ -39,7 +39,8 @@ class ThreadRecordingTrainer(Trainer):
 
 def test_a_cpu_trainer_draws_every_batch_on_the_thread_that_trains(tmp_path):
     cfg = load_run_config(tiny_config(tmp_path, train__checkpoint_every=5, train__sample_every=10**6))
-    trainer = ThreadRecordingTrainer(str(tmp_path / "run"), cfg, max_steps=12, device="cpu", log=lambda m: None)
+    run = str(tmp_path / "run")
+    trainer = ThreadRecordingTrainer(run, cfg, max_steps=12, device="cpu", log=lambda m: None)
     trainer.train()
     # A background builder on a CPU competes with the step's own threads for the cores, and the loop
     # takes the batch right after starting it: there is nothing for it to overlap.
