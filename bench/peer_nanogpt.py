@@ -467,12 +467,12 @@ def compare_models(args, ng_data: Path, an_data: Path, blocks: int = 10, per_blo
 
     torch.set_num_threads(args.threads)
     ngm = load_nanogpt_model(args.nanogpt)
-    meta = pickle.loads((ng_data / "meta.pkl").read_bytes())
+    vocab = int(max(np.fromfile(ng_data / s, np.uint16).max() for s in ("train.bin", "val.bin"))) + 1
     torch.manual_seed(1337)
     ng = ngm.GPT(
         ngm.GPTConfig(
             block_size=BLOCK,
-            vocab_size=meta["vocab_size"],
+            vocab_size=vocab,
             n_layer=4,
             n_head=4,
             n_embd=128,

@@ -11,6 +11,7 @@ import torch
 from conftest import TINY
 from tiny import tiny_config
 
+from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
@@ -84,3 +85,16 @@ def test_trainer_losses_with_dropout_are_a_plain_loops_bit_for_bit(tmp_path):
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert logged == losses
+
+
+def test_a_cpu_resume_under_the_fused_adamw_is_bit_exact(tmp_path):
+    """Its step count, m and v come back from the checkpoint into the fused kernel's state: 20 steps
+    straight and 10 + a resume to 20 write the same checkpoint bytes (tests/test_resume.py does it
+    with signals at andrea-tiny's 2 threads)."""
+    cfg = load_run_config(tiny_config(tmp_path, train__checkpoint_every=10, train__sample_every=10**6))
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    Trainer(straight, cfg, max_steps=20, device="cpu", log=lambda m: None).train()
+    Trainer(resumed, cfg, max_steps=10, device="cpu", log=lambda m: None).train()
+    Trainer(resumed, cfg, max_steps=20, device="cpu", log=lambda m: None).train()
+    name = checkpoint_name(20)
+    assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes()
