@@ -9,8 +9,8 @@ the uninterrupted run would have done after S.
 The loss of step s is read one step late, while step s+1 runs, so that the loop never waits for the
 device except there (and at a checkpoint). On CUDA the read waits for step s alone: the loss is copied
 to pinned host memory right behind step s, marked by an event (a plain .item() would queue its copy
-behind step s+1 and wait for the device to go idle). The batch of step s+1 is built (and on CUDA pinned
-and copied to the device) on a background thread while step s runs.
+behind step s+1 and wait for the device to go idle). On CUDA the batch of step s+1 is built, pinned and
+copied to the device on a background thread; on the CPU it is built inline (see _BatchPrefetch).
 
 The mixer hears of step s's loss after batch s+1 is drawn and before batch s+2 is, at every step,
 whatever happened in between (a checkpoint, a signal, a restart: a resumed run re-reads its start step's
