@@ -31,9 +31,9 @@ class ThreadRecordingTrainer(Trainer):
         self.drawn_on: list[str] = []
         batch = self.data.batch
 
-        def recorded(step):
+        def recorded(step, **kwargs):
             self.drawn_on.append(threading.current_thread().name)
-            return batch(step)
+            return batch(step, **kwargs)
 
         self.data.batch = recorded
 
