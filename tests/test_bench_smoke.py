@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import REPO
 
@@ -99,3 +100,27 @@ def test_divergence_prints_the_three_runs_and_the_clean_headroom():
     out = bench("divergence.py", "--clean", "30")
     assert re.search(r"false-positive rate: 0 / 30 steps", out), out
     assert re.search(rf"loss\s+x{NUMBER} of its median at step \d+", out), out
+
+
+def test_peer_nanogpt_runs_the_andrea_side_alone_without_a_checkout(tmp_path):
+    """No nanoGPT checkout in CI: the andrea side runs (a round, a final run and its validation loss on
+    nanoGPT's estimator) and the nanoGPT side says loudly that it was skipped; nothing is fetched."""
+    out = bench("peer_nanogpt.py", "--pairs", "1", "--round-steps", "30", "--skip", "5", "--final-steps",
+                "30", "--threads", "1", "--chars", "200000", "--workdir", str(tmp_path))  # fmt: skip
+    text = rf"text: 200,000 characters of Python .*, {NUMBER} distinct; train 180,000, val 20,000"
+    assert re.search(text, out), out
+    assert re.search(rf"B1 andrea\s+median\s+{NUMBER} ms\s+mean\s+{NUMBER} ms\s+\(load {NUMBER}", out), out
+    assert "SKIPPED the nanoGPT side: no --nanogpt DIR given" in out, out
+    assert "nanoGPT  SKIPPED: no --nanogpt DIR given" in out, out
+    assert re.search(rf"andrea\s+val loss {NUMBER} \(the same estimator\)\s+median step {NUMBER}", out), out
+    assert re.search(rf"its audit's val loss {NUMBER}", out), out
+    # nanoGPT's ids (prepare.py: indices of the sorted distinct characters) and andrea's bytes are the
+    # same characters, split at the same place.
+    ng, an = tmp_path / "nanogpt-data", tmp_path / "andrea-data"
+    splits = {
+        s: (np.fromfile(ng / s, np.uint16), np.fromfile(an / s, np.uint16)) for s in ("train.bin", "val.bin")
+    }
+    vocab = np.unique(np.concatenate([b for _, b in splits.values()]))
+    assert vocab.max() < 128  # ASCII: one byte a character
+    for ids, raw in splits.values():
+        assert np.array_equal(np.searchsorted(vocab, raw), ids)

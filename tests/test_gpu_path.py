@@ -117,10 +117,10 @@ class RecordingTrainer(Trainer):
         lock = threading.Lock()
         batch, observe = self.data.batch, self.data.observe
 
-        def recorded_batch(step):
+        def recorded_batch(step, **kwargs):  # the guard's data position passes through
             with lock:
                 self.events.append(("batch", step))
-            return batch(step)
+            return batch(step, **kwargs)
 
         def recorded_observe(step, arm, loss):
             with lock:
@@ -129,8 +129,8 @@ class RecordingTrainer(Trainer):
 
         self.data.batch, self.data.observe = recorded_batch, recorded_observe
 
-    def _step(self, x, y):
-        loss = super()._step(x, y)
+    def _step(self, x, y, step=None):
+        loss = super()._step(x, y, step)
         self.losses.append(loss.clone())
         return loss
 
@@ -271,8 +271,8 @@ class AuditWatchingTrainer(Trainer):
         self._unpatch = lambda: setattr(audit_module, "run_audit", real)
         audit_module.run_audit = watched_audit
 
-    def _step(self, x, y):
-        loss = super()._step(x, y)
+    def _step(self, x, y, step=None):
+        loss = super()._step(x, y, step)
         with self.stepped:
             self.steps_taken += 1
             self.stepped.notify_all()

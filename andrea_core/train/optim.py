@@ -18,7 +18,12 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> to
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.startswith("cuda"))
+    # Fused on the CPU too (torch's fused CPU kernel, 2.4 and later): one pass per tensor instead of the
+    # for-loop AdamW's dozen ops and temporaries per tensor, 1.3 ms instead of 4.7 a step at nanoGPT's
+    # CPU shape (37 tensors, bench/peer_nanogpt.py). Elementwise, so its bits do not depend on the
+    # thread count and a resume stays bit-exact; they differ from the for-loop's in the last place, so
+    # a CPU run created before issue 31 continues to rounding, not to the bit, of its old course.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -9,8 +9,8 @@ the uninterrupted run would have done after S.
 The loss of step s is read one step late, while step s+1 runs, so that the loop never waits for the
 device except there (and at a checkpoint). On CUDA the read waits for step s alone: the loss is copied
 to pinned host memory right behind step s, marked by an event (a plain .item() would queue its copy
-behind step s+1 and wait for the device to go idle). The batch of step s+1 is built (and on CUDA pinned
-and copied to the device) on a background thread while step s runs.
+behind step s+1 and wait for the device to go idle). On CUDA the batch of step s+1 is built, pinned and
+copied to the device on a background thread; on the CPU it is built inline (see _BatchPrefetch).
 
 The mixer hears of step s's loss after batch s+1 is drawn and before batch s+2 is, at every step,
 whatever happened in between (a checkpoint, a signal, a restart: a resumed run re-reads its start step's
@@ -77,18 +77,27 @@ class _StepLoss:
 class _BatchPrefetch:
     """Builds a step's batch (and on CUDA pins it and queues its copy to the device) on a background
     thread, while the loop goes on. The caller starts it only where it would otherwise draw that batch
-    itself, once the mixer is in the state that batch must be drawn from (see Trainer._loop)."""
+    itself, once the mixer is in the state that batch must be drawn from (see Trainer._loop).
+
+    On the CPU there is no thread: the step's own intra-op threads hold the cores and the loop takes
+    the batch right after starting it, so a builder there overlaps nothing and costs a hand-over and a
+    core taken from the step (issue 31); `take` builds the same batch on the training thread."""
 
     def __init__(self, build: Callable[[int], tuple], device: str):
         # The current CUDA device is per thread: the builder's pinning and copies go to the trainer's.
         index = torch.device(device).index if device.startswith("cuda") else None
         init = (lambda: torch.cuda.set_device(index)) if index is not None else None
         self._build = build
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="andrea-batch", initializer=init)
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="andrea-batch", initializer=init)
+            if device.startswith("cuda")
+            else None
+        )
         self._pending: tuple[int, Future] | None = None
 
     def start(self, step: int) -> None:
-        self._pending = (step, self._pool.submit(self._build, step))
+        if self._pool is not None:
+            self._pending = (step, self._pool.submit(self._build, step))
 
     def take(self, step: int) -> tuple:
         """The batch of `step`: the one built in the background, or built now if none was started."""
@@ -108,7 +117,8 @@ class _BatchPrefetch:
             self._pending = None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class _RankZeroOnly:
@@ -124,6 +134,15 @@ class _RankZeroOnly:
 def step_seed(seed: int, step: int) -> int:
     """Seed of the global torch RNG for one step (dropout): independent of how the run got there."""
     return (seed * 1_000_003 + step) % (2**63)
+
+
+def seed_step(seed: int, device: str) -> None:
+    """torch.manual_seed(seed) for what a step on `device` draws from: the CPU generator and, on CUDA,
+    the current device's (each rank's own). The same bits; but torch.manual_seed also queues a lazy
+    seed of every CUDA device, formatting a stack trace each time (0.28 ms a step, a CPU-only one too)."""
+    torch.default_generator.manual_seed(seed)
+    if device.startswith("cuda"):
+        torch.cuda.manual_seed(seed)
 
 
 class Trainer:
@@ -540,7 +559,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             arm, x, y = self.batches.take(step)
-            torch.manual_seed(step_seed(t.seed, step))
+            seed_step(step_seed(t.seed, step), self.device)
             current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y, step), self.grad_norm))
             if previous is not None:
                 self.data.observe(previous.step, previous.arm, self._read(previous))
