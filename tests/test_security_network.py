@@ -110,3 +110,22 @@ def test_a_pivot_rerun_never_takes_its_world_size_from_the_journal(tmp_path):
     journal = {"step": "installed", "stopped_pid": 1, "stopped_step": 20, "stopped_world_size": 3}
     assert stop_trainer(RunDir(str(tmp_path)), journal)["world_size"] == 1
     assert job_world_size(os.getpid()) == 1  # no WORLD_SIZE in this process's environment
+
+
+def test_a_pivot_restart_never_takes_its_world_size_from_the_lock(tmp_path):
+    """The lock is a run file: its world_size and a --nproc-per-node in its train_args are not the
+    operator's choice, so the restart's options keep 1 rank (a live job's own WORLD_SIZE is read from
+    the process the pivot verified and signalled instead)."""
+    from dataclasses import replace
+
+    from andrea_core.ops.pivot import recorded_train_options
+    from andrea_core.run import lock
+    from andrea_core.run.rundir import LOCK, RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    me = lock.acquire(run, log=lambda m: None)
+    forged = replace(me, world_size=3, train_args=["--device", "cpu", "--nproc-per-node", "4"])
+    run.write_atomic(LOCK, forged.encode())
+    options = recorded_train_options(run)
+    assert options["nproc_per_node"] == 1 and options["device"] == "cpu"

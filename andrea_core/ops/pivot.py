@@ -151,9 +151,11 @@ def check_pivot(
 
 
 def recorded_train_options(run: RunDir) -> dict:
-    """The options of the run's last trainer (its lock, live or released: `train_args` and its world
-    size), parsed and checked (command.train_options); the defaults where none were recorded. A lock
-    is someone else's input: options that do not parse are refused by name, never run."""
+    """The options of the run's last trainer (its lock, live or released: `train_args`), parsed and
+    checked (command.train_options); the defaults where none were recorded. A lock is someone else's
+    input: options that do not parse are refused by name, never run, and its number of ranks is never
+    taken (a world size is the operator's choice: the restart takes the stopped job's own WORLD_SIZE,
+    read from the process the pivot verified and signalled, and cmd_train bounds it by the devices)."""
     from andrea_core.command import train_options
     from andrea_core.run.lock import read_lock
 
@@ -166,8 +168,7 @@ def recorded_train_options(run: RunDir) -> dict:
             f"{run.path(LOCK)}: the trainer's recorded command line cannot be restarted ({e}); "
             "pass --no-restart and start the trainer yourself"
         ) from None
-    if held is not None and held.world_size > 1:
-        options["nproc_per_node"] = held.world_size  # torchrun's ranks do not carry the flag
+    options["nproc_per_node"] = 1
     return options
 
 
@@ -667,9 +668,7 @@ def run_pivot(
             options["max_steps"] = journal.get("max_steps")
             # The stopped job's verified WORLD_SIZE (stop_live_trainer), never the journal's number; the
             # recorded options' own is bounded by the devices here when the trainer starts (cmd_train).
-            options["nproc_per_node"] = max(
-                stopped.get("world_size") or 1, options.get("nproc_per_node") or 1
-            )
+            options["nproc_per_node"] = stopped.get("world_size") or 1
             proc, path = start_detached_trainer(run, options)
             log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
 
