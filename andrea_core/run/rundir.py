@@ -72,6 +72,7 @@ STATE = ".state.json"
 LOCK = ".trainer.json"
 FORKS = "forks.jsonl"
 GUARD_LOG = "guard.jsonl"  # the divergence guard's events (run/guard_events.py)
+TARGET = "target.jsonl"  # the run's target (max_steps): one line per change, append-only
 ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 

@@ -44,6 +44,7 @@ from andrea_core.run.pivot_journal import require_no_half_pivot
 from andrea_core.run.record import environment, read_run
 from andrea_core.run.retention import apply_retention
 from andrea_core.run.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
+from andrea_core.run.target import check_max_steps, read_target, set_target
 from andrea_core.train import distributed
 from andrea_core.train.audit import Auditor
 from andrea_core.train.checkpoint_writer import Checkpointer
@@ -163,17 +164,24 @@ class Trainer:
         self.world = distributed.world_from_env()
         self.device = distributed.rank_device(self.world, pick_device(device))
         distributed.init(self.world, self.device)
+        if max_steps is not None:
+            check_max_steps(max_steps)
+        # Rank 0 speaks for the job: one progress stream, one set of messages, as one trainer would.
+        quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
+        self.progress = Progress(0, 1, stream=quiet)  # its total and log_every once the run is known
+        self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
         with distributed.main_first(self.world):  # rank 0 creates the run; the others read it
             self.cfg = prepare_run(self.run, cfg)
         distributed.check_batch(self.world, self.cfg.train.batch_size, self.cfg.train.grad_accum_steps)
-        self.max_steps = max_steps or self.cfg.train.max_steps
+        # The run's target: --max-steps (recorded in target.jsonl under the lock: train()), else the
+        # one in force (run/target.py).
+        self._new_target = max_steps
+        target = read_target(self.run, self.cfg.train.max_steps, warn=self.log)
+        self.max_steps = max_steps or target.max_steps
+        self.progress.total, self.progress.log_every = self.max_steps, self.cfg.train.log_every
         self.pace = pace
         # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
         self.keep_signal_handlers = keep_signal_handlers
-        # Rank 0 speaks for the job: one progress stream, one set of messages, as one trainer would.
-        quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
-        self.progress = Progress(self.max_steps, self.cfg.train.log_every, stream=quiet)
-        self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -504,6 +512,16 @@ class Trainer:
                     signals.uninstall()
                 return TrainResult(0, flags.stop, None)
         try:
+            if self._new_target is not None and self.world.is_main:
+                steps = self.run.checkpoint_steps()
+                set_target(
+                    self.run,
+                    self._new_target,
+                    self.cfg.train.max_steps,
+                    step=steps[-1] if steps else 0,
+                    by="andrea train --max-steps",
+                    warn=self.log,
+                )
             require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
             self._build()
