@@ -284,7 +284,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.__dict__, indent=1))
     else:
-        print(f"# {result.run} step {result.step} on {result.device}, {result.settings}", file=sys.stderr)
+        print(f"# {result.settings_line()}", file=sys.stderr)
         print(result.prompt + result.completion)
     return 0
 
@@ -568,12 +568,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":  # its options, as given: recorded in the lock for a pivot's restart
         args.train_args = raw[raw.index("train") + 1 :]
     try:
-        return args.fn(args)
+        status = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
+        return status
+    except BrokenPipeError:
+        return _reader_gone()
     except Exception as e:
         if not isinstance(e, _operator_errors()):
             raise
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2
+
+
+def _reader_gone() -> int:
+    """The reader of our output closed it (`andrea status RUN | head`): stop quietly, as CLI tools do
+    (no traceback), with the status of a process ended by SIGPIPE. What is left in stdout's buffer goes
+    to /dev/null, so that the flush at exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 def _operator_errors() -> tuple[type[Exception], ...]:
