@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import yaml
 from conftest import REPO, _env
 from tiny import tiny_config
 
