@@ -120,28 +120,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0 if report["valid"] else 1
 
 
-def plot_loss(history: list, out: str, title: str) -> None:
-    import matplotlib
-
-    from andrea_core.run.loss_log import ema_curve
-    from andrea_core.run.rundir import open_url
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    steps = [e.step for e in history]
-    ax.plot(steps, [e.loss for e in history], lw=0.8, alpha=0.5, label="loss")
-    ax.plot(steps, ema_curve([e.loss for e in history]), lw=1.5, label="EMA (0.05)")
-    ax.set(xlabel="step", ylabel="training loss", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with open_url(out, "wb", "andrea loss --plot") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
-
-
 def cmd_loss(args: argparse.Namespace) -> int:
     from andrea_core.run.loss_log import ema, read_history
     from andrea_core.run.rundir import RunDir
@@ -168,7 +146,12 @@ def cmd_loss(args: argparse.Namespace) -> int:
             f"({summary['steps']} steps over {summary['segments']} segment(s))"
         )
     if args.plot:
-        plot_loss(history, args.plot, run.url)
+        from andrea_core.ops.loss_view import loss_view, plot_view
+        from andrea_core.run.rundir import open_url
+
+        png = plot_view(loss_view(run))
+        with open_url(args.plot, "wb", "andrea loss --plot") as f:
+            f.write(png)
         print(f"plot written to {args.plot}")
     return 0
 

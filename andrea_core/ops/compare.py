@@ -402,7 +402,7 @@ def plot_comparison(c: Comparison) -> bytes:
         color = f"C{i}"
         steps, losses = [e.step for e in b.history], [e.loss for e in b.history]
         # Continue the parent's EMA, so that every branch's curve leaves the fork point from the same value.
-        smooth = ema_curve([lead_smooth[-1], *losses])[1:] if lead_smooth else ema_curve(losses)
+        smooth = ema_curve(losses, start=lead_smooth[-1]) if lead_smooth else ema_curve(losses)
         ax.plot(steps, losses, color=color, lw=0.6, alpha=0.35)
         ax.plot(steps, smooth, color=color, lw=1.8, label=legend_label(c, b))
     ax.axvline(c.fork_step, color="0.5", ls="--", lw=1)

@@ -24,6 +24,7 @@ from andrea_core.config import REPO_ROOT
 from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
+from andrea_core.train.progress import TIMESTAMP_RE
 
 # The trainer's plain log lines (train/trainer.py, train/progress.py) that say where it is and how it ended.
 PROGRESS_RE = re.compile(r"^andrea: step (\d+)/(\d+)\s+loss (\S+)")
@@ -147,7 +148,7 @@ class TrainerProcess:
         """The trainer's output, line by line, as it comes; ends when the trainer exits."""
         assert self.proc is not None and self.proc.stdout is not None, "start() first"
         for raw in self.proc.stdout:
-            line = raw.rstrip("\n")
+            line = TIMESTAMP_RE.sub("", raw.rstrip("\n"), count=1)  # the reader stamps its lines itself
             self._observe(line)
             yield line
         self.proc.wait()
@@ -190,7 +191,7 @@ class TrainerProcess:
                 "valid checkpoint)"
             ) from None
         for raw in self.proc.stdout:
-            line = raw.rstrip("\n")
+            line = TIMESTAMP_RE.sub("", raw.rstrip("\n"), count=1)  # the reader stamps its lines itself
             self._observe(line)
             if on_line is not None:
                 on_line(line)

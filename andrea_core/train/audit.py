@@ -31,7 +31,7 @@ from andrea_core.config import RunConfig
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.model.gpt import GPT
 from andrea_core.run.rundir import SAMPLES, RunDir
-from andrea_core.run.samples import FORMAT, KEEP_AUDITS, read_audits, text_metrics
+from andrea_core.run.samples import FORMAT, KEEP_AUDITS, audit_line, read_audits, text_metrics
 
 PROMPTS = ("def ", "import ", "The ", "class ")
 NEW_TOKENS = 64
@@ -173,6 +173,7 @@ class Auditor:
     def _write(self, audit: dict[str, Any]) -> None:
         self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
         self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+        self.log(audit_line(audit))
 
     @torch.no_grad()
     def start(self, step: int) -> None:

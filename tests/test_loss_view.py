@@ -1,0 +1,70 @@
+"""Plots that explain themselves (issue 26.3): the loss view of a run that was resumed, pivoted and
+forked, checked from the data it plots; the bias-corrected EMA; the fork report's error bars."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import andrea
+from tiny import tiny_config
+
+from andrea_core.ops.loss_view import Mark, loss_view
+from andrea_core.run.loss_log import ema_curve, read_history
+from andrea_core.run.rundir import RunDir
+
+OUT = Path(__file__).resolve().parents[1] / "test-output" / "loss-view"
+
+
+def test_the_ema_is_bias_corrected_and_continues_from_a_start():
+    losses = [5.5, 4.0, 3.5, 3.2, 3.0] + [2.9] * 20
+    curve = ema_curve(losses, 0.05)
+    for t in range(len(losses)):  # the weighted mean of the values so far, weights 0.05 * 0.95^age
+        w = np.array([0.05 * 0.95 ** (t - i) for i in range(t + 1)])
+        assert curve[t] == pytest.approx(float(w @ np.array(losses[: t + 1]) / w.sum()), rel=1e-12)
+    assert curve[0] == 5.5
+    # After 20 steps a curve started at the first value still carries 36% of it: 3.83 against 3.13.
+    assert curve[19] < 3.2
+    assert ema_curve([2.0, 2.0], start=3.0) == pytest.approx([2.95, 2.9025])
+
+
+@pytest.mark.slow
+def test_the_loss_view_of_a_resumed_pivoted_and_forked_run(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", "20")
+    andrea("train", "--run-dir", str(run), "--max-steps", "30")  # a resume from step 20
+    andrea("pivot", str(run), "--policy", "tiny-mix", "--no-restart")  # at step 30
+    andrea("train", "--run-dir", str(run), "--max-steps", "40")
+    andrea("fork", str(run), "--step", "40", "--branch", "low-lr", "--set", "train.lr=1e-4")
+
+    view = loss_view(str(run))
+    assert view.marks == [
+        Mark(20, "resume", "resume from step 20"),
+        Mark(30, "pivot", "pivot to tiny-mix"),  # the pivot's own restart is not a second mark
+        Mark(40, "fork", "fork: low-lr"),
+    ]
+    assert [e.step for e in view.history] == list(range(1, 41))
+    assert view.ema == ema_curve([e.loss for e in read_history(RunDir(str(run)))])
+    # Held-out loss points: every audit of both phases, per arm, as the files hold them.
+    audits = json.loads((run / "archive/phase_001_step_000030/.samples.json").read_text())["audits"]
+    audits += json.loads((run / ".samples.json").read_text())["audits"]
+    want: dict[str, list] = {}
+    for a in audits:
+        for arm, loss in a["metrics"]["val_loss"].items():
+            want.setdefault(arm, []).append((a["step"], loss))
+    assert view.val == {arm: sorted(p) for arm, p in want.items()}
+    assert [s for s, _ in view.val["stdlib-code"]] == [0, 10, 20, 30, 40]
+    assert [s for s, _ in view.val["docs-prose"]] == [40]
+
+    branch = loss_view(str(tmp_path / "run-fork40-low-lr"))
+    assert branch.marks == [Mark(40, "forked-from", "forked from run at step 40")]
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    png = tmp_path / "loss.png"
+    out = andrea("loss", str(run), "--plot", str(png)).stdout
+    assert f"plot written to {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shutil.copy(png, OUT / "resumed-pivoted-forked.png")  # looked at: see the closing note
