@@ -68,3 +68,32 @@ def test_the_loss_view_of_a_resumed_pivoted_and_forked_run(tmp_path):
     out = andrea("loss", str(run), "--plot", str(png)).stdout
     assert f"plot written to {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     shutil.copy(png, OUT / "resumed-pivoted-forked.png")  # looked at: see the closing note
+
+
+def test_the_fork_reports_bars_carry_their_standard_errors():
+    import matplotlib.pyplot as plt
+
+    from andrea_core.compare import BranchResult, Comparison, comparison_figure
+
+    rng = np.random.default_rng(0)
+    arms = ["code", "prose"]
+    branches = []
+    for name, shift in (("base", 0.0), ("low-lr", 0.01)):
+        b = BranchResult(name, f"memory://{name}", {})
+        per_arm = {arm: 3.0 + shift + 0.2 * rng.standard_normal(32) for arm in arms}
+        b.val_loss = {arm: float(v.mean()) for arm, v in per_arm.items()}
+        b.val_stderr = {arm: float(v.std(ddof=1) / np.sqrt(32)) for arm, v in per_arm.items()}
+        branches.append(b)
+    c = Comparison("memory://parent", 100, arms, 32, 64, branches, margin=0.01, noise=0.02)
+    fig = comparison_figure(c)
+    bx = fig.axes[1]
+    bars = [k for k in bx.containers if hasattr(k, "errorbar") and k.errorbar is not None]
+    assert len(bars) == 2
+    for b, container in zip(branches, bars, strict=True):
+        heights = [r.get_height() for r in container.patches]
+        assert heights == pytest.approx([b.val_loss[a] for a in arms])
+        (segments,) = container.errorbar.lines[2]  # the vertical error lines, one per bar
+        spans = [seg[1][1] - seg[0][1] for seg in segments.get_segments()]
+        assert spans == pytest.approx([2 * b.val_stderr[a] for a in arms])
+    assert "paired margin 0.0100 vs noise ±0.0200" in bx.get_title()
+    plt.close(fig)
