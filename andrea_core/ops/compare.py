@@ -327,7 +327,8 @@ def compare_branches(
             per_arm = {arm: sequence_losses(model, *batches[arm]) for arm in arms}
             result.val_loss = {arm: float(v.mean()) for arm, v in per_arm.items()}
             result.val_stderr = {
-                arm: float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0 for arm, v in per_arm.items()
+                arm: float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
+                for arm, v in per_arm.items()
             }
             result.val_mean = float(np.mean(list(result.val_loss.values())))
             result.per_sequence = np.concatenate([per_arm[arm] for arm in arms])
