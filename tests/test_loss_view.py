@@ -72,7 +72,8 @@ def test_the_loss_view_of_a_resumed_pivoted_and_forked_run(tmp_path):
 
 def test_the_fork_reports_bars_carry_their_standard_errors():
     import matplotlib.pyplot as plt
-    from andrea_core.compare import BranchResult, Comparison, comparison_figure
+
+    from andrea_core.ops.compare import BranchResult, Comparison, comparison_figure
 
     rng = np.random.default_rng(0)
     arms = ["code", "prose"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from andrea_core.rundir import RunDir
-from andrea_core.runs import create_run
 from conftest import REPO, _env
 from tiny import tiny_config
 
 from andrea_core.config import load_run_config
+from andrea_core.run.rundir import RunDir
+from andrea_core.train.setup import create_run
 
 
 def test_a_reader_gone_ends_the_command_quietly(tmp_path):
