@@ -300,7 +300,7 @@ def test_prefect_deploy_all_creates_the_deployments(stack):
         )
         fork = c.read_deployment_by_name("audit-fork/audit-fork")
         (schedule,) = fork.schedules
-        assert schedule.schedule.cron == "0 */6 * * *" and schedule.active
+        assert schedule.schedule.cron == "0 */6 * * *" and not schedule.active  # enabled per run (issue 26)
         assert fork.parameters["run_dir"] == "runs/andrea-12m" and len(fork.parameters["branches"]) == 2
         (automation,) = c.read_automations_by_name("andrea-crash-silent-train-runs")
         assert automation.enabled and automation.actions[0].type == "change-flow-run-state"

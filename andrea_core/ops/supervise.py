@@ -28,6 +28,7 @@ from andrea_core.train.progress import TIMESTAMP_RE
 
 # The trainer's plain log lines (train/trainer.py, train/progress.py) that say where it is and how it ended.
 PROGRESS_RE = re.compile(r"^andrea: step (\d+)/(\d+)\s+loss (\S+)")
+TOKENS_PER_S_RE = re.compile(r"\s([\d,]+(?:\.\d+)?) tok/s")
 STARTED_RE = re.compile(r"^andrea: training steps (\d+)\.\.(\d+) \(pid (\d+)\)")
 STOPPED_RE = re.compile(r"^andrea: (SIGTERM|SIGINT): stopped at step (\d+), checkpoint (\S+)$")
 COMPLETED_RE = re.compile(r"^andrea: completed step (\d+), checkpoint (\S+)$")
@@ -121,6 +122,7 @@ class TrainerProcess:
         self.step: int | None = None
         self.total: int | None = max_steps
         self.loss: float | None = None
+        self.tokens_per_s: float | None = None
         self.tail: deque[str] = deque(maxlen=30)
         self._ending: re.Match | None = None
         self._error: str | None = None
@@ -161,6 +163,8 @@ class TrainerProcess:
                 self.loss = float(m.group(3))
             except ValueError:
                 pass
+            if speed := TOKENS_PER_S_RE.search(line):
+                self.tokens_per_s = float(speed.group(1).replace(",", ""))
         elif m := STARTED_RE.match(line):
             self.step, self.total = int(m.group(1)) - 1, int(m.group(2))
         elif m := (STOPPED_RE.match(line) or COMPLETED_RE.match(line) or ALREADY_RE.match(line)):
