@@ -56,7 +56,7 @@ def run_trainer(
         for line in trainer.lines():
             logger.info(line)
             progress.update(trainer.step, trainer.total, loss=trainer.loss, tokens_per_s=trainer.tokens_per_s)
-            if line.startswith("andrea: checkpoint step_"):
+            if line.startswith(("andrea: checkpoint step_", "andrea: training steps ")):
                 _dashboard(trainer.run.url)  # here, in the flow's process: none of it on the trainer's
     except BaseException as exc:
         # A cancellation (TerminationSignal), Ctrl-C, or anything else that ends this task early: the

@@ -72,8 +72,13 @@ def dashboard_rows(st: RunStatus, ema: float | None, last_loss: float | None, mi
 
 def dashboard(url: str) -> tuple[str, dict[str, Any]]:
     """(markdown, facts): the page, and the figures it shows (for the progress artifact and tests)."""
-    st = run_status(url)
-    run = RunDir(st.run)
+    run = RunDir(url)
+    name = run.url.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        st = run_status(url)
+    except ConfigError as e:  # no run.yaml and no trainer holding the lock yet: it is starting
+        page = f"### Run {markdown_text(name)}: STARTING\n\n{markdown_text(e)}; the trainer is starting up\n"
+        return page, {"state": "starting", "step": 0, "target": None, "ema": None, "checkpoint": None}
     if st.state == "creating":
         view, png = None, None
     else:
@@ -83,7 +88,6 @@ def dashboard(url: str) -> tuple[str, dict[str, Any]]:
     last = view.history[-1].loss if view and view.history else None
     mix = bandit_mix(run)
     rows = dashboard_rows(st, ema, last, mix)
-    name = run.url.rstrip("/").rsplit("/", 1)[-1]
     body = "\n".join(f"| {markdown_text(k)} | {markdown_text(v)} |" for k, v in rows.items())
     parts = [
         f"### Run {markdown_text(name)}: {markdown_text(st.state.upper())}",

@@ -212,6 +212,7 @@ class Auditor:
     ):
         self.run, self.cfg, self.model, self.data, self.device = run, cfg, model, data, device
         self.log = log
+        self.on_written: Callable[[dict[str, Any]], None] | None = None
         self.prompts = audit_prompts(data, cfg)  # once: the same at every audit of this start's phase
         # Audits past the resume point belong to a timeline that was abandoned with its checkpoints.
         self.audits = [a for a in read_audits(run) if a["step"] <= start_step]
@@ -245,6 +246,8 @@ class Auditor:
         self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
         self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
         self.log(audit_line(audit))
+        if self.on_written is not None:
+            self.on_written(audit)  # the TensorBoard view (trainer.py)
 
     @torch.no_grad()
     def start(self, step: int) -> None:

@@ -52,6 +52,7 @@ from andrea_core.train.guard import Divergence, Guard, roll_back
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.progress import Progress
 from andrea_core.train.setup import prepare_run
+from andrea_core.train.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -255,11 +256,17 @@ class Trainer:
             self.run, self.cfg, self.model, self.data, self.device, self.start_step, log=self.log
         )
         if not self.world.is_main:
-            self.auditor = self.loss_log = _RankZeroOnly()
+            self.auditor = self.loss_log = self.tensorboard = _RankZeroOnly()
+        baseline = None
         if ckpt is None:
-            self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
+            baseline = self.auditor.record(0)  # the untrained model: what every later audit is read against
         if self.world.is_main:
             self.loss_log = LossWriter(self.run, warn=self.log)
+            # The TensorBoard view: events buffered in memory, appended at checkpoints (tensorboard.py).
+            self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, self.start_step + 1, self.log)
+            self.auditor.on_written = self.tensorboard.audit
+            if baseline is not None:
+                self.tensorboard.audit(baseline)
         # The divergence guard (guard.py): its events shape which batches and learning rates come next.
         self.guard = Guard(
             self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
@@ -384,6 +391,9 @@ class Trainer:
             # Retention deletes only once this newer checkpoint is published (and re-validated).
             after_publish=self._retain,
         )
+        for arm, state in (self.data.mixer.state_dict().get("arms") or {}).items():
+            self.tensorboard.scalar(step, f"bandit/p/{arm}", state["p"])
+        self.tensorboard.flush()
         if audit:
             self._audit(step)
         return name
@@ -423,10 +433,15 @@ class Trainer:
                     f"loss is {result.loss} at step {result.step}; not checkpointing a diverged model "
                     f"(newest checkpoint: {newest or 'none from this start'})"
                 )
+            now = time.time()
+            self.tensorboard.scalar(result.step, "train/loss", result.loss, now)
+            self.tensorboard.scalar(result.step, "train/lr", result.lr, now)
             self.guard.check(result.step, result.loss, result.grad_norm, result.arm)  # raises Divergence
             every = self.cfg.train.checkpoint_every
             next_ckpt = min(self.max_steps, (result.step // every + 1) * every)
             self.progress.step(result.step, result.loss, tokens, next_ckpt)
+            if result.step % self.cfg.train.log_every == 0:
+                self.tensorboard.scalar(result.step, "train/tokens_per_s", self.progress.tokens_per_s, now)
         return result.loss
 
     def _start_loss(self) -> _StepLoss | None:
@@ -540,6 +555,9 @@ class Trainer:
             if hasattr(self, "auditor"):
                 with contextlib.suppress(Exception):  # the error on its way out is the one to report
                     self.auditor.wait()
+            if hasattr(self, "tensorboard"):
+                with contextlib.suppress(lock.LeaseLost):  # the run is someone else's: nothing more of ours
+                    self.tensorboard.flush()  # the last audit's events; a view: its failure is a warning
             if hasattr(self, "loss_log"):
                 # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
                 with contextlib.suppress(lock.LeaseLost):
