@@ -3,6 +3,7 @@ resume and a pivot (one event file per segment) they equal .loss.json's canonica
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 
@@ -31,28 +32,35 @@ def test_tensorboard_events_equal_the_canonical_history_across_a_resume_and_a_pi
     run = RunDir(str(run_dir))
     cfg = tiny_config(tmp_path, train__checkpoint_every=10)
     andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "10")
-    # A live trainer pivoted at the boundary step 20: its SIGTERM checkpoint past 20 is archived with its
-    # phase, and the resumed trainer logs steps 21.. again (a third segment, over the second's tail).
-    trainer = start_trainer("--run-dir", str(run_dir), "--max-steps", "200", "--pace", "0.2")
+    andrea("data", "prepare", "tiny-mix", "--config", cfg)  # the pivot's check then takes no time
+    # A live trainer pivoted now (SIGUSR1): the SIGTERM checkpoint past the pivot point is archived with
+    # its phase, and the resumed trainer logs those steps again (a third segment, over the second's tail).
+    trainer = start_trainer("--run-dir", str(run_dir), "--max-steps", "100000", "--pace", "0.2")
     try:
         wait_for(lambda: last_logged_step(run) >= 15, timeout=300, what="step 15")
-        andrea("pivot", str(run_dir), "--policy", "tiny-mix", "--max-steps", "30", "--timeout", "600")
+        out = andrea(
+            "pivot", str(run_dir), "--policy", "tiny-mix", "--at", "now", "--max-steps", "100000"
+        ).stdout
+        boundary = int(re.search(r"pivoted \S+ at step (\d+)", out)[1])
         assert trainer.wait(timeout=300) == 0
     finally:
         if trainer.poll() is None:
             trainer.send_signal(signal.SIGTERM)
             trainer.wait(timeout=300)
-    wait_for(lambda: live_trainer(run) is None and last_logged_step(run) == 30, timeout=600, what="step 30")
+    wait_for(lambda: last_logged_step(run) >= boundary + 5, timeout=600, what="the resumed trainer")
+    live_trainer(run).stop()  # SIGTERM: a checkpoint of the step in flight
+    wait_for(lambda: live_trainer(run) is None, timeout=300, what="the resumed trainer to stop")
 
     history = read_history(run)
-    assert [e.step for e in history] == list(range(1, 31)) and {e.segment for e in history} == {1, 2, 3}
+    n = history[-1].step
+    assert [e.step for e in history] == list(range(1, n + 1)) and {e.segment for e in history} == {1, 2, 3}
     files = sorted(p.name for p in (run_dir / "tensorboard").iterdir())
     assert [f.rsplit(".", 1)[1] for f in files] == ["segment0001", "segment0002", "segment0003"]
     # The second segment's file holds steps past the pivot point that the run's history dropped.
     alone = tmp_path / "segment2"
     alone.mkdir()
     shutil.copy(run_dir / "tensorboard" / files[1], alone)
-    assert max(e.step for e in accumulated(alone).Scalars("train/loss")) > 20
+    assert max(e.step for e in accumulated(alone).Scalars("train/loss")) > boundary
 
     acc = accumulated(run_dir / "tensorboard")
     loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
@@ -65,6 +73,6 @@ def test_tensorboard_events_equal_the_canonical_history_across_a_resume_and_a_pi
         got = {e.step: e.value for e in acc.Scalars(f"val_loss/{arm}")}
         for a in audits:
             assert got[a["step"]] == float(np.float32(a["metrics"]["val_loss"][arm]))
-        assert sorted(p.value for p in acc.Scalars(f"bandit/p/{arm}") if p.step == 30) != []
-    (text,) = [e for e in acc.Tensors("audit/samples") if e.step == 30]
+        assert [p.step for p in acc.Scalars(f"bandit/p/{arm}")][-1] == n
+    (text,) = [e for e in acc.Tensors("audit/samples") if e.step == audits[-1]["step"]]
     assert audits[-1]["samples"][0]["prompt"][:4] in text.tensor_proto.string_val[0].decode()
