@@ -109,7 +109,7 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
         lock = None  # left at a clean exit (it keeps the lease's generation): nobody holds the run
     live = lock is not None and verdict.state == ALIVE
     if live and not run.exists(RUN_YAML):
-        # The trainer takes the lock before it creates the run (trainer.py): it is creating it now.
+        # A live lock and no run.yaml: a trainer is creating the run (or a tool holds the directory).
         st = RunStatus(
             run.url, "creating", "", trainer=_identity(lock), max_steps_from="trainer command line"
         )

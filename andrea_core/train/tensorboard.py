@@ -82,7 +82,7 @@ class TensorBoardLog:
         try:
             data = b"".join(_record(_event(p)) for p in pending)
             self.run.makedirs(TENSORBOARD_DIR)
-            self.run.append(self.name, data, durable=not self.run.is_local)
+            self.run.append(self.name, data, durable=not self.run.is_local, lines=False)  # binary records
         except OSError as e:  # a view: a full disk loses these events, never the run's own files
             self.log(
                 f"warning: {self.run.path(self.name)}: {len(pending)} TensorBoard event(s) not written ({e})"
