@@ -73,7 +73,10 @@ def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
         "target.jsonl (andrea train --max-steps, at step 0)",
     )
     text = andrea("status", str(run_dir)).stdout
-    assert f"STOPPED: no trainer running; `andrea train --run-dir {run_dir}` resumes from " in text
+    assert (
+        f"STOPPED: no trainer running, before its target (step {CMDLINE_MAX}); `andrea train --run-dir {run_dir}` resumes from "
+        in text
+    )
     assert checkpoint_name(st["step"]) in text
 
     # --- crashed (SIGKILL: no checkpoint, the lock left behind) ---
