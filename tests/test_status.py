@@ -74,8 +74,8 @@ def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
     )
     text = andrea("status", str(run_dir)).stdout
     assert (
-        f"STOPPED: no trainer running, before its target (step {CMDLINE_MAX}); `andrea train --run-dir {run_dir}` resumes from "
-        in text
+        f"STOPPED: no trainer running, before its target (step {CMDLINE_MAX}); "
+        f"`andrea train --run-dir {run_dir}` resumes from " in text
     )
     assert checkpoint_name(st["step"]) in text
 
