@@ -97,3 +97,23 @@ def test_the_fork_reports_bars_carry_their_standard_errors():
         assert spans == pytest.approx([2 * b.val_stderr[a] for a in arms])
     assert "paired margin 0.0100 vs noise ±0.0200" in bx.get_title()
     plt.close(fig)
+
+
+def test_the_guards_rollbacks_and_stops_are_marked(tmp_path):
+    from andrea_core.ops.loss_view import guard_marks
+    from andrea_core.run.guard_events import KINDS, GuardEvent, append_event
+
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    common = {"value": 9.0, "statistic": 3.0, "threshold": 6.0, "level": 0, "skip": 0, "time": 1.0}
+    append_event(
+        run,
+        GuardEvent(1, "rollback", 57, 55, KINDS[0], rolled_back_to=50, lr_scale=0.5, cooldown=10, **common),
+    )
+    append_event(
+        run, GuardEvent(2, "stop", 90, 88, KINDS[0], rolled_back_to=None, lr_scale=1.0, cooldown=0, **common)
+    )
+    assert guard_marks(run) == [
+        Mark(57, "rollback", f"rollback to step 50 ({KINDS[0]})"),
+        Mark(90, "guard-stop", f"guard stop ({KINDS[0]})"),
+    ]

@@ -83,9 +83,23 @@ def fork_marks(run: RunDir, warn: Callable[[str], None] | None = None) -> list[M
     return [Mark(s, "fork", f"fork: {', '.join(n)}") for s, n in sorted(by_step.items())]
 
 
-# Further sources of marks (run -> marks), e.g. a divergence guard's rollbacks from its own events file:
-# each is called on every view, and what it returns is drawn like the others (labelled, by kind).
-MARK_SOURCES: list[Callable[[RunDir], list[Mark]]] = []
+def guard_marks(run: RunDir) -> list[Mark]:
+    """The divergence guard's events (guard.jsonl): a rollback at the step that diverged, naming the
+    checkpoint it went back to; a stop where the guard gave up."""
+    from andrea_core.run.guard_events import read_events
+
+    marks = []
+    for e in read_events(run):
+        if e.action == "rollback":
+            marks.append(Mark(e.step, "rollback", f"rollback to step {e.rolled_back_to} ({e.kind})"))
+        else:
+            marks.append(Mark(e.step, "guard-stop", f"guard stop ({e.kind})"))
+    return marks
+
+
+# Further sources of marks (run -> marks): each is called on every view, and what it returns is drawn
+# like the others (labelled, by kind).
+MARK_SOURCES: list[Callable[[RunDir], list[Mark]]] = [guard_marks]
 
 
 def loss_view(url: str | RunDir) -> LossView:
