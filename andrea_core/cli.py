@@ -120,28 +120,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0 if report["valid"] else 1
 
 
-def plot_loss(history: list, out: str, title: str) -> None:
-    import matplotlib
-
-    from andrea_core.run.loss_log import ema_curve
-    from andrea_core.run.rundir import open_url
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    steps = [e.step for e in history]
-    ax.plot(steps, [e.loss for e in history], lw=0.8, alpha=0.5, label="loss")
-    ax.plot(steps, ema_curve([e.loss for e in history]), lw=1.5, label="EMA (0.05)")
-    ax.set(xlabel="step", ylabel="training loss", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with open_url(out, "wb", "andrea loss --plot") as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
-
-
 def cmd_loss(args: argparse.Namespace) -> int:
     from andrea_core.run.loss_log import ema, read_history
     from andrea_core.run.rundir import RunDir
@@ -168,7 +146,12 @@ def cmd_loss(args: argparse.Namespace) -> int:
             f"({summary['steps']} steps over {summary['segments']} segment(s))"
         )
     if args.plot:
-        plot_loss(history, args.plot, run.url)
+        from andrea_core.ops.loss_view import loss_view, plot_view
+        from andrea_core.run.rundir import open_url
+
+        png = plot_view(loss_view(run))
+        with open_url(args.plot, "wb", "andrea loss --plot") as f:
+            f.write(png)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -284,7 +267,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.__dict__, indent=1))
     else:
-        print(f"# {result.run} step {result.step} on {result.device}, {result.settings}", file=sys.stderr)
+        print(f"# {result.settings_line()}", file=sys.stderr)
         print(result.prompt + result.completion)
     return 0
 
@@ -568,12 +551,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":  # its options, as given: recorded in the lock for a pivot's restart
         args.train_args = raw[raw.index("train") + 1 :]
     try:
-        return args.fn(args)
+        status = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
+        return status
+    except BrokenPipeError:
+        return _reader_gone()
     except Exception as e:
         if not isinstance(e, _operator_errors()):
             raise
         print(f"andrea: error: {e}", file=sys.stderr)
         return 2
+
+
+def _reader_gone() -> int:
+    """The reader of our output closed it (`andrea status RUN | head`): stop quietly, as CLI tools do
+    (no traceback), with the status of a process ended by SIGPIPE. What is left in stdout's buffer goes
+    to /dev/null, so that the flush at exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 def _operator_errors() -> tuple[type[Exception], ...]:

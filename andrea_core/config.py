@@ -136,6 +136,8 @@ class TrainConfig:
     # Run each sample audit on a thread (on CUDA, its own stream) from a copy of the weights, while
     # training goes on; the audit is the same, written a little later (audit.py).
     audit_async: bool = False
+    # The sample audit's prompts; None: the first tokens of a few held-out documents of each arm (audit.py).
+    audit_prompts: list[str] | None = None
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
@@ -201,6 +203,7 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(tp)  # list[str] | None: the list's
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
@@ -305,6 +308,13 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
             "train.guard",
             "skip_batches false and lr_scale 1 leave a rollback no remedy: it would only diverge again "
             "(set enabled: false to turn the guard off)",
+        ),
+        (
+            t.audit_prompts is None
+            or 1 <= len(t.audit_prompts) <= 16
+            and all(0 < len(p) <= 1000 for p in t.audit_prompts),
+            "train.audit_prompts",
+            "must be 1 to 16 non-empty prompts of at most 1000 characters (or null: held-out documents)",
         ),
         (
             d.tokenizer in ("bytes", "bpe") or d.tokenizer.endswith(".json"),

@@ -16,8 +16,19 @@ from tasks.gpu import holding_gpu_slots
 from tasks.trainer import run_trainer
 
 
+def train_run_name(run_dir: str) -> str:
+    """`train-<run>`, and `-phaseN` after a pivot (phase N > 1): two flow runs of one run, one name each."""
+    from andrea_core.run.lineage import phases
+
+    try:
+        phase = len(phases(RunDir(run_dir))) + 1
+    except Exception:  # an unlistable run directory: the flow reports it; the name stays plain
+        phase = 1
+    return f"train-{run_name(run_dir)}" + (f"-phase{phase}" if phase > 1 else "")
+
+
 def _flow_run_name() -> str:
-    return f"train-{run_name(flow_run.parameters['run_dir'])}"
+    return train_run_name(flow_run.parameters["run_dir"])
 
 
 @flow(name="train", flow_run_name=_flow_run_name)

@@ -36,27 +36,75 @@ def run_name(run_dir: str) -> str:
 
 
 class TrainingProgress:
-    """A progress artifact showing step/total of one trainer, updated at most every `every` seconds
-    (each update is an API call; the trainer logs far more often than the UI needs)."""
+    """A progress artifact showing step/total of one trainer with its loss, tokens/s and ETA, updated at
+    most every `every` seconds (each update is an API call; the trainer logs far more often than the
+    UI needs). The ETA is this flow run's own pace: steps seen over the time it saw them."""
 
     def __init__(self, run_dir: str, total: int | None, every: float = 2.0):
         self.run_dir = run_dir
         self.every = every
         self._last = 0.0
         self.total = total
+        self._first: tuple[float, int] | None = None  # (monotonic time, step) of the first step seen
         self._id: UUID = create_progress_artifact(0.0, description=self._describe(None))
 
-    def _describe(self, step: int | None) -> str:
-        where = f"step {step if step is not None else '?'} of {self.total or '?'}"
-        return markdown_text(f"{self.run_dir}: {where}")
+    def _describe(
+        self, step: int | None, loss: float | None = None, tokens_per_s: float | None = None
+    ) -> str:
+        text = f"{self.run_dir}: step {step if step is not None else '?'} of {self.total or '?'}"
+        if loss is not None:
+            text += f" - loss {loss:.4f}"
+        if tokens_per_s is not None:
+            text += f", {tokens_per_s:,.0f} tokens/s"
+        eta = self.eta_s(step)
+        if eta is not None:
+            text += f", ETA {_duration(eta)}"
+        return markdown_text(text)
 
-    def update(self, step: int | None, total: int | None, force: bool = False) -> None:
+    def eta_s(self, step: int | None) -> float | None:
+        if step is None or self._first is None or not self.total or step <= self._first[1]:
+            return None
+        t0, s0 = self._first
+        return (self.total - step) * (time.monotonic() - t0) / (step - s0)
+
+    def update(
+        self,
+        step: int | None,
+        total: int | None,
+        force: bool = False,
+        loss: float | None = None,
+        tokens_per_s: float | None = None,
+    ) -> None:
         self.total = total or self.total
         now = time.monotonic()
+        if step is not None and self._first is None:
+            self._first = (now, step)
         if step is None or not self.total or (now - self._last < self.every and not force):
             return
         self._last = now
-        update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), self._describe(step))
+        update_progress_artifact(
+            self._id, min(100.0, 100.0 * step / self.total), self._describe(step, loss, tokens_per_s)
+        )
+
+
+def _duration(seconds: float) -> str:
+    from andrea_core.ops.status import _ago
+
+    return _ago(seconds)
+
+
+def publish_dashboard(run_dir: str) -> dict:
+    """The run's dashboard (andrea_core.ops.dashboard) as the keyed markdown artifact `run-<name>`:
+    the UI's Artifacts page shows its newest version, its history one per checkpoint."""
+    from andrea_core.ops.dashboard import dashboard
+
+    markdown, facts = dashboard(run_dir)
+    create_markdown_artifact(
+        markdown=markdown,
+        key=artifact_key("run", run_name(run_dir)),
+        description=markdown_text(f"dashboard of {run_dir}: step {facts['step']} of {facts['target']}"),
+    )
+    return facts
 
 
 def status_markdown(title: str, rows: dict[str, object]) -> str:

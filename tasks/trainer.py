@@ -16,7 +16,7 @@ from prefect.states import Cancelled
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import TrainerProcess
 from andrea_core.run.rundir import RunDir
-from tasks.artifacts import TrainingProgress, publish_status, run_name
+from tasks.artifacts import TrainingProgress, publish_dashboard, publish_status, run_name
 
 CONTRACT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # what a trainer understands (docs/design.md "Signals")
 
@@ -51,10 +51,13 @@ def run_trainer(
     progress = TrainingProgress(trainer.run.url, max_steps)
     trainer.start()
     logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
+    _dashboard(trainer.run.url)
     try:
         for line in trainer.lines():
             logger.info(line)
-            progress.update(trainer.step, trainer.total)
+            progress.update(trainer.step, trainer.total, loss=trainer.loss, tokens_per_s=trainer.tokens_per_s)
+            if line.startswith(("andrea: checkpoint step_", "andrea: training steps ")):
+                _dashboard(trainer.run.url)  # here, in the flow's process: none of it on the trainer's
     except BaseException as exc:
         # A cancellation (TerminationSignal), Ctrl-C, or anything else that ends this task early: the
         # trainer must end with a checkpoint of the step in flight before we do.
@@ -80,6 +83,14 @@ def run_trainer(
     return result
 
 
+def _dashboard(run_dir: str) -> None:
+    """Publish the run's dashboard; a failure is a warning: it must never end the training it shows."""
+    try:
+        publish_dashboard(run_dir)
+    except Exception as e:
+        get_run_logger().warning(f"the dashboard of {run_dir} was not updated: {type(e).__name__}: {e}")
+
+
 def _this_flow_run() -> str:
     context = FlowRunContext.get()
     if context is None or context.flow_run is None:
@@ -88,7 +99,8 @@ def _this_flow_run() -> str:
 
 
 def _finish(trainer: TrainerProcess, progress: TrainingProgress, outcome: supervise.TrainerOutcome, how: str):
-    progress.update(outcome.step, trainer.total, force=True)
+    progress.update(outcome.step, trainer.total, force=True, loss=trainer.loss)
+    _dashboard(outcome.run_dir)
     # When and by whom: a flow-run process killed outright publishes nothing, so the run directory's
     # status may be older than its newest checkpoint; these two rows say how old and from which run.
     publish_status(
@@ -99,6 +111,7 @@ def _finish(trainer: TrainerProcess, progress: TrainingProgress, outcome: superv
             "ended": how,
             "reason": outcome.reason,
             "step": outcome.step,
+            "loss": "n/a" if trainer.loss is None else f"{trainer.loss:.4f}",
             "checkpoint": outcome.checkpoint or "none",
             "exit code": outcome.returncode,
             "summary": outcome.describe(),

@@ -18,7 +18,7 @@ from andrea_core.model.gpt import GPT
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import SAMPLES, RunDir
 from andrea_core.run.samples import read_audits
-from andrea_core.train.audit import PROMPTS, run_audit, validation_losses
+from andrea_core.train.audit import run_audit, validation_losses
 from andrea_core.train.optim import build_optimizer
 
 
@@ -34,7 +34,9 @@ def test_an_audit_at_every_checkpoint_with_metrics_computed_from_its_own_texts(m
     assert [a["step"] for a in audits] == [0, *range(EVERY, STEPS + 1, EVERY)]
     assert set(run.checkpoint_steps()) <= {a["step"] for a in audits}
     for audit in audits:
-        assert [s["prompt"] for s in audit["samples"]] == list(PROMPTS)
+        # The same held-out prompts at every audit (test_audit_prompts.py: which ones).
+        assert [s["prompt"] for s in audit["samples"]] == [s["prompt"] for s in audits[0]["samples"]]
+        assert audit["settings"]["prompts"] == "held-out" and all(s["arm"] for s in audit["samples"])
         texts = [s["completion"] for s in audit["samples"]]
         assert all(texts)
         raw = "\n".join(texts).encode()

@@ -87,8 +87,13 @@ def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     out = tmp_path / "hf"
     proc = andrea("export", str(trained), str(out))
     assert f"{checkpoint_name(STEPS)}" in proc.stdout
-    # A bytes run has no tokenizer.json to carry.
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # A bytes run's tokenizer.json is written for it (byte-level, id = byte value: see below).
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"]
@@ -211,6 +216,33 @@ def test_export_of_a_bpe_run_carries_its_tokenizer(tmp_path):
         assert (want - hf(torch.tensor([ids])).logits).abs().max().item() <= 1e-4
 
 
+def test_export_of_a_bytes_run_round_trips_bytes_and_generates_within_its_context(trained, tmp_path):
+    from transformers import GenerationConfig, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    out = tmp_path / "hf"
+    andrea("export", str(trained), str(out))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(out / TOKENIZER_JSON))
+    text = "def f(x):\r\n\treturn x  # héllo ☃ \x00\x7f\n\n  end"
+    ids = tok(text)["input_ids"]
+    assert ids == list(text.encode("utf-8")) and len(tok) == 256  # the ids are the bytes
+    assert tok.decode(ids) == text
+    assert GenerationConfig.from_pretrained(str(out)).max_length == 64  # andrea-tiny's block_size
+    # generate without a length stops at the context: the model has no position past it (an
+    # IndexError before generation_config.json said so).
+    hf = GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    prompt = torch.tensor([tok("def ")["input_ids"]])
+    with torch.no_grad():
+        got = hf.generate(prompt, do_sample=False, pad_token_id=0)
+    assert got.shape == (1, 64)
+    greedy = reference_model(trained, STEPS)
+    idx = prompt
+    with torch.no_grad():
+        while idx.shape[1] < 64:
+            logits, _ = greedy(idx)
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert got.tolist() == idx.tolist()
+
+
 # --- sample ----------------------------------------------------------------------------------------
 
 
@@ -266,6 +298,27 @@ def test_sample_top_k_1_is_greedy(trained):
     greedy = bytes(idx[0].tolist()).decode("utf-8", errors="replace")
     out = sampled(str(trained), "--prompt", "import ", "--tokens", "32", "--top-k", "1", "--seed", "5")
     assert "import " + out["completion"] == greedy
+
+
+def test_sample_temperature_0_is_greedy_and_the_settings_line_is_plain(trained):
+    model = reference_model(trained, STEPS)
+    idx = torch.tensor([list(b"class ")])
+    with torch.no_grad():
+        for _ in range(24):
+            logits, _ = model(idx[:, -64:])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    greedy = bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    for seed in ("1", "2"):  # greedy: the seed changes nothing
+        out = sampled(
+            str(trained), "--prompt", "class ", "--tokens", "24", "--temperature", "0", "--seed", seed
+        )
+        assert "class " + out["completion"] == greedy
+    plain = andrea("sample", str(trained), "--prompt", "class ", "--tokens", "24", "--temperature", "0")
+    assert plain.stderr == f"# {trained} step {STEPS} on cpu: 24 tokens, greedy (temperature 0)\n"
+    plain = andrea("sample", str(trained), "--prompt", "class ", "--tokens", "5", "--top-k", "3")
+    assert plain.stderr == f"# {trained} step {STEPS} on cpu: 5 tokens, temperature 0.8, top-k 3, seed 0\n"
+    proc = andrea("sample", str(trained), "--prompt", "x", "--temperature", "-1", check=False)
+    assert_refused(proc, "--temperature -1.0: must be 0 (greedy) or positive")
 
 
 def test_sample_bad_inputs_exit_2_naming_them(trained, tmp_path):

@@ -67,10 +67,16 @@ def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
     assert st["state"] == "stopped", st
     assert st["trainer"] is None and st["stale_lock"] is None and st["eta_s"] is None
     assert st["newest_checkpoint"] == st["step"] == last_logged_step(run)
-    # A stopped trainer's --max-steps is gone with it: run.yaml's is what a plain resume would use.
-    assert (st["max_steps"], st["max_steps_from"]) == (MAX, "run.yaml")
+    # A stopped trainer's --max-steps stays the run's target (target.jsonl): a plain resume trains to it.
+    assert (st["max_steps"], st["max_steps_from"]) == (
+        CMDLINE_MAX,
+        "target.jsonl (andrea train --max-steps, at step 0)",
+    )
     text = andrea("status", str(run_dir)).stdout
-    assert f"STOPPED: no trainer running; `andrea train --run-dir {run_dir}` resumes from " in text
+    assert (
+        f"STOPPED: no trainer running, before its target (step {CMDLINE_MAX}); "
+        f"`andrea train --run-dir {run_dir}` resumes from " in text
+    )
     assert checkpoint_name(st["step"]) in text
 
     # --- crashed (SIGKILL: no checkpoint, the lock left behind) ---

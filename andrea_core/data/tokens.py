@@ -56,6 +56,34 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    @staticmethod
+    def to_json() -> bytes:
+        """This tokenizer as a Hugging Face tokenizer.json (for `andrea export`): byte-level, token id =
+        byte value. GPT-2's ByteLevel pre-tokenizer maps each byte to a printable character (no regex
+        split, no prefix space); a BPE with those 256 characters as its vocabulary and no merges then
+        gives one token per byte, id for id the values `encode` returns, and ByteLevel decodes back."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        byte_of = {ch: b for b, ch in enumerate(_gpt2_bytes_to_unicode())}
+        tok = Tokenizer(models.BPE(vocab=byte_of, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok.to_str().encode()
+
+
+def _gpt2_bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> character table (openai/gpt-2 encoder.py), the one ByteLevel uses: printable
+    bytes stand for themselves, the others are shifted past 255. Index = byte value."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return [table[b] for b in range(256)]
+
 
 class BPETokenizer:
     """A `tokenizers` tokenizer loaded from its frozen JSON: the per-run byte-level BPE (id `bpe-…`) or

@@ -64,6 +64,7 @@ class BranchResult:
     train_noise: float | None = None  # std of the training loss over the last `window` steps
     val_loss: dict[str, float] = field(default_factory=dict)  # held-out loss per arm
     val_mean: float | None = None  # mean over arms
+    val_stderr: dict[str, float] = field(default_factory=dict)  # standard error of each arm's mean
     problem: str | None = None  # why the branch is out of the running
     # The divergence guard's events of the branch itself (guard.jsonl, after the fork point): a branch
     # that rolled back trained a remedied timeline (batches skipped, a cooled learning rate).
@@ -325,6 +326,10 @@ def compare_branches(
             restore(ckpt, model, optimizer)
             per_arm = {arm: sequence_losses(model, *batches[arm]) for arm in arms}
             result.val_loss = {arm: float(v.mean()) for arm, v in per_arm.items()}
+            result.val_stderr = {
+                arm: float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
+                for arm, v in per_arm.items()
+            }
             result.val_mean = float(np.mean(list(result.val_loss.values())))
             result.per_sequence = np.concatenate([per_arm[arm] for arm in arms])
         results.append(result)
@@ -383,6 +388,17 @@ def legend_label(c: Comparison, b: BranchResult) -> str:
 
 def plot_comparison(c: Comparison) -> bytes:
     """PNG: training loss around the fork for the parent and every branch, and held-out loss per arm."""
+    import matplotlib.pyplot as plt
+
+    fig = comparison_figure(c)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def comparison_figure(c: Comparison):
+    """The figure of `plot_comparison` (its data can be read back from its axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -402,7 +418,7 @@ def plot_comparison(c: Comparison) -> bytes:
         color = f"C{i}"
         steps, losses = [e.step for e in b.history], [e.loss for e in b.history]
         # Continue the parent's EMA, so that every branch's curve leaves the fork point from the same value.
-        smooth = ema_curve([lead_smooth[-1], *losses])[1:] if lead_smooth else ema_curve(losses)
+        smooth = ema_curve(losses, start=lead_smooth[-1]) if lead_smooth else ema_curve(losses)
         ax.plot(steps, losses, color=color, lw=0.6, alpha=0.35)
         ax.plot(steps, smooth, color=color, lw=1.8, label=legend_label(c, b))
     ax.axvline(c.fork_step, color="0.5", ls="--", lw=1)
@@ -423,21 +439,26 @@ def plot_comparison(c: Comparison) -> bytes:
             x + i * width,
             [b.val_loss[a] for a in c.arms],
             width,
+            # The noise the verdict weighs the margin against: each bar's standard error.
+            yerr=[b.val_stderr.get(a, 0.0) for a in c.arms],
+            capsize=3,
             label=b.name,
             color=f"C{c.branches.index(b)}",
         )
     bx.set_xticks(x + width * (len(scored) - 1) / 2, c.arms, fontsize=8)
-    bx.set(ylabel="held-out loss", title="held-out loss per arm (same batches)")
-    lows = [v for b in scored for v in b.val_loss.values()]
+    title = "held-out loss per arm (same batches; bars: ±1 standard error)"
+    if c.margin is not None and c.noise is not None:
+        title += f"\npaired margin {c.margin:.4f} vs noise ±{c.noise:.4f} (winner needs > {SIGNIFICANCE:g}x)"
+    bx.set(ylabel="held-out loss")
+    bx.set_title(title, fontsize=9)
+    lows = [v - b.val_stderr.get(a, 0.0) for b in scored for a, v in b.val_loss.items()]
+    highs = [v + b.val_stderr.get(a, 0.0) for b in scored for a, v in b.val_loss.items()]
     if lows:
-        bx.set_ylim(min(lows) * 0.97, max(lows) * 1.02)
+        bx.set_ylim(min(lows) * 0.97, max(highs) * 1.02)
     bx.grid(axis="y", alpha=0.3)
     bx.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 def png_data_uri(png: bytes) -> str:

@@ -3,7 +3,8 @@
 
     OUT_DIR/model.safetensors   the weights under GPT-2's names (safetensors: no pickle either way)
     OUT_DIR/config.json         a GPT2Config that describes exactly this model
-    OUT_DIR/tokenizer.json      the run's frozen BPE, where it has one (a bytes run has none)
+    OUT_DIR/tokenizer.json      the run's frozen BPE, or for a bytes run a byte-level one (id = byte)
+    OUT_DIR/generation_config.json  max_length = the context (n_positions): `generate` stops within it
 
 ANDREA's GPT is GPT-2's architecture with three differences, each written so that GPT-2 computes the
 same function: the head is untied (`tie_word_embeddings: false`, `lm_head.weight` of its own), the MLP
@@ -35,6 +36,7 @@ from andrea_core.run.rundir import TOKENIZER_JSON
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # ANDREA parameter name -> (GPT-2 name, is a Conv1D: transpose the weight and add a zero bias).
 _RENAMES: list[tuple[re.Pattern, str, bool]] = [
@@ -140,6 +142,12 @@ def export_checkpoint(
     tensors = gpt2_state_dict(named_weights(cfg, ckpt), DTYPES[dtype])
     config = gpt2_config(cfg, dtype)
     tokenizer = weights.run.read_bytes(TOKENIZER_JSON) if weights.run.exists(TOKENIZER_JSON) else None
+    if tokenizer is None and weights.record.config.data.tokenizer == "bytes":
+        from andrea_core.data.tokens import ByteTokenizer
+
+        tokenizer = ByteTokenizer.to_json()
+    # Past n_positions GPT-2 has no position embedding (an IndexError in generate): say the limit.
+    generation = {"max_length": cfg.block_size, "bos_token_id": None, "eos_token_id": None}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp.{os.getpid()}"
@@ -150,6 +158,7 @@ def export_checkpoint(
         metadata = {"format": "pt", "andrea_run": weights.run.url, "andrea_step": str(ckpt.step)}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=metadata)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         if tokenizer is not None:
             (tmp / TOKENIZER_JSON).write_bytes(tokenizer)
         files = sorted(p.name for p in tmp.iterdir())

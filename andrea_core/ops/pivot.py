@@ -51,7 +51,9 @@ from andrea_core.run.pivot_journal import (
     read_pivot,
     record_pivot,
 )
+from andrea_core.run.record import read_run
 from andrea_core.run.rundir import ARCHIVE, LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
+from andrea_core.run.target import check_max_steps, read_target, set_target
 
 KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
 
@@ -129,10 +131,15 @@ def check_pivot(
     parsed, text = load_policy(policy)
     train = recorded_train_options(run)
     if max_steps is not None:
-        train["max_steps"] = max_steps
+        train["max_steps"] = check_max_steps(max_steps)
     if device is not None:
         train["device"] = device
-    target = train["max_steps"] if train["max_steps"] is not None else cfg.train.max_steps
+    # The run's target (target.jsonl, else run.yaml's) unless the pivot or the last trainer named one.
+    target = (
+        train["max_steps"]
+        if train["max_steps"] is not None
+        else read_target(run, cfg.train.max_steps).max_steps
+    )
     train["max_steps"] = target
     resolved = train["device"]
     if restart:  # before the data check, which may tokenize new arms for minutes
@@ -553,6 +560,11 @@ def install(run: RunDir, journal: dict) -> str:
     """Step 5: the new policy.yaml (validated again: what is installed is what was checked)."""
     if not _reached(journal, "installed"):
         installed = install_policy(run, journal["policy_text"], journal.get("source") or "new policy")
+        if isinstance(journal.get("max_steps"), int):  # the target the new phase trains to (a no-op if kept)
+            cfg = read_run(run).config
+            set_target(
+                run, journal["max_steps"], cfg.train.max_steps, journal.get("boundary") or 0, "andrea pivot"
+            )
         _record(run, journal, "installed")
         _kill_point("installed")
         return installed.hash

@@ -29,6 +29,16 @@ class Sample:
     completion: str
     settings: dict
 
+    def settings_line(self) -> str:
+        """What produced the text, as the operator reads it: `RUN step N on cpu: 200 tokens, ...`."""
+        s = self.settings
+        how = (
+            "greedy (temperature 0)"
+            if s["temperature"] == 0
+            else f"temperature {s['temperature']:g}, top-k {s['top_k'] or 'off'}, seed {s['seed']}"
+        )
+        return f"{self.run} step {self.step} on {self.device}: {s['tokens']} tokens, {how}"
+
 
 @contextlib.contextmanager
 def top_k_only(model: GPT, k: int | None) -> Iterator[None]:
@@ -67,8 +77,8 @@ def sample(
 
     if tokens < 1:
         raise ConfigError(f"--tokens {tokens}: must be at least 1")
-    if temperature <= 0:
-        raise ConfigError(f"--temperature {temperature}: must be positive")
+    if not temperature >= 0:  # NaN too
+        raise ConfigError(f"--temperature {temperature}: must be 0 (greedy) or positive")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k {top_k}: must be at least 1")
     if not prompt:
@@ -80,8 +90,9 @@ def sample(
     model = load_model(weights.model_config, weights.checkpoint, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    with top_k_only(model, top_k):
-        out = model.generate(idx, tokens, temperature=temperature, generator=generator)
+    # Temperature 0 is greedy: only the likeliest token is left to draw (the seed no longer matters).
+    with top_k_only(model, 1 if temperature == 0 else top_k):
+        out = model.generate(idx, tokens, temperature=temperature or 1.0, generator=generator)
     settings = {"tokens": tokens, "temperature": temperature, "top_k": top_k, "seed": seed}
     completion = tokenizer.decode(out[0, len(ids) :].tolist())
     return Sample(weights.run.url, weights.checkpoint.step, device, prompt, completion, settings)

@@ -7,8 +7,13 @@ The state is one of
               checkpoint are lost, and the next `andrea train` takes the stale lock over;
   remote      the lock names a trainer that cannot be checked from here (another machine or pid
               namespace: lock.trainer_liveness): a live trainer elsewhere, as far as this host can tell;
-  completed   no trainer, and the run has reached max_steps;
-  stopped     no trainer, a clean stop (SIGTERM, Ctrl-C) or a run not started yet.
+  creating    a live trainer holds the lock of a directory with no run.yaml yet: it is creating the
+              run (a new run's tokenizer can take minutes);
+  pivoting    a pivot journal (pivot.json) exists: a pivot is under way, or was left half done;
+  completed   no trainer, and the run has reached its target;
+  stopped     no trainer, before its target: a clean stop (SIGTERM, Ctrl-C) or a run not started yet.
+The target is the run's own (target.jsonl, else run.yaml's max_steps; andrea_core/run/target.py): the
+percentage and the ETA are of it, as a resume without --max-steps trains to it.
 Speeds are measured on `.loss.json`'s times: tokens per second over the last minute of logging.
 """
 
@@ -45,7 +50,8 @@ class RunStatus:
     stale_lock: dict | None = None  # a dead trainer's lock (state crashed) or another host's (remote)
     step: int = 0  # the newest step of the canonical loss history
     max_steps: int = 0
-    max_steps_from: str = "run.yaml"  # or "trainer command line" (andrea train --max-steps)
+    max_steps_from: str = "run.yaml"  # or "target.jsonl (...)", or "trainer command line" (a live one's)
+    pivot: dict | None = None  # the pivot journal's policy, step and boundary, while one exists
     last_logged_at: float | None = None
     tokens_per_s: float | None = None
     steps_per_s: float | None = None
@@ -86,23 +92,40 @@ def _identity(ident: TrainerIdentity) -> dict:
 def run_status(url: str, now: float | None = None) -> RunStatus:
     from andrea_core.data.policy import read_policy
     from andrea_core.run.lineage import phases
+    from andrea_core.run.pivot_journal import read_pivot
     from andrea_core.run.record import open_run, run_n_params
+    from andrea_core.run.rundir import RUN_YAML
     from andrea_core.run.samples import read_audits
+    from andrea_core.run.target import read_target
 
     now = time.time() if now is None else now
-    run, record = open_run(url)
-    cfg = record.config
-    st = RunStatus(run.url, "stopped", "", max_steps=cfg.train.max_steps)
-
+    run = RunDir(url)
     try:
-        verdict = trainer_liveness(run)
+        verdict, lock_problem = trainer_liveness(run), None
     except LockError as e:
-        verdict = Liveness(None, None, str(e))
-        st.problems.append(str(e))
+        verdict, lock_problem = Liveness(None, None, str(e)), str(e)
     lock = verdict.holder
     if lock is not None and lock.released:
         lock = None  # left at a clean exit (it keeps the lease's generation): nobody holds the run
     live = lock is not None and verdict.state == ALIVE
+    if live and not run.exists(RUN_YAML):
+        # A live lock and no run.yaml: a trainer is creating the run (or a tool holds the directory).
+        st = RunStatus(
+            run.url, "creating", "", trainer=_identity(lock), max_steps_from="trainer command line"
+        )
+        st.max_steps = trainer_max_steps(process_argv(lock.pid) or []) or 0
+        st.summary = (
+            f"trainer pid {lock.pid} on {lock.host} is creating the run (no {RUN_YAML} yet: its "
+            f"config, policy and tokenizer are being made), started {_when(lock.started_at)}"
+        )
+        return st
+    run, record = open_run(url)
+    cfg = record.config
+    st = RunStatus(run.url, "stopped", "", max_steps=cfg.train.max_steps)
+    if lock_problem:
+        st.problems.append(lock_problem)
+    target = read_target(run, cfg.train.max_steps, warn=st.problems.append)
+    st.max_steps, st.max_steps_from = target.max_steps, target.source
     if live:
         st.trainer = _identity(lock)
         cmdline_max = trainer_max_steps(process_argv(lock.pid) or [])
@@ -167,6 +190,9 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
                 f"(event {events[-1].number} in {GUARD_LOG}): see README, 'When a run diverges'"
             )
 
+    journal = read_pivot(run)
+    if journal is not None:
+        st.pivot = {k: journal.get(k) for k in ("policy", "step", "boundary", "unreadable", "source")}
     st.state, st.summary = _verdict(st, lock, verdict, run, now)
     return st
 
@@ -176,6 +202,8 @@ def _verdict(
 ) -> tuple[str, str]:
     newest = checkpoint_name(st.newest_checkpoint) if st.newest_checkpoint is not None else None
     resume = f"`andrea train --run-dir {run.url}`"
+    if st.pivot is not None:
+        return "pivoting", _pivoting(st, lock, lock is not None and verdict.state == ALIVE, run)
     if lock is not None and verdict.state == ALIVE:
         since = f"{_ago(now - st.last_logged_at)} ago" if st.last_logged_at else "not yet"
         return "training", f"trainer pid {lock.pid} on {lock.host} is training; last step logged {since}"
@@ -198,12 +226,32 @@ def _verdict(
         )
     if st.step >= st.max_steps and st.newest_checkpoint == st.step:
         return "completed", (
-            f"no trainer running; trained to step {st.step} ({newest}), max_steps {st.max_steps}; "
+            f"no trainer running; trained to step {st.step} ({newest}), its target; "
             f"`andrea train --run-dir {run.url} --max-steps N` trains further"
         )
     if st.newest_checkpoint is None and not st.step:
         return "stopped", f"no trainer running; not trained yet: {resume} starts it"
-    return "stopped", f"no trainer running; {resume} resumes from {newest or 'scratch'}"
+    return "stopped", (
+        f"no trainer running, before its target (step {st.max_steps}); {resume} resumes from "
+        f"{newest or 'scratch'} and trains to it"
+    )
+
+
+def _pivoting(st: RunStatus, lock: TrainerIdentity | None, live: bool, run: RunDir) -> str:
+    from andrea_core.run.pivot_journal import HALF_DONE_STEPS, half_done_message
+
+    p = st.pivot
+    if p.get("unreadable"):
+        return f"{p['unreadable']}: an unreadable pivot journal; no trainer starts until it is repaired"
+    where = (
+        f"boundary {checkpoint_name(p['boundary'])}"
+        if p.get("boundary") is not None
+        else "boundary not yet chosen"
+    )
+    who = f"trainer pid {lock.pid} is live" if live else "no trainer running"
+    if p.get("step") in HALF_DONE_STEPS and not live:
+        return f"a pivot to policy {p.get('policy')!r} is half done ({who}): {half_done_message(run, p)}"
+    return f"a pivot to policy {p.get('policy')!r} is under way (last step {p.get('step')!r}, {where}; {who})"
 
 
 def _ago(seconds: float) -> str:
@@ -236,7 +284,7 @@ def format_status(st: RunStatus, now: float | None = None) -> str:
         t = st.stale_lock
         row("stale lock", f"pid {t['pid']} on {t['host']}, started {_when(t['started_at'])}")
     pct = f" ({100 * st.step / st.max_steps:.0f}%)" if st.max_steps else ""
-    row("step", f"{st.step} of {st.max_steps}{pct}  (max_steps from {st.max_steps_from})")
+    row("step", f"{st.step} of {st.max_steps}{pct}  (target from {st.max_steps_from})")
     if st.tokens_per_s is not None:
         what = "the last minute" if st.trainer else "its last minute of training"
         row("speed", f"{st.tokens_per_s:,.0f} tokens/s, {st.steps_per_s:.2f} steps/s over {what}")

@@ -24,9 +24,11 @@ from andrea_core.config import REPO_ROOT
 from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
+from andrea_core.train.progress import TIMESTAMP_RE
 
 # The trainer's plain log lines (train/trainer.py, train/progress.py) that say where it is and how it ended.
 PROGRESS_RE = re.compile(r"^andrea: step (\d+)/(\d+)\s+loss (\S+)")
+TOKENS_PER_S_RE = re.compile(r"\s([\d,]+(?:\.\d+)?) tok/s")
 STARTED_RE = re.compile(r"^andrea: training steps (\d+)\.\.(\d+) \(pid (\d+)\)")
 STOPPED_RE = re.compile(r"^andrea: (SIGTERM|SIGINT): stopped at step (\d+), checkpoint (\S+)$")
 COMPLETED_RE = re.compile(r"^andrea: completed step (\d+), checkpoint (\S+)$")
@@ -120,6 +122,7 @@ class TrainerProcess:
         self.step: int | None = None
         self.total: int | None = max_steps
         self.loss: float | None = None
+        self.tokens_per_s: float | None = None
         self.tail: deque[str] = deque(maxlen=30)
         self._ending: re.Match | None = None
         self._error: str | None = None
@@ -147,7 +150,7 @@ class TrainerProcess:
         """The trainer's output, line by line, as it comes; ends when the trainer exits."""
         assert self.proc is not None and self.proc.stdout is not None, "start() first"
         for raw in self.proc.stdout:
-            line = raw.rstrip("\n")
+            line = TIMESTAMP_RE.sub("", raw.rstrip("\n"), count=1)  # the reader stamps its lines itself
             self._observe(line)
             yield line
         self.proc.wait()
@@ -160,6 +163,8 @@ class TrainerProcess:
                 self.loss = float(m.group(3))
             except ValueError:
                 pass
+            if speed := TOKENS_PER_S_RE.search(line):
+                self.tokens_per_s = float(speed.group(1).replace(",", ""))
         elif m := STARTED_RE.match(line):
             self.step, self.total = int(m.group(1)) - 1, int(m.group(2))
         elif m := (STOPPED_RE.match(line) or COMPLETED_RE.match(line) or ALREADY_RE.match(line)):
@@ -190,7 +195,7 @@ class TrainerProcess:
                 "valid checkpoint)"
             ) from None
         for raw in self.proc.stdout:
-            line = raw.rstrip("\n")
+            line = TIMESTAMP_RE.sub("", raw.rstrip("\n"), count=1)  # the reader stamps its lines itself
             self._observe(line)
             if on_line is not None:
                 on_line(line)

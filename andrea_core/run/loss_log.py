@@ -150,12 +150,21 @@ def read_history(run: RunDir) -> list[LossEntry]:
     return newest_segments(parse_entries(run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES"))[0])
 
 
-def ema_curve(values: list[float], alpha: float = 0.05) -> list[float]:
-    """The exponential moving average after each value (the smoothed curve of a plot)."""
-    out, acc = [], math.nan
+def ema_curve(values: list[float], alpha: float = 0.05, start: float | None = None) -> list[float]:
+    """The exponential moving average after each value (the smoothed curve of a plot), bias-corrected
+    as Adam's moments are: the average starts at 0 and is divided by the weight its values carry so far,
+    1 - (1 - alpha)^t, so that it follows the first steps instead of lagging from the first value (which
+    a curve started at the first loss does: 36% of its weight still on step 1 after 20 steps).
+    `start`: continue a curve whose last value it is (fully warmed up: no correction)."""
+    out: list[float] = []
+    acc, weight = (0.0, 0.0) if start is None else (start, 1.0)
     for v in values:
-        acc = v if math.isnan(acc) else (1 - alpha) * acc + alpha * v
-        out.append(acc)
+        acc = (1 - alpha) * acc + alpha * v
+        if start is None:
+            weight = (1 - alpha) * weight + alpha
+            out.append(acc / weight)
+        else:
+            out.append(acc)
     return out
 
 

@@ -72,6 +72,7 @@ STATE = ".state.json"
 LOCK = ".trainer.json"
 FORKS = "forks.jsonl"
 GUARD_LOG = "guard.jsonl"  # the divergence guard's events (run/guard_events.py)
+TARGET = "target.jsonl"  # the run's target (max_steps): one line per change, append-only
 ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
@@ -356,19 +357,24 @@ class RunDir:
     def write_json(self, name: str, obj: Any) -> None:
         self.write_atomic(name, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
-    def open_append(self, name: str) -> AppendFile | MirroredAppendFile:
+    def open_append(self, name: str, lines: bool = True) -> AppendFile | MirroredAppendFile:
+        """`lines`: a JSON Lines file, whose torn last line is ended before the first new byte; False for
+        a file of binary records (TensorBoard's events), which is appended to byte for byte."""
         if not self.is_local:
-            return MirroredAppendFile(self, name)
+            return MirroredAppendFile(self, name, lines)
         return AppendFile(
             self.path(name),
             fenced=lambda: self._fenced(name),
             opener=lambda _, flags: self._open_local(name, (flags & ~os.O_WRONLY) | os.O_RDWR),
+            lines=lines,
         )
 
-    def append(self, name: str, data: bytes, durable: bool = False, attempts: int = 5) -> None:
+    def append(
+        self, name: str, data: bytes, durable: bool = False, attempts: int = 5, lines: bool = True
+    ) -> None:
         for attempt in range(attempts):
             try:
-                with self.open_append(name) as f:
+                with self.open_append(name, lines) as f:
                     f.write(data, durable=durable or not self.is_local)
                 return
             except ConcurrentWriteError:
@@ -694,6 +700,7 @@ class AppendFile:
         path: str,
         fenced: Callable[[], None] | None = None,
         opener: Callable[[str, int], int] | None = None,
+        lines: bool = True,
     ):
         self.path = path
         self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
@@ -701,7 +708,7 @@ class AppendFile:
         self._f = open(path, "ab", buffering=0, opener=opener)
         # Bytes accepted by write() that have not reached the file yet; first of all the newline that
         # ends a torn last line, sent with the first record (in one write: never a line of its own).
-        self._pending = _line_end(self._last_byte())
+        self._pending = _line_end(self._last_byte()) if lines else b""
         self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
 
     def read(self) -> bytes:
@@ -756,7 +763,7 @@ class MirroredAppendFile:
     The mirror is this process's own (two forks of one parent may append at once) and is removed at
     a clean close; one a crash leaves behind holds the tail that was never published."""
 
-    def __init__(self, run: RunDir, name: str):
+    def __init__(self, run: RunDir, name: str, lines: bool = True):
         self.run = run
         self.name = name
         data, self._version = run._read_versioned(name)
@@ -768,7 +775,7 @@ class MirroredAppendFile:
         self._f.write(data)
         self._f.flush()
         self._size = len(data)
-        self._torn_end = _line_end(data[-1:])  # ends a torn last line, with the first write
+        self._torn_end = _line_end(data[-1:]) if lines else b""  # ends a torn last line, with the first write
         # The trainer appends on its thread while the checkpoint writer publishes on its own.
         self._lock = threading.Lock()
 

@@ -54,23 +54,34 @@ def text_metrics(texts: Sequence[str]) -> dict[str, float]:
 # --- .samples.json -----------------------------------------------------------------------------
 
 
-def read_audits(run: RunDir) -> list[dict[str, Any]]:
-    """The audits in .samples.json, oldest first ([] when there is none yet)."""
-    if not run.exists(SAMPLES):
+def read_audits(run: RunDir, name: str = SAMPLES) -> list[dict[str, Any]]:
+    """The audits in .samples.json (or `name`: a closed phase's, in its archive folder), oldest first
+    ([] when there is none yet)."""
+    if not run.exists(name):
         return []
     try:
-        doc = run.read_json(SAMPLES)
+        doc = run.read_json(name)
         if doc.get("format") != FORMAT or not all(isinstance(a["step"], int) for a in doc["audits"]):
             raise ValueError(f"format {doc.get('format')!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(
-            f"{run.path(SAMPLES)}: not a sample audit file of format {FORMAT} ({type(e).__name__}: {e}); "
+            f"{run.path(name)}: not a sample audit file of format {FORMAT} ({type(e).__name__}: {e}); "
             "move it aside to start a new one"
         ) from None
     return doc["audits"]
 
 
 # --- the operator's view -------------------------------------------------------------------------
+
+
+def audit_line(audit: dict[str, Any]) -> str:
+    """The trainer's one log line for an audit: the held-out loss of every arm and the text metrics."""
+    m = audit["metrics"]
+    arms = ", ".join(f"{arm} {loss:.4f}" for arm, loss in m["val_loss"].items())
+    return (
+        f"audit of step {audit['step']}: held-out loss {arms}; distinct-2 {m['distinct_2']:.3f}, "
+        f"repetition {m['repetition']:.3f}"
+    )
 
 
 def format_audit(audit: dict[str, Any], width: int = 100) -> str:

@@ -24,16 +24,22 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from andrea_core.config import RunConfig
 from andrea_core.data.pipeline import DataPipeline
+from andrea_core.data.tokens import DOC_SEPARATOR
 from andrea_core.model.gpt import GPT
 from andrea_core.run.rundir import SAMPLES, RunDir
-from andrea_core.run.samples import FORMAT, KEEP_AUDITS, read_audits, text_metrics
+from andrea_core.run.samples import FORMAT, KEEP_AUDITS, audit_line, read_audits, text_metrics
 
-PROMPTS = ("def ", "import ", "The ", "class ")
+PROMPTS = ("def ", "import ", "The ", "class ")  # the last resort: a run whose held-out data has no prompt
+PROMPTS_PER_ARM = 2  # held-out documents per arm whose first tokens are the default prompts
+MAX_PROMPTS = 8
+PROMPT_TOKENS = 8
+SCAN_TOKENS = 1 << 16  # of each arm's held-out split, where the prompts are looked for
 NEW_TOKENS = 64
 TEMPERATURE = 0.8
 VAL_SEQS = 8  # held-out windows per arm
@@ -78,6 +84,47 @@ def one_cpu_thread(device: str) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _head(tokens: Any, n: int) -> list[int]:
+    n = min(n, len(tokens))
+    if isinstance(tokens, np.ndarray):
+        return tokens[:n].tolist()
+    return tokens.rows(np.array([0]), n)[0].tolist()  # ShardedTokens
+
+
+def held_out_prompts(data: DataPipeline) -> list[tuple[str, str]]:
+    """(arm, prompt): the first PROMPT_TOKENS tokens of the first PROMPTS_PER_ARM held-out documents of
+    each arm. A corpus cache's held-out split is whole documents, each followed by DOC_SEPARATOR: the
+    first starts at 0, the others after a separator. Elsewhere (the embedded arms' tail-of-stream
+    split, token shards) the split may begin mid-document and the separator also parts paragraphs: a
+    prompt starts after one. A pure function of the arms' held-out data: the same prompts at every
+    audit of a phase, and a Shakespeare run is prompted with Shakespeare, not with code."""
+    tok = data.tokenizer
+    sep = tok.encode(DOC_SEPARATOR)
+    per_arm = max(1, min(PROMPTS_PER_ARM, MAX_PROMPTS // max(1, len(data.arms))))
+    found: list[tuple[str, str]] = []
+    for arm, token_arm in data.arms.items():
+        head, taken, k = _head(token_arm.val, SCAN_TOKENS), 0, len(sep)
+        whole_documents = token_arm.info.get("documents") is not None  # a corpus cache (data/shards.py)
+        for i in range(0 if whole_documents else k, len(head) - PROMPT_TOKENS):
+            if taken == per_arm or len(found) == MAX_PROMPTS:
+                break
+            if (i > 0 and head[i - k : i] != sep) or head[i : i + k] == sep:
+                continue  # not a document's start, or inside a run of separators
+            text = tok.decode(head[i : i + PROMPT_TOKENS]).rstrip("\ufffd")  # no half a character
+            if text.strip() and DOC_SEPARATOR not in text:
+                found.append((arm, text))
+                taken += 1
+    return found
+
+
+def audit_prompts(data: DataPipeline, cfg: RunConfig) -> list[tuple[str | None, str]]:
+    """(arm or None, prompt) of the run's audits: train.audit_prompts if the config gives them, else
+    `held_out_prompts`, else the fixed PROMPTS."""
+    if cfg.train.audit_prompts:
+        return [(None, p) for p in cfg.train.audit_prompts]
+    return held_out_prompts(data) or [(None, p) for p in PROMPTS]
+
+
 @torch.no_grad()
 def generate_samples(
     model: GPT,
@@ -86,6 +133,7 @@ def generate_samples(
     device: str,
     new_tokens: int = NEW_TOKENS,
     own_threads: bool = True,
+    prompts: list[tuple[str | None, str]] | None = None,
 ) -> list[dict[str, str]]:
     """One completion per prompt, all prompts in one batch with a KV cache (GPT.generate).
 
@@ -94,32 +142,54 @@ def generate_samples(
     `own_threads`: may set the process's CPU thread count while it runs (not from a second thread).
     """
     tok = data.tokenizer
-    encoded = [tok.encode(p) for p in PROMPTS]
+    prompts = prompts if prompts is not None else [(None, p) for p in PROMPTS]
+    # A prompt longer than the context keeps its newest block_size - 1 tokens (one is generated at once).
+    keep = data.cfg.model.block_size - 1
+    encoded = [tok.encode(p)[-keep:] for _, p in prompts]
     width = max(len(e) for e in encoded)
     idx = torch.tensor([[0] * (width - len(e)) + e for e in encoded], device=device)
-    generators = [prompt_generator(seed, i, device) for i in range(len(PROMPTS))]
+    generators = [prompt_generator(seed, i, device) for i in range(len(prompts))]
     with one_cpu_thread(device) if own_threads else contextlib.nullcontext():
         out = model.generate(
             idx, new_tokens, temperature=TEMPERATURE, generator=generators, lengths=[len(e) for e in encoded]
         ).tolist()
-    return [{"prompt": p, "completion": tok.decode(row[width:])} for p, row in zip(PROMPTS, out, strict=True)]
+    return [
+        {"prompt": p, "completion": tok.decode(row[width:]), **({"arm": arm} if arm else {})}
+        for (arm, p), row in zip(prompts, out, strict=True)
+    ]
 
 
 def run_audit(
-    model: GPT, data: DataPipeline, cfg: RunConfig, step: int, device: str, own_threads: bool = True
+    model: GPT,
+    data: DataPipeline,
+    cfg: RunConfig,
+    step: int,
+    device: str,
+    own_threads: bool = True,
+    prompts: list[tuple[str | None, str]] | None = None,
 ) -> dict[str, Any]:
-    """The audit of the model as it is now; leaves the model's mode and every global RNG untouched."""
+    """The audit of the model as it is now; leaves the model's mode and every global RNG untouched.
+    `prompts`: audit_prompts(data, cfg) unless given (the Auditor computes them once per start)."""
+    prompts = prompts if prompts is not None else audit_prompts(data, cfg)
     was_training = model.training
     model.eval()  # no dropout: nothing draws from the global RNG, and the audit measures the model
     try:
         val = validation_losses(model, data, device)
-        samples = generate_samples(model, data, cfg.train.seed, device, own_threads=own_threads)
+        samples = generate_samples(
+            model, data, cfg.train.seed, device, own_threads=own_threads, prompts=prompts
+        )
     finally:
         model.train(was_training)
+    source = "train.audit_prompts" if cfg.train.audit_prompts else "held-out" if prompts[0][0] else "fixed"
     return {
         "step": step,
         "tokenizer": data.tokenizer.id,
-        "settings": {"seed": cfg.train.seed, "temperature": TEMPERATURE, "new_tokens": NEW_TOKENS},
+        "settings": {
+            "seed": cfg.train.seed,
+            "temperature": TEMPERATURE,
+            "new_tokens": NEW_TOKENS,
+            "prompts": source,
+        },
         "samples": samples,
         "metrics": {"val_loss": val, **text_metrics([s["completion"] for s in samples])},
     }
@@ -142,6 +212,8 @@ class Auditor:
     ):
         self.run, self.cfg, self.model, self.data, self.device = run, cfg, model, data, device
         self.log = log
+        self.on_written: Callable[[dict[str, Any]], None] | None = None
+        self.prompts = audit_prompts(data, cfg)  # once: the same at every audit of this start's phase
         # Audits past the resume point belong to a timeline that was abandoned with its checkpoints.
         self.audits = [a for a in read_audits(run) if a["step"] <= start_step]
         self._weights: GPT | None = None  # the copy a background audit reads, reused
@@ -151,7 +223,7 @@ class Auditor:
 
     def record(self, step: int) -> dict[str, Any]:
         self.wait()
-        audit = run_audit(self.model, self.data, self.cfg, step, self.device)
+        audit = run_audit(self.model, self.data, self.cfg, step, self.device, prompts=self.prompts)
         self._write(audit)
         return audit
 
@@ -173,6 +245,9 @@ class Auditor:
     def _write(self, audit: dict[str, Any]) -> None:
         self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
         self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+        self.log(audit_line(audit))
+        if self.on_written is not None:
+            self.on_written(audit)  # the TensorBoard view (trainer.py)
 
     @torch.no_grad()
     def start(self, step: int) -> None:
@@ -201,7 +276,15 @@ class Auditor:
                 if stream is not None:
                     stream.wait_event(ready)  # the copy of this step's weights is complete
                 # It ends in reads to the host: nothing of it is left queued when the thread ends.
-                audit = run_audit(self._weights, self.data, self.cfg, step, self.device, own_threads=False)
+                audit = run_audit(
+                    self._weights,
+                    self.data,
+                    self.cfg,
+                    step,
+                    self.device,
+                    own_threads=False,
+                    prompts=self.prompts,
+                )
             self._write(audit)
         except OSError as e:
             self._not_written(step, e)

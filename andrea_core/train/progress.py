@@ -1,11 +1,23 @@
-"""Progress: one live status line on a terminal, plain log lines elsewhere (Prefect, CI, files)."""
+"""Progress: one live status line on a terminal, plain log lines elsewhere (Prefect, CI, files).
+
+Every line printed as a line starts with its UTC time (`2026-12-01 10:42:07Z andrea: ...`): a weeks-long
+run's trainer.log or nohup file says when each thing happened. A reader that stamps lines itself (the
+Prefect task, supervise.TrainerProcess) strips it (TIMESTAMP_RE).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from typing import TextIO
+
+TIMESTAMP_RE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ ")
+
+
+def stamp(t: float | None = None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ ", time.gmtime(t))
 
 
 class Progress:
@@ -34,7 +46,7 @@ class Progress:
 
     def message(self, text: str) -> None:
         """A line that must be seen (start, checkpoints, signals, warnings)."""
-        self._write(("\r\033[K" if self.tty else "") + f"andrea: {text}\n")
+        self._write(("\r\033[K" if self.tty else "") + f"{stamp()}andrea: {text}\n")
 
     def step(self, step: int, loss: float, tokens: int, next_checkpoint: int) -> None:
         self._tokens += tokens
@@ -51,7 +63,7 @@ class Progress:
             f"step {step}/{self.total}  loss {loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
             f"next checkpoint {next_checkpoint}"
         )
-        self._write(f"\r\033[K{line}" if self.tty else f"andrea: {line}\n")
+        self._write(f"\r\033[K{line}" if self.tty else f"{stamp()}andrea: {line}\n")
 
 
 def _discard_output_of(stream: TextIO) -> None:

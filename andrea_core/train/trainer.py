@@ -44,6 +44,7 @@ from andrea_core.run.pivot_journal import require_no_half_pivot
 from andrea_core.run.record import environment, read_run
 from andrea_core.run.retention import apply_retention
 from andrea_core.run.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
+from andrea_core.run.target import check_max_steps, read_target, set_target
 from andrea_core.train import distributed
 from andrea_core.train.audit import Auditor
 from andrea_core.train.checkpoint_writer import Checkpointer
@@ -51,6 +52,7 @@ from andrea_core.train.guard import Divergence, Guard, roll_back
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.progress import Progress
 from andrea_core.train.setup import prepare_run
+from andrea_core.train.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -163,17 +165,24 @@ class Trainer:
         self.world = distributed.world_from_env()
         self.device = distributed.rank_device(self.world, pick_device(device))
         distributed.init(self.world, self.device)
+        if max_steps is not None:
+            check_max_steps(max_steps)
+        # Rank 0 speaks for the job: one progress stream, one set of messages, as one trainer would.
+        quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
+        self.progress = Progress(0, 1, stream=quiet)  # its total and log_every once the run is known
+        self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
         with distributed.main_first(self.world):  # rank 0 creates the run; the others read it
             self.cfg = prepare_run(self.run, cfg)
         distributed.check_batch(self.world, self.cfg.train.batch_size, self.cfg.train.grad_accum_steps)
-        self.max_steps = max_steps or self.cfg.train.max_steps
+        # The run's target: --max-steps (recorded in target.jsonl under the lock: train()), else the
+        # one in force (run/target.py).
+        self._new_target = max_steps
+        target = read_target(self.run, self.cfg.train.max_steps, warn=self.log)
+        self.max_steps = max_steps or target.max_steps
+        self.progress.total, self.progress.log_every = self.max_steps, self.cfg.train.log_every
         self.pace = pace
         # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
         self.keep_signal_handlers = keep_signal_handlers
-        # Rank 0 speaks for the job: one progress stream, one set of messages, as one trainer would.
-        quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
-        self.progress = Progress(self.max_steps, self.cfg.train.log_every, stream=quiet)
-        self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -247,11 +256,17 @@ class Trainer:
             self.run, self.cfg, self.model, self.data, self.device, self.start_step, log=self.log
         )
         if not self.world.is_main:
-            self.auditor = self.loss_log = _RankZeroOnly()
+            self.auditor = self.loss_log = self.tensorboard = _RankZeroOnly()
+        baseline = None
         if ckpt is None:
-            self.auditor.record(0)  # the untrained model: the baseline every later audit is read against
+            baseline = self.auditor.record(0)  # the untrained model: what every later audit is read against
         if self.world.is_main:
             self.loss_log = LossWriter(self.run, warn=self.log)
+            # The TensorBoard view: events buffered in memory, appended at checkpoints (tensorboard.py).
+            self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, self.start_step + 1, self.log)
+            self.auditor.on_written = self.tensorboard.audit
+            if baseline is not None:
+                self.tensorboard.audit(baseline)
         # The divergence guard (guard.py): its events shape which batches and learning rates come next.
         self.guard = Guard(
             self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
@@ -376,6 +391,9 @@ class Trainer:
             # Retention deletes only once this newer checkpoint is published (and re-validated).
             after_publish=self._retain,
         )
+        for arm, state in (self.data.mixer.state_dict().get("arms") or {}).items():
+            self.tensorboard.scalar(step, f"bandit/p/{arm}", state["p"])
+        self.tensorboard.flush()
         if audit:
             self._audit(step)
         return name
@@ -415,10 +433,15 @@ class Trainer:
                     f"loss is {result.loss} at step {result.step}; not checkpointing a diverged model "
                     f"(newest checkpoint: {newest or 'none from this start'})"
                 )
+            now = time.time()
+            self.tensorboard.scalar(result.step, "train/loss", result.loss, now)
+            self.tensorboard.scalar(result.step, "train/lr", result.lr, now)
             self.guard.check(result.step, result.loss, result.grad_norm, result.arm)  # raises Divergence
             every = self.cfg.train.checkpoint_every
             next_ckpt = min(self.max_steps, (result.step // every + 1) * every)
             self.progress.step(result.step, result.loss, tokens, next_ckpt)
+            if result.step % self.cfg.train.log_every == 0:
+                self.tensorboard.scalar(result.step, "train/tokens_per_s", self.progress.tokens_per_s, now)
         return result.loss
 
     def _start_loss(self) -> _StepLoss | None:
@@ -504,6 +527,16 @@ class Trainer:
                     signals.uninstall()
                 return TrainResult(0, flags.stop, None)
         try:
+            if self._new_target is not None and self.world.is_main:
+                steps = self.run.checkpoint_steps()
+                set_target(
+                    self.run,
+                    self._new_target,
+                    self.cfg.train.max_steps,
+                    step=steps[-1] if steps else 0,
+                    by="andrea train --max-steps",
+                    warn=self.log,
+                )
             require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
             self._build()
@@ -522,6 +555,9 @@ class Trainer:
             if hasattr(self, "auditor"):
                 with contextlib.suppress(Exception):  # the error on its way out is the one to report
                     self.auditor.wait()
+            if hasattr(self, "tensorboard"):
+                with contextlib.suppress(lock.LeaseLost):  # the run is someone else's: nothing more of ours
+                    self.tensorboard.flush()  # the last audit's events; a view: its failure is a warning
             if hasattr(self, "loss_log"):
                 # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
                 with contextlib.suppress(lock.LeaseLost):

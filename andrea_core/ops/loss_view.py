@@ -1,0 +1,199 @@
+"""A run's loss curve as the operator reads it: the training loss, its bias-corrected EMA, the held-out
+(validation) loss of every sample audit per arm, and a labelled mark at each event that explains a bend:
+a pivot (with the policy it installed), a resume (a new segment of .loss.json), a fork made from this
+run, and the run's own fork point. `andrea loss --plot`, the Prefect dashboard and TensorBoard all draw
+from `loss_view`, so every view shows the same data. Read from the run directory alone.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from andrea_core.config import ConfigError, load_yaml
+from andrea_core.run.loss_log import LossEntry, ema_curve, read_history
+from andrea_core.run.rundir import ARCHIVE, POLICY_YAML, SAMPLES, RunDir
+
+EMA_ALPHA = 0.05
+
+
+@dataclass(frozen=True)
+class Mark:
+    step: int
+    kind: str  # "pivot", "resume", "fork", "forked-from" (and whatever a MARK_SOURCES entry adds)
+    label: str
+
+
+@dataclass
+class LossView:
+    run: str
+    history: list[LossEntry]
+    ema: list[float]
+    val: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # arm -> (step, held-out loss)
+    marks: list[Mark] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _policy_name(run: RunDir, name: str) -> str:
+    try:
+        doc = load_yaml(run.read_bounded(name).decode(errors="replace"), run.path(name))
+        return str(doc.get("name") or "?") if isinstance(doc, dict) else "?"
+    except (ConfigError, OSError, ValueError):
+        return "?"
+
+
+def _archives(run: RunDir) -> list[tuple[int, int, str]]:
+    """(phase, boundary step, folder) of every closed phase, oldest first."""
+    from andrea_core.run.lineage import PHASE_RE
+
+    found = ((PHASE_RE.match(n), n) for n in run.listdir(ARCHIVE))
+    return sorted((int(m.group(1)), int(m.group(2)), f"{ARCHIVE}/{n}") for m, n in found if m)
+
+
+def pivot_marks(run: RunDir) -> list[Mark]:
+    """A pivot at each closed phase's boundary, labelled with the policy the next phase trained on."""
+    closed = _archives(run)
+    marks = []
+    for i, (_, boundary, _) in enumerate(closed):
+        after = f"{closed[i + 1][2]}/{POLICY_YAML}" if i + 1 < len(closed) else POLICY_YAML
+        marks.append(Mark(boundary, "pivot", f"pivot to {_policy_name(run, after)}"))
+    return marks
+
+
+def resume_marks(history: list[LossEntry], start: int) -> list[Mark]:
+    """A resume where a segment starts past the run's first step: from the checkpoint one step before."""
+    marks, segment = [], None
+    for e in history:
+        if e.segment != segment:
+            segment = e.segment
+            if e.step - 1 > start:
+                marks.append(Mark(e.step - 1, "resume", f"resume from step {e.step - 1}"))
+    return marks
+
+
+def fork_marks(run: RunDir, warn: Callable[[str], None] | None = None) -> list[Mark]:
+    from andrea_core.run.lineage import fork_records
+
+    by_step: dict[int, list[str]] = {}
+    for record in fork_records(run, warn):
+        names = record.get("names") or [u.rstrip("/").rsplit("/", 1)[-1] for u in record["branches"]]
+        by_step.setdefault(int(record["step"]), []).extend(names)
+    return [Mark(s, "fork", f"fork: {', '.join(n)}") for s, n in sorted(by_step.items())]
+
+
+def guard_marks(run: RunDir) -> list[Mark]:
+    """The divergence guard's events (guard.jsonl): a rollback at the step that diverged, naming the
+    checkpoint it went back to; a stop where the guard gave up."""
+    from andrea_core.run.guard_events import read_events
+
+    marks = []
+    for e in read_events(run):
+        if e.action == "rollback":
+            marks.append(Mark(e.step, "rollback", f"rollback to step {e.rolled_back_to} ({e.kind})"))
+        else:
+            marks.append(Mark(e.step, "guard-stop", f"guard stop ({e.kind})"))
+    return marks
+
+
+# Further sources of marks (run -> marks): each is called on every view, and what it returns is drawn
+# like the others (labelled, by kind).
+MARK_SOURCES: list[Callable[[RunDir], list[Mark]]] = [guard_marks]
+
+
+def loss_view(url: str | RunDir) -> LossView:
+    from andrea_core.run.record import read_run
+    from andrea_core.run.samples import read_audits
+
+    run = url if isinstance(url, RunDir) else RunDir(url)
+    history = read_history(run)
+    view = LossView(run.url, history, ema_curve([e.loss for e in history], EMA_ALPHA))
+
+    # Held-out loss per arm from every audit: the closed phases' (archived at their pivots) and this one's.
+    for name in [f"{folder}/{SAMPLES}" for _, _, folder in _archives(run)] + [SAMPLES]:
+        try:
+            audits = read_audits(run, name)
+        except ConfigError as e:
+            view.problems.append(str(e))
+            continue
+        for audit in audits:
+            for arm, loss in ((audit.get("metrics") or {}).get("val_loss") or {}).items():
+                if isinstance(loss, int | float) and math.isfinite(loss):
+                    view.val.setdefault(arm, []).append((audit["step"], float(loss)))
+    for points in view.val.values():
+        points.sort()
+
+    start = 0
+    if run.exists("run.yaml"):
+        lineage = read_run(run).lineage
+        if lineage.get("parent"):
+            start = int(lineage.get("parent_step") or 0)
+            parent = str(lineage["parent"]).rstrip("/").rsplit("/", 1)[-1]
+            view.marks.append(Mark(start, "forked-from", f"forked from {parent} at step {start}"))
+    pivots = pivot_marks(run)
+    at_pivot = {m.step for m in pivots}
+    view.marks += pivots
+    # A pivot restarts the trainer at its boundary: that resume is the pivot's, labelled once.
+    view.marks += [m for m in resume_marks(history, start) if m.step not in at_pivot]
+    view.marks += fork_marks(run, view.problems.append)
+    for source in MARK_SOURCES:
+        view.marks += source(run)
+    view.marks.sort(key=lambda m: (m.step, m.kind))
+    return view
+
+
+# Greys and line styles for the marks (their labels say what each is); the arms' points take the colours.
+MARK_STYLE = {
+    "pivot": ("0.1", "-"),
+    "resume": ("0.5", ":"),
+    "fork": ("0.3", "--"),
+    "forked-from": ("0.3", "-."),
+}
+
+
+def plot_view(view: LossView, title: str | None = None) -> bytes:
+    """PNG of the view: raw training loss (faint), its EMA, held-out loss points per arm, labelled marks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=100)
+    steps = [e.step for e in view.history]
+    ax.plot(steps, [e.loss for e in view.history], lw=0.7, alpha=0.35, color="C0", label="training loss")
+    ax.plot(steps, view.ema, lw=1.6, color="C0", label=f"training loss EMA ({EMA_ALPHA:g}, bias-corrected)")
+    markers = "osD^vP*X"
+    for i, (arm, points) in enumerate(sorted(view.val.items())):
+        ax.plot(
+            [s for s, _ in points],
+            [v for _, v in points],
+            ls="none",
+            marker=markers[i % len(markers)],
+            ms=5,
+            color=f"C{i + 1}",
+            label=f"held-out loss: {arm}".replace("$", r"\$"),
+        )
+    for m in view.marks:
+        color, style = MARK_STYLE.get(m.kind, ("0.3", "-."))
+        ax.axvline(m.step, color=color, ls=style, lw=1)
+        ax.annotate(
+            m.label.replace("$", r"\$"),
+            (m.step, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -4),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            fontsize=7,
+            color=color,
+            bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
+        )
+    ax.set(xlabel="step", ylabel="loss", title=(title if title is not None else view.run).replace("$", r"\$"))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")  # a falling curve leaves that corner empty; marks label the top
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,132 @@
+"""TensorBoard event files of a run, the view Lightning and torchtitan users already watch: the
+training loss, learning rate and tokens/s, each audit's held-out loss per arm, text metrics and
+samples, and the bandit's probability per arm, in RUN/tensorboard/ (`tensorboard --logdir RUN/tensorboard`).
+
+One event file per trainer start (a segment of .loss.json), written through RunDir.append like every
+append-only run file (on an object store, the run cache's mirror is published at each checkpoint), so
+the files live in the run directory wherever it is. The loop only appends tuples to a list; the events
+are encoded and appended at each checkpoint (and exit), off the step's hot path. A segment's file
+opens with a SessionLog START at its first step: TensorBoard then drops what older files logged from
+that step on (a resume, a pivot's archived tail), exactly as .loss.json's canonical history does.
+.loss.json stays the source of truth; these files are a view, and losing one loses nothing.
+ANDREA_TENSORBOARD=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from andrea_core.run.rundir import RunDir
+
+TENSORBOARD_DIR = "tensorboard"
+ENV = "ANDREA_TENSORBOARD"
+
+
+class TensorBoardLog:
+    def __init__(self, run: RunDir, segment: int, first_step: int, log: Callable[[str], None] = print):
+        self.run, self.log = run, log
+        self.name = (
+            f"{TENSORBOARD_DIR}/events.out.tfevents.{int(time.time()):010d}.andrea.segment{segment:04d}"
+        )
+        self._pending: list[tuple] = []
+        self._mutex = threading.Lock()  # a background audit adds its events from its own thread
+        self.enabled = os.environ.get(ENV, "1") != "0"
+        if not self.enabled:
+            return
+        try:
+            from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: F401
+        except ImportError:
+            self.enabled = False
+            log("warning: the tensorboard package is not installed: no TensorBoard events (requirements.txt)")
+            return
+        self._pending.append(("start", first_step, time.time()))
+
+    # --- cheap: called from the loop, the audit and the checkpoint ------------------------------
+
+    def scalar(self, step: int, tag: str, value: float, t: float | None = None) -> None:
+        if self.enabled:
+            with self._mutex:
+                self._pending.append(("scalar", step, t or time.time(), tag, float(value)))
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self.enabled:
+            with self._mutex:
+                self._pending.append(("text", step, time.time(), tag, text))
+
+    def audit(self, audit: dict[str, Any]) -> None:
+        """An audit's held-out loss per arm, text metrics and samples."""
+        step, m = audit["step"], audit["metrics"]
+        for arm, loss in m["val_loss"].items():
+            self.scalar(step, f"val_loss/{arm}", loss)
+        for key in ("distinct_1", "distinct_2", "repetition", "gzip_ratio"):
+            if key in m:
+                self.scalar(step, f"audit/{key}", m[key])
+        lines = [
+            f"**{s.get('arm', '')}** `{s['prompt']!r}` → `{s['completion']!r}`" for s in audit["samples"]
+        ]
+        self.text(step, "audit/samples", "\n\n".join(lines))
+
+    # --- at checkpoints and exit ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Encode what was added since the last flush and append it to this segment's file."""
+        with self._mutex:
+            pending, self._pending = self._pending, []
+        if not self.enabled or not pending:
+            return
+        try:
+            data = b"".join(_record(_event(p)) for p in pending)
+            self.run.makedirs(TENSORBOARD_DIR)
+            self.run.append(self.name, data, durable=not self.run.is_local, lines=False)  # binary records
+        except OSError as e:  # a view: a full disk loses these events, never the run's own files
+            self.log(
+                f"warning: {self.run.path(self.name)}: {len(pending)} TensorBoard event(s) not written ({e})"
+            )
+
+
+def _event(p: tuple):
+    from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+    kind, step, t = p[0], p[1], p[2]
+    if kind == "start":
+        # file_version first (TensorBoard's reader expects it), then the segment's restart point.
+        return [
+            event_pb2.Event(wall_time=t, file_version="brain.Event:2"),
+            event_pb2.Event(
+                wall_time=t, step=step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            ),
+        ]
+    if kind == "scalar":
+        value = summary_pb2.Summary.Value(tag=p[3], simple_value=p[4])
+    else:
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING,
+            string_val=[p[4].encode()],
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(
+                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]
+            ),
+        )
+        meta = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text")
+        )
+        value = summary_pb2.Summary.Value(tag=p[3], metadata=meta, tensor=tensor)
+    return [event_pb2.Event(wall_time=t, step=step, summary=summary_pb2.Summary(value=[value]))]
+
+
+def _record(events: list) -> bytes:
+    """TFRecord framing: length, its masked CRC32C, the serialized event, its masked CRC32C."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    out = []
+    for event in events:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        out.append(
+            header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+        )
+    return b"".join(out)

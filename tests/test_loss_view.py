@@ -1,0 +1,119 @@
+"""Plots that explain themselves (issue 26.3): the loss view of a run that was resumed, pivoted and
+forked, checked from the data it plots; the bias-corrected EMA; the fork report's error bars."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import andrea
+from tiny import tiny_config
+
+from andrea_core.ops.loss_view import Mark, loss_view
+from andrea_core.run.loss_log import ema_curve, read_history
+from andrea_core.run.rundir import RunDir
+
+OUT = Path(__file__).resolve().parents[1] / "test-output" / "loss-view"
+
+
+def test_the_ema_is_bias_corrected_and_continues_from_a_start():
+    losses = [5.5, 4.0, 3.5, 3.2, 3.0] + [2.9] * 20
+    curve = ema_curve(losses, 0.05)
+    for t in range(len(losses)):  # the weighted mean of the values so far, weights 0.05 * 0.95^age
+        w = np.array([0.05 * 0.95 ** (t - i) for i in range(t + 1)])
+        assert curve[t] == pytest.approx(float(w @ np.array(losses[: t + 1]) / w.sum()), rel=1e-12)
+    assert curve[0] == 5.5
+    # After 20 steps a curve started at the first value still carries 36% of it: 3.83 against 3.13.
+    assert curve[19] < 3.2
+    assert ema_curve([2.0, 2.0], start=3.0) == pytest.approx([2.95, 2.9025])
+
+
+@pytest.mark.slow
+def test_the_loss_view_of_a_resumed_pivoted_and_forked_run(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", "20")
+    andrea("train", "--run-dir", str(run), "--max-steps", "30")  # a resume from step 20
+    andrea("pivot", str(run), "--policy", "tiny-mix", "--no-restart")  # at step 30
+    andrea("train", "--run-dir", str(run), "--max-steps", "40")
+    andrea("fork", str(run), "--step", "40", "--branch", "low-lr", "--set", "train.lr=1e-4")
+
+    view = loss_view(str(run))
+    assert view.marks == [
+        Mark(20, "resume", "resume from step 20"),
+        Mark(30, "pivot", "pivot to tiny-mix"),  # the pivot's own restart is not a second mark
+        Mark(40, "fork", "fork: low-lr"),
+    ]
+    assert [e.step for e in view.history] == list(range(1, 41))
+    assert view.ema == ema_curve([e.loss for e in read_history(RunDir(str(run)))])
+    # Held-out loss points: every audit of both phases, per arm, as the files hold them.
+    audits = json.loads((run / "archive/phase_001_step_000030/.samples.json").read_text())["audits"]
+    audits += json.loads((run / ".samples.json").read_text())["audits"]
+    want: dict[str, list] = {}
+    for a in audits:
+        for arm, loss in a["metrics"]["val_loss"].items():
+            want.setdefault(arm, []).append((a["step"], loss))
+    assert view.val == {arm: sorted(p) for arm, p in want.items()}
+    assert [s for s, _ in view.val["stdlib-code"]] == [0, 10, 20, 30, 40]
+    assert [s for s, _ in view.val["docs-prose"]] == [40]
+
+    branch = loss_view(str(tmp_path / "run-fork40-low-lr"))
+    assert branch.marks == [Mark(40, "forked-from", "forked from run at step 40")]
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    png = tmp_path / "loss.png"
+    out = andrea("loss", str(run), "--plot", str(png)).stdout
+    assert f"plot written to {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shutil.copy(png, OUT / "resumed-pivoted-forked.png")  # looked at: see the closing note
+
+
+def test_the_fork_reports_bars_carry_their_standard_errors():
+    import matplotlib.pyplot as plt
+
+    from andrea_core.ops.compare import BranchResult, Comparison, comparison_figure
+
+    rng = np.random.default_rng(0)
+    arms = ["code", "prose"]
+    branches = []
+    for name, shift in (("base", 0.0), ("low-lr", 0.01)):
+        b = BranchResult(name, f"memory://{name}", {})
+        per_arm = {arm: 3.0 + shift + 0.2 * rng.standard_normal(32) for arm in arms}
+        b.val_loss = {arm: float(v.mean()) for arm, v in per_arm.items()}
+        b.val_stderr = {arm: float(v.std(ddof=1) / np.sqrt(32)) for arm, v in per_arm.items()}
+        branches.append(b)
+    c = Comparison("memory://parent", 100, arms, 32, 64, branches, margin=0.01, noise=0.02)
+    fig = comparison_figure(c)
+    bx = fig.axes[1]
+    bars = [k for k in bx.containers if hasattr(k, "errorbar") and k.errorbar is not None]
+    assert len(bars) == 2
+    for b, container in zip(branches, bars, strict=True):
+        heights = [r.get_height() for r in container.patches]
+        assert heights == pytest.approx([b.val_loss[a] for a in arms])
+        (segments,) = container.errorbar.lines[2]  # the vertical error lines, one per bar
+        spans = [seg[1][1] - seg[0][1] for seg in segments.get_segments()]
+        assert spans == pytest.approx([2 * b.val_stderr[a] for a in arms])
+    assert "paired margin 0.0100 vs noise ±0.0200" in bx.get_title()
+    plt.close(fig)
+
+
+def test_the_guards_rollbacks_and_stops_are_marked(tmp_path):
+    from andrea_core.ops.loss_view import guard_marks
+    from andrea_core.run.guard_events import KINDS, GuardEvent, append_event
+
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    common = {"value": 9.0, "statistic": 3.0, "threshold": 6.0, "level": 0, "skip": 0, "time": 1.0}
+    append_event(
+        run,
+        GuardEvent(1, "rollback", 57, 55, KINDS[0], rolled_back_to=50, lr_scale=0.5, cooldown=10, **common),
+    )
+    append_event(
+        run, GuardEvent(2, "stop", 90, 88, KINDS[0], rolled_back_to=None, lr_scale=1.0, cooldown=0, **common)
+    )
+    assert guard_marks(run) == [
+        Mark(57, "rollback", f"rollback to step 50 ({KINDS[0]})"),
+        Mark(90, "guard-stop", f"guard stop ({KINDS[0]})"),
+    ]

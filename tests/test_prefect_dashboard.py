@@ -1,0 +1,146 @@
+"""The operator's view of a run in the Prefect UI (issue 26.2, 26.6): the live dashboard artifact
+`run-<name>` updated at every checkpoint, read back through the Prefect API and looked at in headless
+Chromium; the progress artifact's loss, tokens/s and ETA; the trainer table's loss; a clean cancel
+whose ERROR lines are Prefect's own; the audit-fork schedule shipped inactive and enabled by one
+command; the flow run's name after a pivot. A server and worker of this module's own (test_prefect_flows'
+Stack)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from test_prefect_flows import (  # noqa: F401 (stack: the fixture)
+    REPO,
+    artifact,
+    client,
+    progress_artifact,
+    stack,
+    start_deployment,
+    wait_for_final,
+)
+
+from andrea_core.checkpoint import checkpoint_name
+from andrea_core.run.lock import live_trainer
+from andrea_core.run.rundir import RunDir
+from flows.train import train_run_name
+from tests.browser import Chromium, chromium_path
+from tests.conftest import wait_for
+from tests.tiny import tiny_config
+
+OUT = REPO / "test-output" / "prefect-dashboard"
+EVERY = 20
+
+
+def artifact_versions(key: str) -> list:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with client() as c:
+        found = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    return sorted(found, key=lambda a: a.created)
+
+
+def row(markdown: str, name: str) -> str:
+    plain = markdown.replace("\\", "")  # markdown_text's escapes, off: the text as the UI shows it
+    m = re.search(rf"^\| {re.escape(name)} \| (.*) \|$", plain, flags=re.M)
+    assert m, f"no row {name!r} in:\n{markdown[:3000]}"
+    return m.group(1)
+
+
+@pytest.mark.slow
+def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # noqa: F811
+    run = RunDir(str(tmp_path / "dash"))
+    cfg = tiny_config(tmp_path, train__checkpoint_every=EVERY, train__log_every=10)
+    flow_run_id = start_deployment(
+        "train/train", run_dir=run.url, config=cfg, max_steps=100_000, pace=0.1, device="cpu"
+    )
+    wait_for(lambda: live_trainer(run), timeout=300, what="the trainer of the train flow run")
+    with client() as c:
+        assert c.read_flow_run(flow_run_id).name == "train-dash"
+
+    # Two checkpoints later: the dashboard's newest version names the second one.
+    def dashboard_at_second_checkpoint():
+        versions = artifact_versions("run-dash")
+        return versions and f"step\\_{2 * EVERY:06d}.bin" in versions[-1].data and versions
+
+    versions = wait_for(dashboard_at_second_checkpoint, timeout=300, what="the dashboard after 2 checkpoints")
+    assert len(versions) >= 3  # at the start, and at each checkpoint
+    page = versions[-1].data
+    assert page.startswith("### Run dash: TRAINING")
+    assert row(page, "newest valid checkpoint") == checkpoint_name(2 * EVERY)
+    step, target = map(int, re.match(r"(\d+) of (\d+) ", row(page, "step")).groups())
+    assert step >= 2 * EVERY and target == 100_000
+    assert row(page, "step").endswith("(target from trainer command line)")  # a live one: its own
+    assert re.fullmatch(r"\d\.\d{4} \(last step \d\.\d{4}\)", row(page, "loss (EMA)"))
+    # The held-out loss row is that audit's, as .samples.json holds it.
+    held_out = row(page, "held-out loss")
+    audit_step = int(re.search(r"audit of step (\d+)", held_out)[1])
+    audits = {a["step"]: a for a in json.loads(Path(run.path(".samples.json")).read_text())["audits"]}
+    want = ", ".join(f"{arm} {v:.4f}" for arm, v in audits[audit_step]["metrics"]["val_loss"].items())
+    assert held_out == f"{want} (audit of step {audit_step})" and audit_step >= EVERY
+    assert re.fullmatch(r"[\d,]+", row(page, "tokens/s")) and "(step 100000 at " in row(page, "ETA")
+    assert row(page, "phase") == "1 since step 0, policy stdlib-only (uniform mixer)"
+    assert row(page, "bandit mix").startswith("stdlib-code 100.0% (state of step ")
+    assert "#### Newest samples (audit of step" in page and "](data:image/png;base64," in page
+
+    bar = progress_artifact(flow_run_id)
+    assert re.fullmatch(
+        rf"{re.escape(run.url)}: step \d+ of 100000 - loss \d\.\d{{4}}, [\d,]+ tokens/s, ETA .+",
+        bar.description.replace("\\", ""),
+    ), bar.description
+
+    exe = chromium_path()
+    assert exe, "chromium is not installed (scripts/test.sh installs it)"
+    OUT.mkdir(parents=True, exist_ok=True)
+    with Chromium(exe) as browser:
+        text = browser.open(f"{stack.ui}/artifacts/artifact/{versions[-1].id}", ["Run dash", "bandit mix"])
+        wait_for(
+            lambda: browser.evaluate(
+                "[...document.images].some(i => i.src.startsWith('data:image/png') && i.naturalWidth > 0)"
+            ),
+            timeout=30,
+            what="the dashboard's loss plot to render",
+        )
+        browser.screenshot(OUT / "dashboard.png")
+        assert "held-out loss" in text and "newest valid checkpoint" in text
+        browser.open(f"{stack.ui}/artifacts/key/run-dash", ["run-dash"])
+        browser.screenshot(OUT / "dashboard-key.png")
+
+    # A clean cancel: Cancelled, and no ERROR line of ours (Prefect's task engine logs its own).
+    stack.cli("flow-run", "cancel", str(flow_run_id))
+    assert wait_for_final(flow_run_id, timeout=180).state.type.value == "CANCELLED"
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with client() as c:
+        logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    errors = [(e.name, e.message) for e in logs if e.level >= 40]
+    ours = [(n, m) for n, m in errors if not m.startswith(("Crash detected!", "Finished in state Crashed"))]
+    assert ours == [], ours
+    table = artifact("trainer-dash").data
+    assert re.search(r"\| loss \| \d\.\d{4} \|", table) and "| reason | SIGTERM |" in table
+
+
+def test_a_train_flow_run_is_named_after_its_phase(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    assert train_run_name(run.url) == "train-run"
+    run.makedirs("archive/phase_001_step_000200")  # as a pivot leaves it
+    assert train_run_name(run.url) == "train-run-phase2"
+
+
+@pytest.mark.slow
+def test_the_audit_fork_schedule_ships_inactive_and_one_command_enables_it(stack, tmp_path):  # noqa: F811
+    with client() as c:
+        (schedule,) = c.read_deployment_by_name("audit-fork/audit-fork").schedules
+    assert not schedule.active  # a fresh setup never forks a run that does not exist
+    run = str(tmp_path / "my-run")
+    # The command docs/operations.md gives:
+    stack.cli("deploy", "--name", "audit-fork", "--param", f"run_dir={run}", "--cron", "0 */6 * * *")
+    with client() as c:
+        fork = c.read_deployment_by_name("audit-fork/audit-fork")
+    # prefect.yaml's inactive schedule stays beside the one the command adds: exactly one fires.
+    (schedule,) = [s for s in fork.schedules if s.active]
+    assert schedule.schedule.cron == "0 */6 * * *"
+    assert fork.parameters["run_dir"] == run and len(fork.parameters["branches"]) == 2
