@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from andrea_core.run.loss_log import json_lines
+from andrea_core.run.loss_log import well_formed_lines
 from andrea_core.run.rundir import RunDir
 
 DATA_LOG = "data.jsonl"
@@ -50,17 +50,7 @@ def read_data_log(run: RunDir, warn: Callable[[str], None] | None = None) -> lis
 
 
 def _entries(run: RunDir, data: bytes, warn: Callable[[str], None] | None) -> list[dict[str, Any]]:
-    parsed, bad = json_lines(data)
-    entries = []
-    for number, entry in parsed:
-        if _is_entry(entry):
-            entries.append(entry)
-        else:
-            bad.append(number)
-    if bad and warn is not None:
-        numbers = ", ".join(map(str, sorted(bad)))
-        warn(f"{run.path(DATA_LOG)}: skipped {len(bad)} malformed line(s): lines {numbers}")
-    return entries
+    return well_formed_lines(data, lambda e: e if _is_entry(e) else None, run.path(DATA_LOG), warn)
 
 
 def record_data_changes(

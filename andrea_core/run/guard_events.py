@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from andrea_core.run.loss_log import JSON_LINE_ERRORS, json_lines
+from andrea_core.run.loss_log import JSON_LINE_ERRORS, well_formed_lines
 from andrea_core.run.rundir import GUARD_LOG, RunDir
 
 FORMAT = 1
@@ -89,16 +89,7 @@ def read_events(run: RunDir, warn: Callable[[str], None] | None = None) -> list[
 def parse_events(
     data: bytes, where: str = GUARD_LOG, warn: Callable[[str], None] | None = None
 ) -> list[GuardEvent]:
-    parsed, bad = json_lines(data)
-    events = []
-    for number, obj in parsed:
-        try:
-            events.append(_event(obj))
-        except JSON_LINE_ERRORS:
-            bad.append(number)
-    if bad and warn is not None:
-        warn(f"{where}: skipped {len(bad)} malformed line(s): lines {', '.join(map(str, sorted(bad)))}")
-    return events
+    return well_formed_lines(data, _event, where, warn)
 
 
 def append_event(run: RunDir, event: GuardEvent) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, checkpoint_name
 from andrea_core.config import ConfigError, load_yaml
-from andrea_core.run.loss_log import json_lines
+from andrea_core.run.loss_log import well_formed_lines
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import (
     ARCHIVE,
@@ -201,17 +201,9 @@ def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list
     must not break lineage, retention or the next fork."""
     if not run.exists(FORKS):
         return []
-    parsed, bad = json_lines(run.read_bounded(FORKS))
-    records = []
-    for number, record in parsed:
-        if _is_fork_record(record):
-            records.append(record)
-        else:
-            bad.append(number)
-    if bad and warn is not None:
-        lines = ", ".join(map(str, sorted(bad)))
-        warn(f"{run.path(FORKS)}: skipped {len(bad)} malformed line(s): lines {lines}")
-    return records
+    return well_formed_lines(
+        run.read_bounded(FORKS), lambda r: r if _is_fork_record(r) else None, run.path(FORKS), warn
+    )
 
 
 def _is_fork_record(record: Any) -> bool:

@@ -66,6 +66,29 @@ def json_lines(data: bytes) -> tuple[list[tuple[int, Any]], list[int]]:
     return parsed, bad
 
 
+def well_formed_lines(
+    data: bytes,
+    parse: Callable[[Any], Any],
+    where: str,
+    warn: Callable[[str], None] | None = None,
+) -> list[Any]:
+    """`parse(value)` of every line of a small JSON Lines run file (forks.jsonl, data.jsonl,
+    guard.jsonl, target.jsonl), in file order. A line that is not JSON, or that `parse` rejects (it
+    returns None or raises one of JSON_LINE_ERRORS), is skipped and reported once through `warn`:
+    a torn or forged line never stops a resume, a status or a fork."""
+    parsed, bad = json_lines(data)
+    out = []
+    for number, value in parsed:
+        try:
+            item = parse(value)
+        except JSON_LINE_ERRORS:
+            item = None
+        (bad.append(number) if item is None else out.append(item))
+    if bad and warn is not None:
+        warn(f"{where}: skipped {len(bad)} malformed line(s): lines {', '.join(map(str, sorted(bad)))}")
+    return out
+
+
 def _entry(obj: dict) -> LossEntry:
     """An entry from a parsed line; ValueError, KeyError or TypeError if it is not one."""
     return LossEntry(

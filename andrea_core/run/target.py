@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from andrea_core.config import ConfigError
-from andrea_core.run.loss_log import json_lines
+from andrea_core.run.loss_log import well_formed_lines
 from andrea_core.run.rundir import RUN_YAML, TARGET, RunDir
 
 MAX_TARGET = 2**31 - 1  # a checkpoint's step is an int32
@@ -57,13 +57,9 @@ def read_target(run: RunDir, default: int, warn: Callable[[str], None] | None = 
     A torn or malformed line is skipped (and reported through `warn`), never fatal."""
     if not run.exists(TARGET):
         return Target(default, RUN_YAML)
-    parsed, bad = json_lines(run.read_bounded(TARGET))
-    lines = []
-    for number, obj in parsed:
-        (lines.append(obj) if _is_line(obj) else bad.append(number))
-    if bad and warn is not None:
-        numbers = ", ".join(map(str, sorted(bad)))
-        warn(f"{run.path(TARGET)}: skipped {len(bad)} malformed line(s): lines {numbers}")
+    lines = well_formed_lines(
+        run.read_bounded(TARGET), lambda obj: obj if _is_line(obj) else None, run.path(TARGET), warn
+    )
     if not lines:
         return Target(default, RUN_YAML)
     last = lines[-1]
