@@ -121,11 +121,18 @@ def end_state(run: Path, base_log: bytes) -> dict:
     policy (times aside), and the first steps after the boundary with their losses."""
     # These hold times (and the lock a pid and a nonce): the lock is compared by whether it is released.
     skip = ("trainer.log", f"{ARCHIVE_1}/phase.json", LOSS_LOG, "data.jsonl", ".trainer.json", "target.jsonl")
+    # TensorBoard's event files are named by and hold wall-clock times: their segments are compared.
+    views = sorted(str(p.relative_to(run)) for p in run.glob("tensorboard/*"))
+    skip += tuple(views)
     entries = new_entries(run, base_log)
     events = [json.loads(line) for line in (run / "data.jsonl").read_text().splitlines()]
     targets = (run / "target.jsonl").read_text().splitlines()  # the pivot's --max-steps, once
     return {
-        "files": sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()),
+        "files": sorted(
+            re.sub(r"tfevents\.\d+\.", "tfevents.TIME.", str(p.relative_to(run)))
+            for p in run.rglob("*")
+            if p.is_file()
+        ),
         "bytes": files_of(run, skip),
         "data_events": [{k: v for k, v in e.items() if k != "time"} for e in events],
         "targets": [{k: v for k, v in json.loads(t).items() if k != "time"} for t in targets],

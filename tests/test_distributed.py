@@ -241,7 +241,7 @@ def test_checkpoint_resumes_at_another_world_size(tmp_path, runs_30):
     for first, then in ((2, 1), (1, 2)):
         run = tmp_path / f"from{first}to{then}"
         _train(config, run, first, "--max-steps", "20")
-        _train(config, run, then)
+        _train(config, run, then, "--max-steps", "30")  # the run's target is 20 since the first start
         got = _losses(run)
         assert sorted(got) == list(range(1, 31))
         assert [got[s][1] for s in got] == [ref[s][1] for s in got], (first, then)
@@ -347,7 +347,7 @@ def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
     config = _config(tmp_path, 20, 10)
     _train(config, run, 2, "--max-steps", "10")
     install_policy(RunDir(str(run)), (Path(TINY).parent / "policies" / "default.yaml").read_text())
-    _train(config, run, 2)
+    _train(config, run, 2, "--max-steps", "20")  # the run's target is 10 since the first start
     assert len(list((run / "archive").glob("unloaded_state_step_000010_*.json"))) == 1
     assert sorted(_losses(run)) == list(range(1, 21))
     assert json.loads((run / ".state.json").read_text())["step"] == 20
