@@ -212,7 +212,7 @@ def test_a_fork_copies_the_events_up_to_its_fork_point_and_status_shows_the_last
     shutil.copytree(recovered, parent)
     branches = {}
     for step in (10, 20):
-        andrea("fork", str(parent), "--step", str(step), "--branch", "b", "--set", "train.log_every=5")
+        andrea("fork", str(parent), "--step", str(step), "--branch", "b")  # the control: no override
         branches[step] = tmp_path / f"parent-fork{step}-b"
     assert not (branches[10] / GUARD_LOG).exists()  # the rollback to 10 shaped nothing up to step 10
     assert (branches[20] / GUARD_LOG).read_bytes() == (parent / GUARD_LOG).read_bytes()
