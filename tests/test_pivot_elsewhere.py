@@ -29,7 +29,8 @@ def run_files(run: RunDir) -> dict[str, str]:
     skip = (".loss.json", ".trainer.json", "trainer.log", ".samples.json", ".state.json")
     names = [p.removeprefix(run.root + "/") for p in found if ".tmp." not in p]  # a write in flight
     out = {n: hashlib.sha256(run.read_bytes(n)).hexdigest()[:12] for n in names if not n.endswith(skip)}
-    return {n: h for n, h in out.items() if not n.startswith("step_")}
+    # Checkpoints and TensorBoard's event files (appended at each checkpoint) are the live trainer's too.
+    return {n: h for n, h in out.items() if not n.startswith(("step_", "tensorboard/"))}
 
 
 def elsewhere(how: str) -> tuple[list[str], dict[str, str]]:
