@@ -24,7 +24,7 @@ class Branch(BaseModel):
     # The pattern travels in the parameter schema (the server checks it at submission); the validator
     # gives a direct call fork.check_branch_name's own words. One rule: fork.BRANCH_NAME_RE.
     name: str = Field(
-        json_schema_extra={"pattern": fork.BRANCH_NAME_RE.pattern},
+        json_schema_extra={"pattern": fork.BRANCH_NAME_SCHEMA},
         description="letters, digits, '-', '_' and '.' (not first), at most 100 characters: it becomes "
         "part of the branch's path",
     )

@@ -32,7 +32,7 @@ from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
 from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
-from andrea_core.ops.fork import BRANCH_NAME_RE
+from andrea_core.ops.fork import BRANCH_NAME_SCHEMA
 from andrea_core.ops.supervise import LossLogSnapshot, TrainerProcess, wait_for_first_entry_after
 from andrea_core.run.lock import live_trainer
 from andrea_core.run.loss_log import parse_lines, read_history
@@ -438,7 +438,7 @@ def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tm
     branch = schema["definitions"][branches["items"]["$ref"].rsplit("/", 1)[1]]
     assert branch["type"] == "object" and branch["additionalProperties"] is False
     assert set(branch["properties"]) == {"name", "overrides", "url"} and branch["required"] == ["name"]
-    assert branch["properties"]["name"]["pattern"] == BRANCH_NAME_RE.pattern
+    assert branch["properties"]["name"]["pattern"] == BRANCH_NAME_SCHEMA
     assert branch["properties"]["overrides"]["type"] == "object"
 
     def runs_of(deployment: str) -> int:
@@ -458,7 +458,7 @@ def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tm
         ),
         ("audit-fork/audit-fork", "branches", '[{"name": "a"}, {"name": "q/../../escaped"}]'): (
             "Validation failed for field 'branches[1].name'. Failure reason: 'q/../../escaped' does not "
-            f"match '{BRANCH_NAME_RE.pattern}'"
+            f"match '{BRANCH_NAME_SCHEMA}'"
         ),
         ("pivot/pivot", "at", "later"): (
             "Validation failed for field 'at'. Failure reason: 'later' is not one of ['boundary', 'now']"

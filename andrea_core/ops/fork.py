@@ -45,6 +45,8 @@ from andrea_core.train.setup import create_run
 
 # Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
 BRANCH_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # fullmatch: no trailing newline
+# The same rule for a JSON schema (the Prefect parameter form), whose `pattern` is searched, not matched.
+BRANCH_NAME_SCHEMA = f"^{BRANCH_NAME_RE.pattern}$"
 
 
 @dataclass
