@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -131,8 +132,10 @@ def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path)
     train(branch, 80)
 
     def files(url: str) -> set[str]:
+        """The run's files, TensorBoard's event files by segment (their names hold wall-clock times)."""
         run = RunDir(url)
-        return {p.removeprefix(run.root + "/") for p in run.fs.find(run.root)}
+        names = {p.removeprefix(run.root + "/") for p in run.fs.find(run.root)}
+        return {re.sub(r"^tensorboard/events\.out\.tfevents\.\d+\.", "tensorboard/", n) for n in names}
 
     sidecars = {".samples.json", ".state.json"}  # written once the bandit and audit exist
     expected_parent = {
@@ -144,11 +147,17 @@ def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path)
         "archive/phase_001_step_000110/phase.json",
         ".trainer.json",  # left released at each clean exit (its generation kept)
         "data.jsonl",  # the arms each trainer start loaded
+        "target.jsonl",  # the step each trainer start was asked to reach
+        # one TensorBoard segment per trainer start: never pruned, like .loss.json
+        *(f"tensorboard/andrea.segment{n:04d}" for n in (1, 2, 3)),
     } | {checkpoint_name(s) for s in (30, 50, 100, 110, 150, 180, 190, 200)}
     assert (
         files(parent) - sidecars - {f"archive/phase_001_step_000110/{s}" for s in sidecars} == expected_parent
     )
-    expected_branch = {"run.yaml", "policy.yaml", ".loss.json", ".trainer.json", "data.jsonl"} | {
+    expected_branch = {
+        *("run.yaml", "policy.yaml", ".loss.json", ".trainer.json", "data.jsonl", "target.jsonl"),
+        "tensorboard/andrea.segment0002",  # numbered by its .loss.json, whose segment 1 is the parent's
+    } | {
         checkpoint_name(s)
         for s in (30, 50, 60, 70, 80)  # 30: where the branch was forked
     }

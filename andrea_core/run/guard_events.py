@@ -93,13 +93,9 @@ def parse_events(
 
 
 def append_event(run: RunDir, event: GuardEvent) -> None:
-    """Append one event durably (fsynced, or on a store published), after terminating a torn last line."""
-    prefix = b""
-    if run.exists(GUARD_LOG):
-        size = run.size(GUARD_LOG)
-        if size and run.fs.cat_file(run.path(GUARD_LOG), start=size - 1, end=size) != b"\n":
-            prefix = b"\n"
-    run.append(GUARD_LOG, prefix + event.to_line(), durable=True)
+    """Append one event durably (fsynced, or on a store published); the appender ends a torn last line
+    before the first new byte (RunDir.open_append)."""
+    run.append(GUARD_LOG, event.to_line(), durable=True)
 
 
 def events_up_to(data: bytes, step: int) -> bytes:
