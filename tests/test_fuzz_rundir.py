@@ -55,10 +55,13 @@ RESUME_AT = 20  # the base run's newest checkpoint; each example resumes it to R
 HANG_S = 120  # one example (a resume and six CLI readers) takes about a second
 
 JSON_FILES = [".state.json", ".samples.json", "tokenizer.json", ".trainer.json", "pivot.json"]
-JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl", "guard.jsonl"]
+JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl", "guard.jsonl", "target.jsonl"]
 YAML_FILES = ["run.yaml", "policy.yaml"]
 BIN_FILES = ["step_000020.bin", "step_000010.bin"]
-FILES = BIN_FILES + JSON_FILES + JSONL_FILES + YAML_FILES
+# TensorBoard's event file of the base's second segment (after the rollback), renamed from its
+# wall-clock name so that a case names it: a view that nothing of ours reads back, never a reason to refuse.
+EVENTS_FILE = "tensorboard/events.out.tfevents.0000000000.andrea.segment0002"
+FILES = BIN_FILES + JSON_FILES + JSONL_FILES + YAML_FILES + [EVENTS_FILE]
 
 GENERIC_KINDS = ["truncate", "bitflip", "garbage", "splice", "non-utf8"]
 KINDS = {
@@ -66,6 +69,7 @@ KINDS = {
     **{f: [*GENERIC_KINDS, "nested", "nan-inf", "wrong-type", "huge-number"] for f in JSON_FILES},
     **{f: [*GENERIC_KINDS, "nested", "nan-inf", "wrong-type", "huge-number"] for f in JSONL_FILES},
     **{f: [*GENERIC_KINDS, "nested", "nan-inf", "wrong-type", "yaml-tag", "alias-bomb"] for f in YAML_FILES},
+    EVENTS_FILE: GENERIC_KINDS,
 }
 KINDS["run.yaml"].append("other-model")  # valid YAML, a valid config, a model the checkpoints do not fit
 CASES = [(f, k) for f in FILES for k in KINDS[f]]
@@ -80,8 +84,10 @@ NEUTRAL_TO_TRAINING = {
     "forks.jsonl",
     "data.jsonl",
     "pivot.json",
+    "target.jsonl",  # the resume's --max-steps 21 is the target, whatever the file held
+    EVENTS_FILE,  # a new segment's file is written; this one is left as it is
 }
-APPENDED_TO = (".loss.json", "data.jsonl", "guard.jsonl")  # a resume only ever appends to these
+APPENDED_TO = (".loss.json", "data.jsonl", "guard.jsonl", "target.jsonl")  # a resume only appends to these
 
 TALLY: Counter = Counter()
 
@@ -121,7 +127,7 @@ def build_base(root: Path) -> Path:
     cfg = tiny_config(
         root,
         train__checkpoint_every=10,
-        train__max_steps=RESUME_AT,
+        train__max_steps=RESUME_AT // 2,  # the target is --max-steps', in target.jsonl
         train__log_every=10,
         data__tokenizer="bpe",
         model__vocab_size=320,
@@ -130,10 +136,15 @@ def build_base(root: Path) -> Path:
     # and skips positions 1..13, so guard.jsonl holds one event and refused/ the abandoned step 10.
     os.environ["ANDREA_TEST_GUARD_NAN_AT"] = "13"
     try:
-        assert _cli("train", "--config", cfg, "--run-dir", str(root / "run"), "--device", "cpu")[0] == 0
+        argv = ["train", "--config", cfg, "--run-dir", str(root / "run"), "--max-steps", str(RESUME_AT)]
+        assert _cli(*argv, "--device", "cpu")[0] == 0
     finally:
         del os.environ["ANDREA_TEST_GUARD_NAN_AT"]
     assert b'"rolled_back_to":0' in (root / "run" / "guard.jsonl").read_bytes()
+    assert json.loads((root / "run" / "target.jsonl").read_bytes())["max_steps"] == RESUME_AT
+    events = sorted((root / "run" / "tensorboard").iterdir())  # segment 1, then the rollback's 2
+    assert [p.name.rsplit(".", 1)[1] for p in events] == ["segment0001", "segment0002"]
+    events[1].rename(root / "run" / EVENTS_FILE)
     fork(str(root / "run"), [BranchSpec("a", {"train.lr": 1e-3})], step=10)
     # What `andrea pivot` leaves when it dies after its checkpoint (docs/design.md, the pivot journal):
     # read at every trainer start, which may resume (the pivot had not stopped it yet).
@@ -428,6 +439,13 @@ def run_case(base: Path, name: str, kind: str, seed: int, readers: bool = True) 
 # guard.jsonl (issue 27), whatever the draw: a torn line, and a value of the wrong type in an event.
 @example(case=("guard.jsonl", "truncate"), seed=0)
 @example(case=("guard.jsonl", "wrong-type"), seed=0)
+@example(case=("run.yaml", "wrong-type"), seed=4335)  # parent_step 2**70: an error not naming run.yaml
+# target.jsonl and TensorBoard's events (issue 26), whatever the draw: a torn or mistyped target line,
+# garbage in an event file.
+@example(case=("target.jsonl", "truncate"), seed=0)
+@example(case=("target.jsonl", "wrong-type"), seed=0)
+@example(case=(EVENTS_FILE, "garbage"), seed=0)
+@example(case=(EVENTS_FILE, "truncate"), seed=0)
 def test_every_corrupted_run_file_resumes_or_is_refused_by_name(base, case, seed):
     name, kind = case
     outcome = run_case(base, name, kind, seed)

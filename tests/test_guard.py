@@ -14,9 +14,11 @@ import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import _env, andrea
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_systemd import read_unit
 from tiny import tiny_config
 
@@ -102,6 +104,15 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
     history = read_history(run)
     assert [e.step for e in history] == list(range(1, STEPS + 1))
     assert all(math.isfinite(e.loss) and math.isfinite(e.grad_norm) for e in history)
+    # TensorBoard's view restarts with it: one event file per segment, the second opening at step 11,
+    # so its reader drops the abandoned steps 11..25 and shows exactly the canonical history.
+    files = sorted(p.name.rsplit(".", 1)[1] for p in (recovered / "tensorboard").iterdir())
+    assert files == ["segment0001", "segment0002"]
+    acc = EventAccumulator(str(recovered / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (e.step, float(np.float32(e.loss))) for e in history
+    ]
     cfg = read_run(run).config
     by_step = {e.step: e for e in history}
     for s in (10, 11, 60):  # the cooldown's factor from step 11 on, none before

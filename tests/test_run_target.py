@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
 from tiny import tiny_config
 
+from andrea_core.config import ConfigError
 from andrea_core.ops.status import run_status
 from andrea_core.run import lock
 from andrea_core.run.rundir import RUN_YAML, TARGET, RunDir
@@ -119,6 +120,33 @@ def test_creating_a_live_trainer_before_run_yaml(tmp_path):
     # Neither a run nor a live trainer: not a run directory, as before.
     proc = andrea("status", run.url, check=False)
     assert proc.returncode == 2 and "not a run directory (no run.yaml)" in proc.stderr
+
+
+def test_our_own_trainer_is_seen_creating_its_run_never_as_no_run(tmp_path):
+    """`andrea train --config` takes the lease before it creates the run (its data checked, run.yaml
+    written): polled as fast as status can read, the directory goes from no run at all to CREATING, with
+    our trainer's pid, to TRAINING, and is never "not a run directory" once the trainer holds it."""
+    run = tmp_path / "new"
+    env = _env() | {"ANDREA_CACHE_DIR": str(tmp_path / "cold-cache")}  # the arms tokenized while creating
+    proc = start_trainer(
+        "--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "2", env=env
+    )
+    seen: list[str] = []  # each state once, in the order first seen
+    try:
+        while proc.poll() is None:
+            try:
+                st = run_status(str(run))
+                state, pid = st.state, (st.trainer or {}).get("pid")
+            except ConfigError as e:
+                state, pid = ("no run" if "not a run directory" in str(e) else str(e)), None
+            assert state != "creating" or pid == proc.pid, (state, pid)
+            if not seen or seen[-1] != state:
+                seen.append(state)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert proc.wait() == 0
+    assert seen[seen.index("creating") :] == ["creating", "training", "completed"], seen
+    assert set(seen[: seen.index("creating")]) <= {"no run"}, seen
 
 
 def test_a_torn_or_forged_target_line_is_skipped(tmp_path):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from andrea_core.checkpoint import Checkpoint, CheckpointError
+from andrea_core.checkpoint import INT32_MAX, Checkpoint, CheckpointError
 from andrea_core.config import ConfigError, RunConfig, estimated_n_params, load_yaml, parse_run_config
 from andrea_core.model_config import ModelConfig
 from andrea_core.run.rundir import RUN_YAML, RunDir
@@ -81,8 +81,9 @@ def read_run(run: RunDir) -> RunRecord:
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
             want = " or ".join(t.__name__ for t in types)
             raise ConfigError(f"{source}: lineage.{key}: expected {want} or null, got {type(value).__name__}")
-    if lineage.get("parent_step") is not None and lineage["parent_step"] < 0:
-        raise ConfigError(f"{source}: lineage.parent_step: must be >= 0, got {lineage['parent_step']}")
+    step = lineage.get("parent_step")
+    if step is not None and not 0 <= step <= INT32_MAX:  # a checkpoint's step is an int32
+        raise ConfigError(f"{source}: lineage.parent_step: must be in 0..{INT32_MAX}, got {step}")
     return RunRecord(parse_run_config(raw, source), lineage, env)
 
 

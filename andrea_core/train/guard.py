@@ -305,6 +305,7 @@ def roll_back(trainer: Any, d: Divergence) -> int:
     from andrea_core.model.gpt import GPT
     from andrea_core.run.loss_log import LossWriter
     from andrea_core.train.audit import Auditor
+    from andrea_core.train.tensorboard import TensorBoardLog
 
     g, run, main = trainer.guard, trainer.run, trainer.world.is_main
     trainer.batches.discard()  # the batch of a step that will not come
@@ -351,6 +352,11 @@ def roll_back(trainer: Any, d: Divergence) -> int:
         trainer.auditor = Auditor(
             run, trainer.cfg, trainer.model, trainer.data, trainer.device, target, log=trainer.log
         )
+        # TensorBoard's view follows: the old segment's events out, a new file whose START at target+1
+        # makes TensorBoard drop the abandoned steps, as the canonical history does.
+        trainer.tensorboard.flush()
+        trainer.tensorboard = TensorBoardLog(run, trainer.loss_log.segment, target + 1, trainer.log)
+        trainer.auditor.on_written = trainer.tensorboard.audit
     g.restart(target, trainer.data.store.phase.start_step)
     _test_signal("restored")
     return target

@@ -171,8 +171,26 @@ class Trainer:
         quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
         self.progress = Progress(0, 1, stream=quiet)  # its total and log_every once the run is known
         self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
-        with distributed.main_first(self.world):  # rank 0 creates the run; the others read it
-            self.cfg = prepare_run(self.run, cfg)
+        # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
+        self.keep_signal_handlers = keep_signal_handlers
+        self.lease: lock.Lease | None = None
+        self._stopped_waiting: str | None = None
+        if self.world.is_main and cfg is not None and not self.run.exists(RUN_YAML):
+            # A new run is created under the lease: `andrea status` sees a live trainer CREATING it
+            # (not "no run here"), and of two trainers started on one new directory only one creates it.
+            try:
+                self._take_lease(signals.install())
+            except lock.StoppedWaiting as e:
+                self._stopped_waiting = str(e)  # train() says so and returns: nothing was created
+        try:
+            if self._stopped_waiting is None:
+                with distributed.main_first(self.world):  # rank 0 creates the run; the others read it
+                    self.cfg = prepare_run(self.run, cfg)
+            else:
+                self.cfg = cfg
+        except BaseException:
+            self._release(clean=False)
+            raise
         distributed.check_batch(self.world, self.cfg.train.batch_size, self.cfg.train.grad_accum_steps)
         # The run's target: --max-steps (recorded in target.jsonl under the lock: train()), else the
         # one in force (run/target.py).
@@ -181,8 +199,6 @@ class Trainer:
         self.max_steps = max_steps or target.max_steps
         self.progress.total, self.progress.log_every = self.max_steps, self.cfg.train.log_every
         self.pace = pace
-        # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
-        self.keep_signal_handlers = keep_signal_handlers
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -503,29 +519,40 @@ class Trainer:
             self.log(f"{reason}: stopped at step {step}, checkpoint {last_saved}")
         return TrainResult(step, reason, last_saved)
 
+    def _take_lease(self, flags: signals.TrainerSignals) -> None:
+        """The lock as a lease: renewed on its own thread, checked before every publish (lock.Lease).
+        Under torchrun rank 0 holds it for the job: the other ranks never write the run directory.
+        A stop while it waits for another trainer's lease ends the wait (StoppedWaiting)."""
+        self.lease = lock.Lease.take(
+            self.run,
+            log=self.log,
+            world_size=self.world.world_size,
+            agent_pid=self.world.agent_pid,
+            stopped=lambda: flags.stop,
+            train_args=self.train_args,
+        )
+        self.lease.on_renewal = lambda: self._take_request(flags)
+
+    def _release(self, clean: bool) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        distributed.shutdown(self.world, clean=clean)
+        if not self.keep_signal_handlers:
+            signals.uninstall()
+
     def train(self) -> TrainResult:
         flags = signals.install()
-        # The lock as a lease: renewed on its own thread, checked before every publish (lock.Lease).
-        # Under torchrun rank 0 holds it for the job: the other ranks never write the run directory.
-        # A stop while it waits for another trainer's lease ends the wait: nothing was started.
-        self.lease = None
-        if self.world.is_main:
+        if self.world.is_main and self.lease is None and self._stopped_waiting is None:
             try:
-                self.lease = lock.Lease.take(
-                    self.run,
-                    log=self.log,
-                    world_size=self.world.world_size,
-                    agent_pid=self.world.agent_pid,
-                    stopped=lambda: flags.stop,
-                    train_args=self.train_args,
-                )
-                self.lease.on_renewal = lambda: self._take_request(flags)
+                self._take_lease(flags)  # taken already by __init__ if it created the run
             except lock.StoppedWaiting as e:
-                self.log(f"{flags.stop} before the first step: {e}")
-                distributed.shutdown(self.world, clean=True)
-                if not self.keep_signal_handlers:
-                    signals.uninstall()
-                return TrainResult(0, flags.stop, None)
+                self._stopped_waiting = str(e)
+        if self._stopped_waiting is not None:
+            # Nothing was started: no checkpoint to write, the lock never ours.
+            self.log(f"{flags.stop} before the first step: {self._stopped_waiting}")
+            self._release(clean=True)
+            return TrainResult(0, flags.stop, None)
         try:
             if self._new_target is not None and self.world.is_main:
                 steps = self.run.checkpoint_steps()
@@ -568,11 +595,7 @@ class Trainer:
                             f"ERROR: {self.run.path(LOSS_LOG)}: its last lines could not be written at exit "
                             f"({type(e).__name__}: {e}); every checkpoint's history was written before it"
                         )
-            if self.lease is not None:
-                self.lease.release()
-            distributed.shutdown(self.world, clean=sys.exc_info()[0] is None)
-            if not self.keep_signal_handlers:
-                signals.uninstall()
+            self._release(clean=sys.exc_info()[0] is None)
 
     def _loop(self, flags: signals.TrainerSignals) -> TrainResult:
         t = self.cfg.train
