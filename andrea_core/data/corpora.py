@@ -405,7 +405,7 @@ def _read_parquet(arm: ArmSpec, i: int, f: CorpusFile, skip: int) -> Iterator[Re
 
     try:
         raw = f.fs.open(f.path, "rb")
-        pf = pq.ParquetFile(raw)
+        pf = pq.ParquetFile(raw, buffer_size=READ_CHUNK)  # column chunks read 1 MiB at a time
     except Exception as e:
         yield Record(i, 0, None, f"{f.url}: not a readable Parquet file ({type(e).__name__}: {e})")
         return
