@@ -22,4 +22,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest "$@"
+# Two workers, each running whole modules (a module's server and fixtures stay in one process): the
+# tests' trainers use one thread each, so one process alone leaves a core idle. ANDREA_TEST_WORKERS=0
+# runs them in this process, one after another.
+workers="${ANDREA_TEST_WORKERS:-2}"
+.venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"

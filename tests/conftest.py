@@ -33,7 +33,11 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="session", autouse=True)
 def token_cache_dir(tmp_path_factory) -> Path:
     """One token cache for the whole session: arms are tokenized once, as on a real machine."""
-    d = Path(os.environ.get("ANDREA_TEST_CACHE_DIR") or tmp_path_factory.mktemp("token-cache"))
+    # Under pytest-xdist the workers share one (its builder's flock lets one tokenize, the others wait).
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent / "token-cache" if worker else None  # popen-gwN's parent
+    d = Path(os.environ.get("ANDREA_TEST_CACHE_DIR") or shared or tmp_path_factory.mktemp("token-cache"))
+    d.mkdir(parents=True, exist_ok=True)
     os.environ["ANDREA_CACHE_DIR"] = str(d)
     return d
 
