@@ -131,7 +131,8 @@ def test_branch_names_and_urls_that_escape_are_refused_before_any_write(tmp_path
 LINEAGE_CASES = [
     ("parent_step", [20], "expected int or null, got list"),
     ("parent_step", True, "expected int or null, got bool"),
-    ("parent_step", -5, "must be >= 0, got -5"),
+    ("parent_step", -5, "must be in 0..2147483647, got -5"),
+    ("parent_step", 2**70, f"must be in 0..2147483647, got {2**70}"),  # the fuzz test's seed 4335
     ("parent", 7, "expected str or null, got int"),
     ("overrides", "lr", "expected dict or null, got str"),
 ]

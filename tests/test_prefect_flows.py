@@ -34,7 +34,7 @@ from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
 from andrea_core.ops.fork import BRANCH_NAME_SCHEMA
 from andrea_core.ops.supervise import LossLogSnapshot, TrainerProcess, wait_for_first_entry_after
-from andrea_core.run.lock import live_trainer
+from andrea_core.run.lock import LockError, live_trainer
 from andrea_core.run.loss_log import parse_lines, read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLES, STATE, RunDir
@@ -205,7 +205,10 @@ def _stop_trainers(base: Path) -> None:
     stopped: another test's lock that names a process that is no trainer (a test's own lock) is
     refused by the identity check and left alone."""
     for lock in base.glob("**/.trainer.json"):
-        trainer = live_trainer(RunDir(lock.parent))
+        try:
+            trainer = live_trainer(RunDir(lock.parent))
+        except LockError:  # another module's forged lock (workers share the base folder): no trainer's
+            continue
         if trainer is not None and trainer.why_not_our_trainer() is None:
             trainer.stop()
 

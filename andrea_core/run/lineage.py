@@ -21,7 +21,6 @@ from andrea_core.run.rundir import (
     ARCHIVE,
     FORKS,
     POLICY_YAML,
-    RUN_YAML,
     ProtocolNotAllowed,
     RunDir,
 )
@@ -190,8 +189,7 @@ def require_fork_point(run: RunDir, resume: Checkpoint | None) -> None:
     lineage = read_run(run).lineage
     found = "no valid checkpoint" if resume is None else f"only {checkpoint_name(resume.step)}"
     raise ConfigError(
-        f"{run.url}: this branch of {lineage.get('parent')} was forked at step {parent_step} (its "
-        f"{RUN_YAML}'s lineage.parent_step) but holds "
+        f"{run.url}: this branch of {lineage.get('parent')} was forked at step {parent_step} but holds "
         f"{found}, not a valid {checkpoint_name(parent_step)} (the fork did not finish): rerun the fork "
         f"(same step and branch names) to complete it; not training from scratch"
     )

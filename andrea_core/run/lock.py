@@ -763,8 +763,10 @@ class Lease:
                 self.lost = self._why_lost(now)
             raise LeaseLost(f"{what} was written while the lease was being lost: {self.lost}")
 
-    def release(self) -> None:
-        """Stop renewing; unless lost, leave the lock released (its generation kept for the next one)."""
+    def release(self, remove: bool = False) -> None:
+        """Stop renewing; unless lost, leave the lock released (its generation kept for the next one).
+        `remove`: delete it instead, if it is the first lock of the directory (generation 1) and still
+        the version this lease wrote: a run whose creation was refused leaves nothing behind."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -772,8 +774,12 @@ class Lease:
             self.run.fence = None
         with self._mutex, contextlib.suppress(OSError, LockError):
             if self.lost is None:
-                done = dataclasses.replace(self.me, released=True, renewed_at=time.time())
-                self.version = self.run.replace_if_unchanged(LOCK, done.encode(), self.version)
+                now = self.run.read_versioned(LOCK)[1] if remove and self.me.generation == 1 else None
+                if now is not None and (now.etag, now.size) == (self.version.etag, self.version.size):
+                    self.run.remove(LOCK)
+                else:
+                    done = dataclasses.replace(self.me, released=True, renewed_at=time.time())
+                    self.version = self.run.replace_if_unchanged(LOCK, done.encode(), self.version)
                 self.lost = "released"
 
 

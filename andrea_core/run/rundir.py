@@ -414,6 +414,16 @@ class RunDir:
         finally:
             os.close(dfd)
 
+    def root_exists(self) -> bool:
+        """Whether the run directory itself is there (on an object store: whether anything is under it)."""
+        return self.fs.exists(self.root)
+
+    def remove_root_if_empty(self) -> None:
+        """Remove the run directory itself if it is empty (local disk; object stores have no folders)."""
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError, OSError):  # ENOTEMPTY: it holds something
+                os.rmdir(self.root)
+
     def remove_folder(self, sub: str) -> None:
         """Remove an empty folder of the run (local disk; object stores have no folders)."""
         if not self.is_local:

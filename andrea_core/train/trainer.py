@@ -175,9 +175,11 @@ class Trainer:
         self.keep_signal_handlers = keep_signal_handlers
         self.lease: lock.Lease | None = None
         self._stopped_waiting: str | None = None
+        existed = True
         if self.world.is_main and cfg is not None and not self.run.exists(RUN_YAML):
             # A new run is created under the lease: `andrea status` sees a live trainer CREATING it
             # (not "no run here"), and of two trainers started on one new directory only one creates it.
+            existed = self.run.root_exists()
             try:
                 self._take_lease(signals.install())
             except lock.StoppedWaiting as e:
@@ -189,7 +191,11 @@ class Trainer:
             else:
                 self.cfg = cfg
         except BaseException:
-            self._release(clean=False)
+            # A refused creation (bad data, an infeasible policy) leaves nothing: not even our lock,
+            # nor the directory if the lease made it.
+            self._release(clean=False, remove=not self.run.exists(RUN_YAML))
+            if not existed:
+                self.run.remove_root_if_empty()
             raise
         distributed.check_batch(self.world, self.cfg.train.batch_size, self.cfg.train.grad_accum_steps)
         # The run's target: --max-steps (recorded in target.jsonl under the lock: train()), else the
@@ -533,9 +539,9 @@ class Trainer:
         )
         self.lease.on_renewal = lambda: self._take_request(flags)
 
-    def _release(self, clean: bool) -> None:
+    def _release(self, clean: bool, remove: bool = False) -> None:
         if self.lease is not None:
-            self.lease.release()
+            self.lease.release(remove=remove)
             self.lease = None
         distributed.shutdown(self.world, clean=clean)
         if not self.keep_signal_handlers:
