@@ -207,7 +207,9 @@ def _stop_trainers(base: Path) -> None:
     for lock in base.glob("**/.trainer.json"):
         try:
             trainer = live_trainer(RunDir(lock.parent))
-        except LockError:  # another module's forged lock (workers share the base folder): no trainer's
+        except (LockError, ConfigError, OSError):
+            # Another module's forged, huge or linked lock (the workers' base folders hold every module's
+            # runs): refused by name, and no trainer of ours.
             continue
         if trainer is not None and trainer.why_not_our_trainer() is None:
             trainer.stop()
