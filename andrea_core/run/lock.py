@@ -774,8 +774,7 @@ class Lease:
             self.run.fence = None
         with self._mutex, contextlib.suppress(OSError, LockError):
             if self.lost is None:
-                now = self.run.read_versioned(LOCK)[1] if remove and self.me.generation == 1 else None
-                if now is not None and (now.etag, now.size) == (self.version.etag, self.version.size):
+                if remove and self.me.generation == 1 and self.run.read_versioned(LOCK)[1] == self.version:
                     self.run.remove(LOCK)
                 else:
                     done = dataclasses.replace(self.me, released=True, renewed_at=time.time())

@@ -421,7 +421,7 @@ class RunDir:
     def remove_root_if_empty(self) -> None:
         """Remove the run directory itself if it is empty (local disk; object stores have no folders)."""
         if self.is_local:
-            with contextlib.suppress(FileNotFoundError, OSError):  # ENOTEMPTY: it holds something
+            with contextlib.suppress(OSError):  # ENOTEMPTY: it holds something; ENOENT: already gone
                 os.rmdir(self.root)
 
     def remove_folder(self, sub: str) -> None:
