@@ -1371,6 +1371,8 @@ def main() -> int:
             soak.check(ref)
     finally:
         soak.close()
+        for i, p in enumerate(soak.procs):  # each process's output, for the post-mortem
+            (work / "logs" / f"{i:04d}-{p.what}-{p.pid}.log").write_text(p.text() + "\n")
     wall = time.time() - t0
     print(
         f"\nsoak: store {args.store}, seed {args.seed}, {args.faults} faults, "
@@ -1402,6 +1404,16 @@ def main() -> int:
         print(f"schedule prefix to the first violation (--seed {args.seed} reproduces it):")
         for f in schedule[: first + 1]:
             print("  " + json.dumps(f))
+        # What the trainers said went wrong: in CI the work folder is gone with the test's tmp_path.
+        said = [
+            f"  {i:04d} {line[:160]}"
+            for i, p in enumerate(soak.procs)
+            if p.what == "trainer"
+            for _, line in p.lines
+            if re.search(r"ERROR|warning|Traceback|NOT written", line)
+        ]
+        print(f"the trainers' errors and warnings ({len(said)}; the last 25; logs in {work / 'logs'}):")
+        print("\n".join(said[-25:]))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if soak.violations or aborted else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from andrea_core.data.policy import load_policy
 from andrea_core.model.gpt import GPT
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import SAMPLES, RunDir
-from andrea_core.run.samples import read_audits
+from andrea_core.run.samples import FORMAT, read_audits
 from andrea_core.train.audit import run_audit, validation_losses
 from andrea_core.train.optim import build_optimizer
 
@@ -117,3 +118,22 @@ def test_an_unreadable_samples_file_is_refused_naming_it(tmp_path):
         read_audits(run)
     proc = andrea("audit", run.url, check=False)
     assert proc.returncode == 2 and "not a sample audit file" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_resumed_step_whose_audit_is_missing_is_audited_again_from_its_checkpoint(tiny_reference, tmp_path):
+    """A trainer killed between publishing checkpoint 300 and writing its audit (or on a disk too full
+    for it) leaves exactly this run: the next trainer audits step 300 from the checkpoint, and that is
+    the audit the uninterrupted run recorded, bit for bit."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_reference, run)
+    recorded = {a["step"]: a for a in read_audits(RunDir(str(run)))}
+    assert 300 in recorded
+    kept = [a for step, a in recorded.items() if step != 300]
+    (run / SAMPLES).write_text(json.dumps({"format": FORMAT, "audits": kept}))
+    out = andrea("train", "--run-dir", str(run), "--max-steps", "300", "--device", "cpu")
+    assert "the sample audit of step 300 is missing: auditing it now" in out.stdout + out.stderr
+    assert read_audits(RunDir(str(run))) == [*kept, recorded[300]]
+    again = andrea("train", "--run-dir", str(run), "--max-steps", "300", "--device", "cpu")
+    assert "is missing" not in again.stdout + again.stderr  # present: nothing is audited twice
+    assert read_audits(RunDir(str(run))) == [*kept, recorded[300]]

@@ -21,7 +21,8 @@ import pytest
 from andrea_core.checkpoint import CheckpointError
 from andrea_core.run.loss_log import json_lines, read_history
 from andrea_core.run.rundir import RunDir
-from tests.conftest import start_trainer, wait_for
+from andrea_core.run.samples import read_audits
+from tests.conftest import andrea, start_trainer, wait_for
 from tests.tiny import tiny_config
 
 EVERY = 20
@@ -141,6 +142,44 @@ def test_a_full_disk_stops_checkpoints_not_training_and_they_resume_when_space_i
     loss_lines_whole_but_last(run)
     history = [e.step for e in read_history(RunDir(str(run)))]
     assert history == list(range(1, history[-1] + 1)), "the loss history has a gap"
+
+
+@pytest.mark.slow
+def test_an_audit_a_full_disk_kept_out_of_the_file_is_written_before_the_trainer_exits(small_disk, tmp_path):
+    """The soak's finding (issue 28): the disk fills as an audit is written, space comes back, and the
+    trainer is stopped before its next audit. The audit it kept in memory is in .samples.json at exit,
+    the same audit an uninterrupted run records at that step."""
+    run = small_disk / "run"
+    cfg = tiny_config(
+        tmp_path, train__checkpoint_every=1000, train__sample_every=10, train__max_steps=100_000
+    )
+    log = tmp_path / "trainer.log"
+    trainer = start_trainer("--config", cfg, "--run-dir", str(run), "--device", "cpu", log=log)
+
+    def refused() -> list[int]:
+        return [int(s) for s in re.findall(r"audit of step (\d+) was NOT written", log.read_text())]
+
+    try:
+        wait_for(
+            lambda: 10 in {a["step"] for a in read_audits(RunDir(str(run)))}, timeout=300, what="audit 10"
+        )
+        filler = fill(small_disk, 0)
+        wait_for(lambda: refused() or trainer.poll() is not None, timeout=300, what="a refused audit")
+        filler.unlink()
+        trainer.send_signal(signal.SIGTERM)  # before the next audit: only the exit can write it
+        assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    text = log.read_text()
+    lost = refused()
+    written = {a["step"]: a for a in read_audits(RunDir(str(run)))}
+    assert lost and set(lost) <= set(written), f"audits {lost} refused, the file has {sorted(written)}"
+    assert f"the sample audits of steps {sorted(set(lost))} are written (late)" in text, text[-3000:]
+    ref = tmp_path / "reference"
+    andrea("train", "--config", cfg, "--run-dir", str(ref), "--max-steps", str(lost[0]), "--device", "cpu")
+    assert written[lost[0]] == {a["step"]: a for a in read_audits(RunDir(str(ref)))}[lost[0]]
 
 
 # --- an object store that refuses puts for a while ---------------------------------------------------

@@ -220,6 +220,11 @@ class Auditor:
         self._stream: Any = None  # on CUDA, the stream background audits run on
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # Steps whose audit is in `audits` but not in the file: a write that failed (a full disk, a
+        # refusing store). Each later write carries them; `flush` retries at the next checkpoint and
+        # at exit, so one failed write loses nothing while the trainer lives.
+        self.unwritten: list[int] = []
+        self._file = threading.Lock()  # the trainer's flush and a background audit's write
 
     def record(self, step: int) -> dict[str, Any]:
         self.wait()
@@ -240,14 +245,39 @@ class Auditor:
             self._not_written(step, e)
 
     def _not_written(self, step: int, e: OSError) -> None:
-        self.log(f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}")
+        self.log(
+            f"ERROR: the sample audit of step {step} was NOT written: {type(e).__name__}: {e}; it is "
+            "kept, and written with the next checkpoint"
+        )
 
     def _write(self, audit: dict[str, Any]) -> None:
-        self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
-        self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+        with self._file:
+            self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
+            kept = {a["step"] for a in self.audits}
+            self.unwritten = sorted({*(s for s in self.unwritten if s in kept), audit["step"]})
+            self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+            self.unwritten = []
         self.log(audit_line(audit))
         if self.on_written is not None:
             self.on_written(audit)  # the TensorBoard view (trainer.py)
+
+    def flush(self) -> None:
+        """Write the audits a failed write left out of the file (at a checkpoint, and at exit). An
+        audit in flight writes them itself; a write failing again is logged and retried next time."""
+        if not self.unwritten or (self._thread is not None and self._thread.is_alive()):
+            return
+        with self._file:
+            steps = self.unwritten
+            try:
+                self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+            except OSError as e:
+                self.log(
+                    f"ERROR: the sample audits of steps {steps} are still NOT written: "
+                    f"{type(e).__name__}: {e}"
+                )
+                return
+            self.unwritten = []
+        self.log(f"the sample audits of steps {steps} are written (late)")
 
     @torch.no_grad()
     def start(self, step: int) -> None:

@@ -289,6 +289,11 @@ class Trainer:
             self.auditor.on_written = self.tensorboard.audit
             if baseline is not None:
                 self.tensorboard.audit(baseline)
+            elif self._audit_missing(self.start_step):
+                # Its trainer stopped between the checkpoint and its audit (killed, a full disk): these
+                # are the weights it audited, and an audit is a pure function of them (audit.py).
+                self.log(f"the sample audit of step {self.start_step} is missing: auditing it now")
+                self.auditor.audit(self.start_step)
         # The divergence guard (guard.py): its events shape which batches and learning rates come next.
         self.guard = Guard(
             self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
@@ -396,6 +401,7 @@ class Trainer:
         if not self.world.is_main:
             return checkpoint_name(step)  # rank 0 owns the run directory; every rank has the same state
         self.loss_log.flush()
+        self.auditor.flush()  # audits a full disk kept out of the file, before this checkpoint is said
         try:
             self.data.save_state(step)
         except OSError as e:
@@ -431,6 +437,13 @@ class Trainer:
                 f"ERROR: retention after {checkpoint_name(step)} failed: {type(e).__name__}: {e}. "
                 "The checkpoint is written and kept; retention runs again at the next checkpoint."
             )
+
+    def _audit_missing(self, step: int) -> bool:
+        """A resumed step on the audit grid whose audit .samples.json lacks. Not a phase's first step:
+        that audit belongs to the phase before it (archived by the pivot, or the fork's source)."""
+        on_grid = step % self.cfg.train.audit_every == 0
+        first = step <= self.data.store.phase.start_step
+        return on_grid and not first and all(a["step"] != step for a in self.auditor.audits)
 
     def _audit(self, step: int) -> None:
         self.auditor.audit(step, background=self.cfg.train.audit_async)
@@ -509,6 +522,7 @@ class Trainer:
         self.auditor.wait()  # a background audit of the last step is part of the run's record
         record = self.checkpointer.wait()
         self._check_lease()  # a write refused by the fence is not retried: the run is someone else's
+        self.auditor.flush()  # an audit a full disk kept out of the file has no later checkpoint
         if record is not None and record.error is not None:
             self.save(step)
             record = self.checkpointer.wait()
