@@ -303,13 +303,11 @@ def roll_back(trainer: Any, d: Divergence) -> int:
     the event, trains into the same divergence (resume is bit-exact) and records the same event; a
     crash after the append resumes from the target with the event, exactly as this process goes on."""
     from andrea_core.model.gpt import GPT
-    from andrea_core.run.loss_log import LossWriter
-    from andrea_core.train.audit import Auditor
-    from andrea_core.train.tensorboard import TensorBoardLog
 
     g, run, main = trainer.guard, trainer.run, trainer.world.is_main
     trainer.batches.discard()  # the batch of a step that will not come
     trainer.auditor.wait()
+    trainer.auditor.flush()  # audits a full disk kept out: the next Auditor reads the file
     trainer.checkpointer.wait()  # the write in flight belongs to the steps before the divergence
     trainer.loss_log.flush(durable=True)  # the diverging steps stay in .loss.json, in their segment
     steps = run.checkpoint_steps()
@@ -348,15 +346,8 @@ def roll_back(trainer: Any, d: Divergence) -> int:
     trainer.start_step = target
     if main:
         trainer.loss_log.close()
-        trainer.loss_log = LossWriter(run, warn=trainer.log)  # a new segment, as at any resume
-        trainer.auditor = Auditor(
-            run, trainer.cfg, trainer.model, trainer.data, trainer.device, target, log=trainer.log
-        )
-        # TensorBoard's view follows: the old segment's events out, a new file whose START at target+1
-        # makes TensorBoard drop the abandoned steps, as the canonical history does.
-        trainer.tensorboard.flush()
-        trainer.tensorboard = TensorBoardLog(run, trainer.loss_log.segment, target + 1, trainer.log)
-        trainer.auditor.on_written = trainer.tensorboard.audit
+        trainer.tensorboard.flush()  # the old segment's events out
+        trainer._open_segment(target)  # a new segment, as at any resume
     g.restart(target, trainer.data.store.phase.start_step)
     _test_signal("restored")
     return target

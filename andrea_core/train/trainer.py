@@ -274,26 +274,17 @@ class Trainer:
             self.log(f"new run {self.run.url}: {self.model.n_params:,} parameters on {self.device}")
         with distributed.main_first(self.world):  # rank 0 may set an unloadable .state.json aside
             self.data.resume(self.start_step)
-        self.auditor = Auditor(
-            self.run, self.cfg, self.model, self.data, self.device, self.start_step, log=self.log
-        )
-        if not self.world.is_main:
-            self.auditor = self.loss_log = self.tensorboard = _RankZeroOnly()
-        baseline = None
-        if ckpt is None:
-            baseline = self.auditor.record(0)  # the untrained model: what every later audit is read against
         if self.world.is_main:
-            self.loss_log = LossWriter(self.run, warn=self.log)
-            # The TensorBoard view: events buffered in memory, appended at checkpoints (tensorboard.py).
-            self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, self.start_step + 1, self.log)
-            self.auditor.on_written = self.tensorboard.audit
-            if baseline is not None:
-                self.tensorboard.audit(baseline)
-            elif self._audit_missing(self.start_step):
-                # Its trainer stopped between the checkpoint and its audit (killed, a full disk): these
-                # are the weights it audited, and an audit is a pure function of them (audit.py).
-                self.log(f"the sample audit of step {self.start_step} is missing: auditing it now")
-                self.auditor.audit(self.start_step)
+            self._open_segment(self.start_step)
+        else:
+            self.auditor = self.loss_log = self.tensorboard = _RankZeroOnly()
+        if ckpt is None:
+            self.auditor.record(0)  # the untrained model: what every later audit is read against
+        elif self.world.is_main and self._audit_missing(self.start_step):
+            # Its trainer stopped between the checkpoint and its audit (killed, a full disk): these are
+            # the weights it audited, and an audit is a pure function of them (audit.py).
+            self.log(f"the sample audit of step {self.start_step} is missing: auditing it now")
+            self.auditor.audit(self.start_step)
         # The divergence guard (guard.py): its events shape which batches and learning rates come next.
         self.guard = Guard(
             self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
@@ -437,6 +428,16 @@ class Trainer:
                 f"ERROR: retention after {checkpoint_name(step)} failed: {type(e).__name__}: {e}. "
                 "The checkpoint is written and kept; retention runs again at the next checkpoint."
             )
+
+    def _open_segment(self, step: int) -> None:
+        """The run's record from `step` on (rank 0), at a start and after a guard rollback: a new
+        .loss.json segment, the audits up to `step`, and a TensorBoard file whose START at step+1
+        makes TensorBoard drop any abandoned steps, as the canonical history does (tensorboard.py)."""
+        self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, step, log=self.log)
+        self.loss_log = LossWriter(self.run, warn=self.log)
+        # The TensorBoard view: events buffered in memory, appended at checkpoints.
+        self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, step + 1, self.log)
+        self.auditor.on_written = self.tensorboard.audit
 
     def _audit_missing(self, step: int) -> bool:
         """A resumed step on the audit grid whose audit .samples.json lacks. Not a phase's first step:
