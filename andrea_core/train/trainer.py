@@ -603,6 +603,8 @@ class Trainer:
             if hasattr(self, "auditor"):
                 with contextlib.suppress(Exception):  # the error on its way out is the one to report
                     self.auditor.wait()
+                with contextlib.suppress(Exception):  # a lost lease refuses it: the run is someone else's
+                    self.auditor.flush()  # an error exit (the guard's bound, a diverged loss) loses none
             if hasattr(self, "tensorboard"):
                 with contextlib.suppress(lock.LeaseLost):  # the run is someone else's: nothing more of ours
                     self.tensorboard.flush()  # the last audit's events; a view: its failure is a warning
