@@ -255,8 +255,7 @@ class Auditor:
             self.audits = [*(a for a in self.audits if a["step"] < audit["step"]), audit][-KEEP_AUDITS:]
             kept = {a["step"] for a in self.audits}
             self.unwritten = sorted({*(s for s in self.unwritten if s in kept), audit["step"]})
-            self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
-            self.unwritten = []
+            self._store()
         self.log(audit_line(audit))
         if self.on_written is not None:
             self.on_written(audit)  # the TensorBoard view (trainer.py)
@@ -269,15 +268,19 @@ class Auditor:
         with self._file:
             steps = self.unwritten
             try:
-                self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+                self._store()
             except OSError as e:
                 self.log(
                     f"ERROR: the sample audits of steps {steps} are still NOT written: "
                     f"{type(e).__name__}: {e}"
                 )
                 return
-            self.unwritten = []
         self.log(f"the sample audits of steps {steps} are written (late)")
+
+    def _store(self) -> None:
+        """The file as `audits` holds it (under `_file`); `unwritten` is cleared only once it is."""
+        self.run.write_json(SAMPLES, {"format": FORMAT, "audits": self.audits})
+        self.unwritten = []
 
     @torch.no_grad()
     def start(self, step: int) -> None:

@@ -523,7 +523,6 @@ class Trainer:
         self.auditor.wait()  # a background audit of the last step is part of the run's record
         record = self.checkpointer.wait()
         self._check_lease()  # a write refused by the fence is not retried: the run is someone else's
-        self.auditor.flush()  # an audit a full disk kept out of the file has no later checkpoint
         if record is not None and record.error is not None:
             self.save(step)
             record = self.checkpointer.wait()
@@ -604,7 +603,7 @@ class Trainer:
                 with contextlib.suppress(Exception):  # the error on its way out is the one to report
                     self.auditor.wait()
                 with contextlib.suppress(Exception):  # a lost lease refuses it: the run is someone else's
-                    self.auditor.flush()  # an error exit (the guard's bound, a diverged loss) loses none
+                    self.auditor.flush()  # every exit's last chance: a failed write has no later checkpoint
             if hasattr(self, "tensorboard"):
                 with contextlib.suppress(lock.LeaseLost):  # the run is someone else's: nothing more of ours
                     self.tensorboard.flush()  # the last audit's events; a view: its failure is a warning
