@@ -23,7 +23,8 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Two workers, each running whole modules (a module's server and fixtures stay in one process): the
-# tests' trainers use one thread each, so one process alone leaves a core idle. ANDREA_TEST_WORKERS=0
-# runs them in this process, one after another.
+# tests' trainers use one thread each, so one process alone leaves a core idle. Modules go out in
+# collection order, slowest first (tests/conftest.py's SLOWEST_FIRST), not by their count of tests.
+# ANDREA_TEST_WORKERS=0 runs them in this process, one after another.
 workers="${ANDREA_TEST_WORKERS:-2}"
-.venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
