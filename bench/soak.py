@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,16 +169,9 @@ class LocalStore:
             shutil.copytree(self.root / n, dest / n, symlinks=True)
 
     def fill(self, leave: int) -> None:
-        st = os.statvfs(self.root)
-        self.filler = self.root / f".soak-filler-{uuid.uuid4().hex}"
-        want = st.f_bavail * st.f_frsize - leave
-        chunk = b"\0" * (1 << 20)
-        with open(self.filler, "wb") as f:
-            while want > 0:
-                try:
-                    want -= f.write(chunk[: min(len(chunk), want)])
-                except OSError:
-                    break
+        from full import fill  # tests/full.py: the full-disk tests' filler
+
+        self.filler = fill(self.root, leave, prefix=".soak-filler-")
 
     def unfill(self) -> None:
         if self.filler is not None:

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from andrea_core.run.loss_log import json_lines, read_history
 from andrea_core.run.rundir import RunDir
 from andrea_core.run.samples import read_audits
 from tests.conftest import andrea, start_trainer, wait_for
+from tests.full import fill
 from tests.tiny import tiny_config
 
 EVERY = 20
@@ -48,19 +48,22 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def fill(disk: Path, leave: int) -> Path:
-    """Take all the free space of `disk` but `leave` bytes, with one file."""
-    st = os.statvfs(disk)
-    filler = disk / f"filler-{uuid.uuid4().hex}"
-    with open(filler, "wb") as f:
-        f.truncate(0)
-        chunk = b"\0" * (1 << 20)
-        want = st.f_bavail * st.f_frsize - leave
-        while want > 0:
-            want -= f.write(chunk[: min(len(chunk), want)])
-        f.flush()
-        os.fsync(f.fileno())
-    return filler
+def test_the_filler_fills_the_disk_when_a_writer_took_space_after_it_measured(small_disk, monkeypatch):
+    """A live trainer writes between the filler's statvfs and its writes (the CI failure of 9088b60:
+    ENOSPC out of the filler's own flush): it stops at ENOSPC, the disk full, instead of failing."""
+    import tests.full
+
+    real = os.statvfs
+    free = lambda: real(small_disk).f_bavail * real(small_disk).f_frsize  # noqa: E731
+    (small_disk / "taken").write_bytes(b"\0" * (free() // 2))  # "the trainer's" half, after the measure
+    measured = os.statvfs_result(
+        (*real(small_disk)[:4], real(small_disk).f_bavail * 2, *real(small_disk)[5:])
+    )
+    monkeypatch.setattr(tests.full.os, "statvfs", lambda path: measured)
+    for leave in (0, 4096):
+        filler = fill(small_disk, leave)
+        assert free() == 0, f"leave={leave}: {free()} bytes still free"
+        filler.unlink()
 
 
 def loss_lines_whole_but_last(run: Path) -> None:
