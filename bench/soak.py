@@ -465,18 +465,19 @@ class Soak:
         into the shared environment during the soak must not change the reference's data."""
         import yaml
 
-        from andrea_core.data.sources import _site_packages
+        from andrea_core.data.policy import ArmSpec
+        from andrea_core.data.sources import _files_for
 
         prose = self.work / "prose"
         prose.mkdir()
         total = 0
-        for root in _site_packages():
-            for pattern in ("*.md", "*.rst", "*.txt", "METADATA"):
-                for f in sorted(root.rglob(pattern)):
-                    if total < 2_000_000 and f.is_file() and f.stat().st_size > 200:
-                        dest = prose / str(f.relative_to(root)).replace("/", "__")
-                        dest.write_bytes(f.read_bytes())
-                        total += dest.stat().st_size
+        # The files the product's prose arm lists by default, in its order (the copies' names keep it).
+        for i, f in enumerate(_files_for(ArmSpec(name="docs-prose", kind="prose"))):
+            if total >= 2_000_000:
+                break
+            dest = prose / f"{i:06d}__{f.name}"
+            dest.write_bytes(f.read_bytes())
+            total += dest.stat().st_size
         out = {}
         for name in POLICIES:
             doc = yaml.safe_load((REPO / "configs" / "policies" / f"{name}.yaml").read_text())
