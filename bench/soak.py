@@ -1017,7 +1017,7 @@ class Soak:
             )
         for p in sorted(self.cache.rglob("*")):
             # runs/: the append mirrors of a run on a store without append (rundir.MirroredAppendFile),
-            # the run's own scratch; one a killed trainer leaves holds its unpublished tail, by design.
+            # the run's own scratch, removed by the next open of their file after their writer's kill.
             if p.is_file() and p.relative_to(self.cache).parts[0] != "runs":
                 snap[f"cache:{p.relative_to(self.cache)}"] = f"{p.stat().st_size}:{p.stat().st_mtime_ns}"
         # The processes' working directory: a file left there (a report, a log) is an untracked file.
@@ -1082,12 +1082,29 @@ class Soak:
         rc = final.wait(600)
         if rc != 0:
             self.violate("7", f"the last trainer (to step {self.final}) exited {rc}:\n{final.tail()}")
+        elif left := self.loss_log_mirrors():
+            # Every start opens .loss.json after every kill, removing the dead writers' mirrors, and
+            # the last one closed its own: none may be left (rundir.MirroredAppendFile).
+            self.violate("6", f"the run's loss log mirrors left in the cache after a clean exit: {left}")
         self.soak_s = time.time() - t_start
         self.lock()
         now = self.outside()
         changed = sorted(k for k in set(watched) | set(now) if watched.get(k) != now.get(k))
         if changed:
             self.violate("6", f"changed outside the run and its branches: {changed[:20]}")
+
+    def loss_log_mirrors(self) -> list[str]:
+        """The run's .loss.json mirrors in the processes' cache (a store without append keeps one per
+        writer while it runs), by name."""
+        from andrea_core.run.rundir import RunDir
+
+        saved = os.environ.get("ANDREA_CACHE_DIR")
+        os.environ["ANDREA_CACHE_DIR"] = str(self.cache)
+        try:
+            folder = RunDir(self.store.run_url).cache_path(".loss.json").parent
+        finally:
+            os.environ.pop("ANDREA_CACHE_DIR") if saved is None else os.environ.update(ANDREA_CACHE_DIR=saved)
+        return sorted(p.name for p in folder.glob(".loss.json.*")) if folder.is_dir() else []
 
     # --- the reference and the invariants --------------------------------------------------------
 
@@ -1384,7 +1401,9 @@ def main() -> int:
         print(f"at the end ({inv}): {what.splitlines()[0]}")
     mirrors = list((soak.cache / "runs").rglob("*.json.*")) if (soak.cache / "runs").exists() else []
     if mirrors:
-        print(f"append mirrors left in the cache by killed trainers (kept by design): {len(mirrors)}")
+        print(
+            f"append mirrors left in the cache (killed writers', of files none opened since): {len(mirrors)}"
+        )
     if args.store == "s3":
         print(f"replies lost after the write: {[(k, status) for _, k, status in soak.store.relay.dropped]}")
     print(

@@ -376,3 +376,88 @@ def test_sigkill_during_checkpoint_upload_leaves_no_torn_checkpoint(
     for step in (10, 20, 30):
         decode(run.read_bytes(checkpoint_name(step)), checkpoint_name(step))
     assert uploads_in_progress(s3_server, s3_bucket) == []
+
+
+MIRROR_WRITER = """
+import sys, time
+from andrea_core.run.rundir import RunDir
+f = RunDir(sys.argv[1]).open_append(".loss.json")
+f.write(b'{"step": 1}\\n')
+print(f.path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_crashed_writers_mirror_is_removed_by_the_next_open_and_a_live_ones_never(
+    tmp_path, s3_bucket, monkeypatch
+):
+    """Real writer processes on one machine's cache: a SIGKILLed one's mirror (its pid gone, its flock
+    free) is removed by the next open of the file; a live one's, one whose flock a live process holds
+    under a pid that is free here (a writer of another pid namespace), a live one's that takes no flock
+    (an older andrea), and a planted symlink are not."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    url = f"{s3_bucket}/run"
+    RunDir(url).write_atomic("run.yaml", b"name: x\n")
+
+    def writer() -> tuple[subprocess.Popen, Path]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", MIRROR_WRITER, url],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
+        return proc, Path(proc.stdout.readline().strip())
+
+    live, live_mirror = writer()
+    crashed, crashed_mirror = writer()  # (its open removes no mirror: the only other one's writer lives)
+    crashed.kill()
+    crashed.wait()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid free here, as another namespace's writer's pid is
+    elsewhere = crashed_mirror.with_name(f".loss.json.{gone.pid}")
+    elsewhere.write_bytes(b'{"step": 1}\n')
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX);"
+         " print(flush=True); time.sleep(600)", str(elsewhere)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    holder.stdout.readline()
+    older = subprocess.Popen(  # a live writer that takes no flock (an older andrea): its pid lives
+        [sys.executable, "-c", "import os,sys,time; f=open(f'{sys.argv[1]}.{os.getpid()}', 'ab');"
+         " print(f.name, flush=True); time.sleep(600)", str(crashed_mirror.parent / ".loss.json")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    older_mirror = Path(older.stdout.readline().strip())
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not the cache's")
+    link = crashed_mirror.with_name(".loss.json.999999999")
+    link.symlink_to(outside)
+    try:
+        assert crashed_mirror.exists() and live_mirror.exists()
+        with RunDir(url).open_append(".loss.json") as mine:
+            assert mine.path.exists()
+            assert not crashed_mirror.exists(), "a crashed writer's mirror was kept"
+            assert live_mirror.exists() and elsewhere.exists() and older_mirror.exists(), (
+                "a live one's removed"
+            )
+            assert link.is_symlink() and outside.read_bytes() == b"not the cache's"
+        assert not mine.path.exists()  # a clean close removes its own
+        with pytest.raises(BlockingIOError):  # the live writer still holds its mirror's flock
+            fcntl.flock(open(live_mirror), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        live.kill()
+        live.wait()
+        for proc in (holder, older):
+            proc.kill()
+            proc.wait()
+        RunDir(url).open_append(".loss.json").close()
+        left = sorted(p.name for p in crashed_mirror.parent.iterdir())
+        assert left == [link.name], left  # both writers gone: only the link is left, not followed
+    finally:
+        for proc in (crashed, live, holder, older):
+            if proc.poll() is None:
+                proc.kill()

@@ -770,8 +770,11 @@ class MirroredAppendFile:
     starts as a copy of the published file (never from an older mirror: the run is the truth, and
     another machine may have extended it). A durable write publishes the whole mirror with one atomic
     put, and only over the version this handle last published, so the published file only grows.
-    The mirror is this process's own (two forks of one parent may append at once) and is removed at
-    a clean close; one a crash leaves behind holds the tail that was never published."""
+    The mirror is this process's own (two forks of one parent may append at once), held under its
+    flock while open, and removed at a clean close. One a crash leaves behind holds only a tail that
+    was never published (a resume reads the run, never a mirror): the next open of the file on this
+    machine removes it, once its process is gone and no one holds its flock, so that a run's crashes
+    over weeks do not pile up copies of its loss log in the cache."""
 
     def __init__(self, run: RunDir, name: str, lines: bool = True):
         self.run = run
@@ -782,6 +785,9 @@ class MirroredAppendFile:
         # O_NOFOLLOW: the cache folder is this machine's, but a link planted there is not written through.
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         self._f = open(os.open(self.path, flags, 0o600), "w+b")
+        with contextlib.suppress(OSError):  # held by an earlier handle of this process: held all the same
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _remove_dead_mirrors(self.path)
         self._f.write(data)
         self._f.flush()
         self._size = len(data)
@@ -841,6 +847,42 @@ class MirroredAppendFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _remove_dead_mirrors(own: Path) -> None:
+    """Remove the other mirrors of `own`'s file (`<name>.<pid>` beside it) whose writer is gone: its
+    flock is free and then its pid is no live process here (os.kill(pid, 0)). Both, because a cache
+    shared with another pid namespace names its writers by pids that mean nothing here (their flock
+    says they live), and a writer of this namespace between its open and its flock is a live pid (the
+    pid is looked at after the flock is taken, so one that opened the file before it is seen)."""
+    stem = own.name.rsplit(".", 1)[0]
+    for other in own.parent.iterdir():
+        pid = other.name[len(stem) + 1 :]
+        if other == own or not other.name.startswith(stem + ".") or not pid.isdigit():
+            continue
+        try:
+            fd = os.open(other, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, or a link: not ours to remove
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if stat.S_ISREG(os.fstat(fd).st_mode) and not _pid_exists(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    other.unlink()
+        except OSError:
+            pass  # its flock is held: its writer lives (in another pid namespace, or here)
+        finally:
+            os.close(fd)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # none has it; none can (a pid past any real one)
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _line_end(last: bytes) -> bytes:
