@@ -167,6 +167,53 @@ def test_a_pivot_at_a_boundary_with_checkpoints_every_step_and_keep_last_2(tmp_p
 
 
 @pytest.mark.slow
+def test_a_boundary_the_trainer_passed_before_the_pivot_protected_it_is_decided_again(tmp_path, monkeypatch):
+    """The soak's fault 349 (2026-12-02, a 42-step/s trainer, checkpoint_every 5, keep_last 3): the
+    pivot read the trainer's step, and by the time its intent was on disk the trainer had written the
+    boundary's checkpoint and retention had removed it, so the pivot waited out its timeout for a file
+    that could never appear. Here its first view of the trainer is 20 steps old: the pivot sees the
+    trainer publish past that boundary, decides again from where the trainer is, and pivots there."""
+    from andrea_core.ops import pivot as ops_pivot
+    from andrea_core.ops.pivot import boundary_after, check_pivot, run_pivot
+
+    run = RunDir(tmp_path / "run")
+    config = tiny_config(
+        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
+    )
+    trainer = start_trainer(
+        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
+    )
+    real, stale = ops_pivot.choose_boundary, []
+
+    def slow_view(rd: RunDir) -> tuple[int, int]:
+        decided_at, boundary = real(rd)
+        if stale:
+            return decided_at, boundary
+        stale.append(boundary_after(decided_at - 20, 1))  # what a view 20 steps old decides
+        return decided_at - 20, stale[0]
+
+    monkeypatch.setattr(ops_pivot, "choose_boundary", slow_view)
+    lines: list[str] = []
+    try:
+        wait_for(lambda: live_trainer(run) and (logged_step(run) or 0) > 30, timeout=300, what="30 steps")
+        checked = check_pivot(run, "tiny-mix", restart=False, warn=lines.append)
+        result = run_pivot(run, checked, restart=False, timeout_s=120, log=lines.append)
+    finally:
+        if trainer.poll() is None:
+            trainer.send_signal(signal.SIGTERM)
+        trainer.wait(120)
+    text = "\n".join(lines)
+    assert f"pivot decided at step {stale[0]}: pivoting at step {stale[0]}" in text, text
+    assert f"{checkpoint_name(stale[0])} is not there" in text and "deciding again" in text, text
+    boundary = result["boundary"]
+    assert boundary > stale[0] and not run.exists(checkpoint_name(stale[0]))
+    assert f"pivot checkpoint {checkpoint_name(boundary)} is valid" in text
+    assert run.checkpoint_steps()[-1] == boundary and not run.exists(PIVOT_JSON)
+    assert run.read_checkpoint(boundary).step == boundary
+    assert len(run.listdir("archive")) == 1  # one phase: the pivot happened once, at the new boundary
+
+
+@pytest.mark.slow
 def test_at_now_right_after_a_crash_resume_waits_for_the_new_segments_checkpoint(tmp_path):
     """The dead timeline logged to 300 after its last checkpoint (200); a resumed trainer that has not
     logged yet is at 200, not 300, and the SIGUSR1 checkpoint it writes (201) is the one to wait for."""

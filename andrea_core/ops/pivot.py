@@ -407,12 +407,7 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
                 run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=trainer
             ).step
         else:
-            decided_at, boundary = choose_boundary(run)
-            if journal.get("restart") != "none":
-                require_steps_after(journal["max_steps"], boundary)
-            _record(run, journal, "intent", boundary=boundary, not_before=None)
-            log(f"pivot decided at step {decided_at}: pivoting at step {boundary}")
-            supervise.wait_for_checkpoint(run, boundary, timeout_s, trainer=trainer)
+            boundary = wait_for_boundary(run, journal, timeout_s, trainer, log)
         if journal.get("restart") != "none":
             require_steps_after(journal["max_steps"], boundary)
         _record(run, journal, "checkpointed", boundary=boundary, not_before=None)
@@ -422,6 +417,28 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
     log(f"pivot checkpoint {checkpoint_name(boundary)} is valid")
     _kill_point("checkpointed")
     return boundary
+
+
+def wait_for_boundary(
+    run: RunDir, journal: dict, timeout_s: float, trainer: TrainerIdentity, log: Log = print
+) -> int:
+    """The next checkpoint on the grid after where the trainer is, protected by the journal's intent
+    before it is written. A view of the trainer's step is old by the time the intent is on disk (the
+    loss log read, a slow machine, a slow store): when the trainer has passed the boundary meanwhile,
+    its checkpoint was never protected (retention may have removed it) or never written (its write
+    failed), and the pivot decides again from where the trainer is now, within the same timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        decided_at, boundary = choose_boundary(run)
+        if journal.get("restart") != "none":
+            require_steps_after(journal["max_steps"], boundary)
+        _record(run, journal, "intent", boundary=boundary, not_before=None)
+        log(f"pivot decided at step {decided_at}: pivoting at step {boundary}")
+        try:
+            left = max(0.0, deadline - time.monotonic())
+            return supervise.wait_for_checkpoint(run, boundary, left, trainer=trainer).step
+        except supervise.CheckpointPassed as e:
+            log(f"{e}: deciding again")
 
 
 # --- step 2 ------------------------------------------------------------------------------------

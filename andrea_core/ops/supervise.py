@@ -41,6 +41,16 @@ class SupervisionError(RuntimeError):
     """The trainer did not do what the orchestration waited for; the message says what and where."""
 
 
+class CheckpointPassed(SupervisionError):
+    """The trainer published a newer checkpoint while the one waited for is not there: it was written
+    and removed by retention before anything protected it, or never written (a boundary whose write
+    failed: a full disk, a lease that could not be renewed). It will not appear: wait for a later one."""
+
+    def __init__(self, message: str, newer: int):
+        super().__init__(message)
+        self.newer = newer
+
+
 # --- a trainer process -----------------------------------------------------------------------------
 
 
@@ -263,12 +273,20 @@ def wait_for_checkpoint(
 ) -> Checkpoint:
     """Block until step_NNNNNN.bin is on disk and valid. Files appear only whole (atomic publish), so
     the first sight of the name is the finished file; it is validated all the same. Fails early if the
-    trainer that was to write it exits first."""
+    trainer that was to write it exits first, and (CheckpointPassed) once a newer checkpoint is
+    published without it: the trainer writes its checkpoints in step order, one at a time."""
     name = checkpoint_name(step)
     deadline = time.monotonic() + timeout
     while True:
         if run.exists(name):
             return run.read_checkpoint(step)
+        newer = [s for s in run.checkpoint_steps() if s > step]
+        if newer and not run.exists(name):  # looked at again: it may have been published meanwhile
+            raise CheckpointPassed(
+                f"{run.url}: the trainer published {checkpoint_name(newer[0])} and {name} is not there "
+                "(written and removed by retention before it was protected, or its write failed)",
+                newer[0],
+            )
         if trainer is not None and not still_holds(run, trainer):
             if run.exists(name):
                 continue
