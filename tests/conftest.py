@@ -42,6 +42,31 @@ def token_cache_dir(tmp_path_factory) -> Path:
     return d
 
 
+def _session_root(tmp_path_factory) -> Path:
+    """The folder every worker of this test session shares: under pytest-xdist popen-gwN's parent."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """`build(folder)` once per test session, by whichever worker asks first; the others wait on its
+    flock and take what it built: a trained run read by modules that go to both workers is trained
+    once, not once a worker. Returns the folder and what `build` returned (JSON). A build that failed
+    halfway is redone by the next to ask."""
+    import fcntl
+    import shutil
+
+    root = _session_root(tmp_path_factory)
+    folder, done = root / f"built-{name}", root / f"built-{name}.json"
+    with open(root / f"built-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            done.write_text(json.dumps(build(folder)))
+    return folder, json.loads(done.read_text())
+
+
 @pytest.fixture
 def one_thread():
     """Small ops run fastest on one thread; results do not depend on it."""
@@ -104,12 +129,26 @@ def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = 
 
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory) -> Path:
-    """andrea-tiny trained straight to step 300 on the CPU (checkpoints 100, 200, 300), once per session:
-    the uninterrupted run that resume tests compare against, wherever their own run lives (checkpoint
-    bytes do not depend on the store). Read it; copy it before changing anything."""
-    run = tmp_path_factory.mktemp("tiny-reference") / "run"
-    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "300", "--device", "cpu")
-    return run
+    """andrea-tiny trained straight to step 300 on the CPU (checkpoints 100, 200, 300), once per session
+    (built_once: by whichever worker first needs it): the uninterrupted run that resume tests compare
+    against, wherever their own run lives (checkpoint bytes do not depend on the store). Read it; copy
+    it before changing anything."""
+
+    def train(folder: Path) -> dict:
+        andrea(
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(folder / "run"),
+            "--max-steps",
+            "300",
+            "--device",
+            "cpu",
+        )
+        return {}
+
+    return built_once(tmp_path_factory, "tiny-reference", train)[0] / "run"
 
 
 @pytest.fixture(scope="session")
@@ -156,17 +195,19 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # --no-loadscope-reorder), so the longest go first and the last to start are short: a long module
 # started last would keep one worker busy while the other idles (longest-processing-time first). An
 # order only: a module missing here runs after these, in its usual place, and a stale entry costs time,
-# never a result.
+# never a result. The runs built_once shares are built by their first consumer here (test_object_store
+# the tiny reference, test_data_resume the mix runs); test_audit, which reads both, goes late, where
+# they are built (its figure an estimate of its tests without them).
 SLOWEST_FIRST = """
     test_distributed 307  test_prefect_flows 267  test_cli_pivot_fork 208  test_guard 170
     test_object_store 142  test_soak 133  test_bench_smoke 122  test_export_sample 110
     test_fuzz_rundir 104  test_async_checkpoint 104  test_lease_outage 99  test_data_tokenizer 88
     test_resume 87  test_demo 85  test_lock_identity 83  test_run_target 77  test_data_resume 76
-    test_audit 69  test_prefect_dashboard 67  test_data_corpora_s3 65  test_audit_fork_flow 63
+    test_prefect_dashboard 67  test_data_corpora_s3 65  test_audit_fork_flow 63
     test_retention 60  test_promises 58  test_checkpoint 57  test_gpu_path 56  test_full_disk 53
     test_lease 49  test_supervise 44  test_pivot_elsewhere 43  test_pivot_checks 43
     test_security_paths 42  test_security_inputs 40  test_pivot_restart 39  test_pivot_abandon 34
-    test_tensorboard 33  test_lock_and_config 33  test_compare 30  test_corpus_memory 29
+    test_tensorboard 33  test_lock_and_config 33  test_compare 30  test_audit 30  test_corpus_memory 29
 """.split()[::2]
 
 

@@ -1,4 +1,4 @@
-"""Real andrea-tiny-mix runs shared by the data-proxy and audit tests (trained once per session).
+"""Real andrea-tiny-mix runs shared by the data-proxy and audit tests (trained once per test session).
 
 `uninterrupted` trains 200 steps in one go. `interrupted` trains the same config, gets a SIGUSR1 after
 its first checkpoint (an off-grid checkpoint with its audit, training on) and a SIGTERM after step 100,
@@ -7,12 +7,11 @@ and is then resumed to step 200 by a second trainer process.
 
 from __future__ import annotations
 
-import functools
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
+from conftest import REPO, andrea, built_once, last_logged_step, start_trainer, wait_for
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.run.rundir import RunDir
@@ -31,8 +30,15 @@ class MixRuns:
     resume_log: str  # what the resumed trainer printed
 
 
-@functools.cache
-def mix_runs(base: Path) -> MixRuns:
+def mix_runs(tmp_path_factory) -> MixRuns:
+    """The two runs, trained once per test session (conftest.built_once: the audit and data-resume
+    modules may run on different workers)."""
+    folder, meta = built_once(tmp_path_factory, "mix-runs", _train_mix_runs)
+    a, b = (RunDir(str(folder / n)) for n in ("mix-uninterrupted", "mix-interrupted"))
+    return MixRuns(a, b, meta["usr1_step"], meta["stop_step"], meta["resume_log"])
+
+
+def _train_mix_runs(base: Path) -> dict:
     a, b = base / "mix-uninterrupted", base / "mix-interrupted"
     andrea("train", "--config", MIX, "--run-dir", str(a), "--max-steps", str(STEPS))
 
@@ -54,4 +60,4 @@ def mix_runs(base: Path) -> MixRuns:
             trainer.kill()
     stop = run_b.checkpoint_steps()[-1]
     resumed = andrea("train", "--run-dir", str(b), "--max-steps", str(STEPS))
-    return MixRuns(RunDir(str(a)), run_b, usr1, stop, resumed.stdout + resumed.stderr)
+    return {"usr1_step": usr1, "stop_step": stop, "resume_log": resumed.stdout + resumed.stderr}

@@ -25,7 +25,7 @@ from andrea_core.train.optim import build_optimizer
 
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory):
-    return mix_runs(tmp_path_factory.getbasetemp())
+    return mix_runs(tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ TINY_MIX = (REPO / "configs" / "andrea-tiny-mix.yaml").read_text()
 
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory):
-    return mix_runs(tmp_path_factory.getbasetemp())
+    return mix_runs(tmp_path_factory)
 
 
 @pytest.mark.slow
