@@ -30,6 +30,19 @@ def environ_of(pid: int | str) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """The kernel's start time of `pid` in clock ticks since boot, or None if there is no such process
+    (or only its zombie: an exited trainer whose parent has not reaped it yet is gone all the same)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 2 (comm) may contain spaces and parentheses: split after its closing parenthesis.
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
 def trainer_nonce() -> str | None:
     """This process's own trainer nonce, as /proc shows it to others; None if it has none."""
     try:

@@ -46,10 +46,6 @@ class CheckpointPassed(SupervisionError):
     and removed by retention before anything protected it, or never written (a boundary whose write
     failed: a full disk, a lease that could not be renewed). It will not appear: wait for a later one."""
 
-    def __init__(self, message: str, newer: int):
-        super().__init__(message)
-        self.newer = newer
-
 
 # --- a trainer process -----------------------------------------------------------------------------
 
@@ -284,8 +280,7 @@ def wait_for_checkpoint(
         if newer and not run.exists(name):  # looked at again: it may have been published meanwhile
             raise CheckpointPassed(
                 f"{run.url}: the trainer published {checkpoint_name(newer[0])} and {name} is not there "
-                "(written and removed by retention before it was protected, or its write failed)",
-                newer[0],
+                "(written and removed by retention before it was protected, or its write failed)"
             )
         if trainer is not None and not still_holds(run, trainer):
             if run.exists(name):

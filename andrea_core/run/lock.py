@@ -53,7 +53,7 @@ from andrea_core.command import trainer_run_dir
 from andrea_core.config import ConfigError
 from andrea_core.run.objstore import ConcurrentWriteError, Version
 from andrea_core.run.rundir import LOCK, ReplacePaused, RunDir
-from andrea_core.signals import NONCE_ENV, environ_of, trainer_nonce
+from andrea_core.signals import NONCE_ENV, environ_of, process_start_ticks, trainer_nonce
 
 
 class LockError(RuntimeError):
@@ -136,19 +136,6 @@ def _pid_namespace() -> str | None:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The kernel's start time of `pid` in clock ticks since boot, or None if there is no such process
-    (or only its zombie: an exited trainer whose parent has not reaped it yet is gone all the same)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (comm) may contain spaces and parentheses: split after its closing parenthesis.
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from andrea_core.checkpoint import (
 from andrea_core.config import ConfigError, check_limit, limit
 from andrea_core.run import objstore
 from andrea_core.run.objstore import ABSENT, ConcurrentWriteError, Version
+from andrea_core.signals import process_start_ticks
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
@@ -851,10 +852,11 @@ class MirroredAppendFile:
 
 def _remove_dead_mirrors(own: Path) -> None:
     """Remove the other mirrors of `own`'s file (`<name>.<pid>` beside it) whose writer is gone: its
-    flock is free and then its pid is no live process here (os.kill(pid, 0)). Both, because a cache
-    shared with another pid namespace names its writers by pids that mean nothing here (their flock
-    says they live), and a writer of this namespace between its open and its flock is a live pid (the
-    pid is looked at after the flock is taken, so one that opened the file before it is seen)."""
+    flock is free and then its pid is no live process here (signals.process_start_ticks). Both,
+    because a cache shared with another pid namespace names its writers by pids that mean nothing here
+    (their flock says they live), and a writer of this namespace between its open and its flock is a
+    live pid (the pid is looked at after the flock is taken, so one that opened the file before it is
+    seen)."""
     stem = own.name.rsplit(".", 1)[0]
     for other in own.parent.iterdir():
         pid = other.name[len(stem) + 1 :]
@@ -866,23 +868,13 @@ def _remove_dead_mirrors(own: Path) -> None:
             continue  # gone meanwhile, or a link: not ours to remove
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if stat.S_ISREG(os.fstat(fd).st_mode) and not _pid_exists(int(pid)):
+            if stat.S_ISREG(os.fstat(fd).st_mode) and process_start_ticks(int(pid)) is None:
                 with contextlib.suppress(FileNotFoundError):
                     other.unlink()
         except OSError:
             pass  # its flock is held: its writer lives (in another pid namespace, or here)
         finally:
             os.close(fd)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # none has it; none can (a pid past any real one)
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _line_end(last: bytes) -> bytes:
