@@ -106,6 +106,27 @@ def andrea(
     return proc
 
 
+_IMPORTED = """import runpy, sys
+module = sys.argv.pop(1)
+sys.argv = ["andrea", *sys.argv[1:]]
+try:
+    runpy.run_module("andrea_core", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, f"exit {e.code}"
+print("imported:", module in sys.modules)
+"""
+
+
+def andrea_imports(module: str, *args: str, timeout: float = 300) -> bool:
+    """Whether `andrea ARGS`, run to a clean exit in a fresh process, imported `module`."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTED, module, *args],
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"andrea {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+    return {"imported: True": True, "imported: False": False}[proc.stdout.splitlines()[-1]]
+
+
 def start_trainer(*args: str, log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(log, "wb") if log else subprocess.DEVNULL
     return subprocess.Popen(

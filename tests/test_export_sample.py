@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import andrea
+from conftest import andrea, andrea_imports
 from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name, restore
@@ -319,6 +319,15 @@ def test_sample_temperature_0_is_greedy_and_the_settings_line_is_plain(trained):
     assert plain.stderr == f"# {trained} step {STEPS} on cpu: 5 tokens, temperature 0.8, top-k 3, seed 0\n"
     proc = andrea("sample", str(trained), "--prompt", "x", "--temperature", "-1", check=False)
     assert_refused(proc, "--temperature -1.0: must be 0 (greedy) or positive")
+
+
+def test_sample_and_export_never_import_torch_dynamo(trained, tmp_path):
+    """Their model is built on the meta device, where each weight init would run torch's Python
+    reference and import torch._dynamo (1.5 s of a 3.5-s `andrea sample`): the inits are skipped there
+    (model/weights.py). Real commands, run to a clean exit; the export is a loadable folder."""
+    assert not andrea_imports("torch._dynamo", "sample", str(trained), "--prompt", "def", "--tokens", "8")
+    assert not andrea_imports("torch._dynamo", "export", str(trained), str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 def test_sample_bad_inputs_exit_2_naming_them(trained, tmp_path):

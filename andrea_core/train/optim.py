@@ -9,7 +9,7 @@ from andrea_core.config import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:  # noqa: F821
-    import torch
+    from andrea_core.train.adamw import AdamW  # torch's, without its import of torch._dynamo (adamw.py)
 
     # Decay matrices (linear and embedding weights), not norms: the usual GPT recipe.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -23,7 +23,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> to
     # CPU shape (37 tensors, bench/peer_nanogpt.py). Elementwise, so its bits do not depend on the
     # thread count and a resume stays bit-exact; they differ from the for-loop's in the last place, so
     # a CPU run created before issue 31 continues to rounding, not to the bit, of its old course.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
