@@ -458,6 +458,9 @@ class Soak:
         self.lost_leases: list[tuple[Proc, float]] = []  # a trainer taken over, and when
         self.fault_i = -1
         self.forks = 0
+        self.settled = 0  # the run's newest checkpoint when the fault in progress began (reference())
+        self.stopping = False
+        self.ref_error: BaseException | None = None
 
     def _freeze_policies(self) -> dict[str, str]:
         """tiny-mix and stdlib-only as files of the soak's own, their prose arm reading a copy of the
@@ -507,9 +510,11 @@ class Soak:
         env.update(extra)
         return env
 
-    def spawn(self, what: str, argv: list[str], host: str | None = None, **extra: str) -> Proc:
+    def spawn(
+        self, what: str, argv: list[str], host: str | None = None, nice: int | None = None, **extra: str
+    ) -> Proc:
         popen = subprocess.Popen(
-            ["nice", "-n", str(self.args.nice), PYTHON, "-m", "andrea_core", *argv],
+            ["nice", "-n", str(self.args.nice if nice is None else nice), PYTHON, "-m", "andrea_core", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -1038,6 +1043,7 @@ class Soak:
         self.trainer = self.start_trainer(first=True)
         if not self.wait_training(self.trainer):
             raise SystemExit(f"soak: the first trainer did not start:\n{self.trainer.tail()}")
+        self.start_reference()
         t_start = time.time()
         self.injected = 0
         for f in schedule:
@@ -1048,6 +1054,7 @@ class Soak:
             self.fault_i = f["i"]
             n_before = len(self.violations)
             self.wait_steps(f["gap_steps"])
+            self.settled = max(self.checkpoints(), default=0)
             t0 = time.perf_counter()
             kind = f["kind"]
             self.stats[kind]["injected"] += 1
@@ -1109,46 +1116,72 @@ class Soak:
     # --- the reference and the invariants --------------------------------------------------------
 
     def reference(self) -> Path:
-        """The same run with no fault: stopped at each event's step (`--max-steps`), the event replayed
-        there with the same command (pivot offline at the newest checkpoint, fork --step), trained on."""
+        """The same run with no fault, made on a thread beside the soak (a core the soak's one-thread
+        trainer leaves idle, at nice 19): stopped at each event's step (`--max-steps`), the event replayed
+        there with the same command (pivot offline at the newest checkpoint, fork --step), trained on.
+        Between events it trains ahead, but only to a grid step at or below `self.settled`, the newest
+        checkpoint of the run when the fault in progress began: every later pivot's boundary is at or
+        above it, and a later fork's step is a keep_every multiple, which the reference keeps too."""
         ref_root = self.work / "ref"
         ref_root.mkdir()
-        ref = ref_root / "run"
-        host = "soak-ref"
-        first = True
-        for event in [*self.events, ("end", self.final, None)]:
-            argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(event[1])]
-            if first:
-                argv[1:1] = ["--config", self.config]
-                first = False
-            p = self.spawn("ref", argv, host, FSSPEC_S3_ENDPOINT_URL="")
-            rc = p.wait(1800)
-            if rc != 0:
-                raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
+        ref, host, grid = ref_root / "run", "soak-ref", 20 * self.every  # a multiple of both grids
+        at, done, ahead = 0, 0, 10 * grid  # the reference's step; events replayed; the least step ahead
+        while not self.stopping:
+            settled = self.settled  # read before the events: those of earlier faults are all in
+            if done < len(self.events):
+                event = self.events[done]
+            elif getattr(self, "final", None) is not None:
+                event = ("end", self.final, None)
+            elif settled // grid * grid - at >= ahead:
+                event = ("ahead", settled // grid * grid, None)
+            else:
+                time.sleep(0.5)
+                continue
+            if event[1] < at and event[0] != "fork":
+                raise SystemExit(f"soak: the reference passed {event} (at step {at}): the soak's order broke")
+            if event[1] > at:
+                argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(event[1])]
+                if at == 0:
+                    argv[1:1] = ["--config", self.config]
+                p = self.spawn("ref", argv, host, nice=19, FSSPEC_S3_ENDPOINT_URL="")
+                rc = p.wait(1800)
+                if rc != 0:
+                    raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
+                at = event[1]
             if event[0] == "pivot":
-                p = self.spawn(
-                    "ref-pivot",
-                    [
-                        "pivot",
-                        str(ref),
-                        "--policy",
-                        self.policies[event[2]],
-                        "--no-restart",
-                        "--max-steps",
-                        str(self.big),
-                    ],
-                    host,
-                )
+                argv = ["pivot", str(ref), "--policy", self.policies[event[2]], "--no-restart"]
+                p = self.spawn("ref-pivot", [*argv, "--max-steps", str(self.big)], host, nice=19)
                 if p.wait(600) != 0:
                     raise SystemExit(f"soak: the reference pivot failed:\n{p.tail(30)}")
             elif event[0] == "fork":
                 argv = ["fork", str(ref), "--step", str(event[1])]
                 for n in event[2]:
                     argv += ["--branch", n]
-                p = self.spawn("ref-fork", argv, host)
+                p = self.spawn("ref-fork", argv, host, nice=19)
                 if p.wait(600) != 0:
                     raise SystemExit(f"soak: the reference fork failed:\n{p.tail(30)}")
-        return ref_root
+            elif event[0] == "end":
+                return ref_root
+            done += event[0] in ("pivot", "fork")
+        raise SystemExit("soak: stopped before the reference was made")
+
+    def start_reference(self) -> None:
+        """`reference()` on a thread; `join_reference()` waits for it and returns its folder."""
+
+        def run() -> None:
+            try:
+                self.ref_root = self.reference()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread by join_reference
+                self.ref_error = e
+
+        self.ref_thread = threading.Thread(target=run, name="reference", daemon=True)
+        self.ref_thread.start()
+
+    def join_reference(self) -> Path:
+        self.ref_thread.join()
+        if self.ref_error is not None:
+            raise self.ref_error
+        return self.ref_root
 
     def check(self, ref_root: Path) -> None:
         self.fault_i = -1
@@ -1326,7 +1359,8 @@ class Soak:
             self.violate("3", f"{where}: audits of steps {lost} are missing")
 
     def close(self) -> None:
-        for p in self.procs:
+        self.stopping = True  # the reference's thread starts nothing more
+        for p in list(self.procs):
             if p.popen.poll() is None:
                 p.signal(signal.SIGCONT)
                 p.signal(signal.SIGKILL)
@@ -1377,8 +1411,7 @@ def main() -> int:
         except Violation as e:
             aborted = str(e)
         if aborted is None:
-            ref = soak.reference()
-            soak.check(ref)
+            soak.check(soak.join_reference())
     finally:
         soak.close()
         for i, p in enumerate(soak.procs):  # each process's output, for the post-mortem
