@@ -1127,13 +1127,13 @@ class Soak:
         ref, host, grid = ref_root / "run", "soak-ref", 20 * self.every  # a multiple of both grids
         at, done, ahead = 0, 0, 10 * grid  # the reference's step; events replayed; the least step ahead
         while not self.stopping:
-            settled = self.settled  # read before the events: those of earlier faults are all in
+            settled = self.settled // grid * grid  # read before the events: earlier faults' are all in
             if done < len(self.events):
                 event = self.events[done]
             elif getattr(self, "final", None) is not None:
                 event = ("end", self.final, None)
-            elif settled // grid * grid - at >= ahead:
-                event = ("ahead", settled // grid * grid, None)
+            elif settled - at >= ahead:
+                event = ("ahead", settled, None)
             else:
                 time.sleep(0.5)
                 continue

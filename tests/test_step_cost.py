@@ -71,13 +71,9 @@ def test_trainer_losses_with_dropout_are_a_plain_loops_bit_for_bit(tmp_path):
     torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
-    # torch.optim.AdamW itself, not build_optimizer's (train/adamw.py skips only torch's wrappers).
-    groups = [
-        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
-        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    betas = (cfg.train.beta1, cfg.train.beta2)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, fused=True)
+    # torch.optim.AdamW itself over build_optimizer's groups and settings (train/adamw.py's class skips
+    # only torch's wrappers).
+    optimizer = torch.optim.AdamW(build_optimizer(model, cfg.train, "cpu").param_groups)
     data = DataPipeline(cfg, load_policy(cfg.data.policy)[0], tokenizer=run_tokenizer(RunDir(str(run)), cfg))
     losses = []
     for step in range(1, 31):
