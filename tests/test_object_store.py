@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +24,7 @@ from andrea_core.ops.pivot import pivot_run_directory
 from andrea_core.run.lineage import fork_records
 from andrea_core.run.loss_log import LossWriter, canonical, parse_lines, read_history
 from andrea_core.run.objstore import ConcurrentWriteError
-from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
+from andrea_core.run.rundir import FORKS, LOCK, LOSS_LOG, TEST_HOLD_ENV, RunDir
 from andrea_core.train.trainer import Trainer
 
 MiB = 2**20
@@ -101,12 +105,84 @@ def test_discard_incomplete_writes_aborts_only_this_runs_uploads(s3_bucket, s3_s
     assert "run/step_000200.bin" in logged[0]
 
 
+def no_such_pid() -> int:
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # above every pid this kernel hands out
+
+
 def test_local_discard_incomplete_writes_removes_dead_temporaries(tmp_path):
     run = RunDir(tmp_path)
-    (tmp_path / ".step_000200.bin.tmp.4242").write_bytes(b"half a checkpoint")
+    (tmp_path / f".step_000200.bin.tmp.{no_such_pid()}").write_bytes(b"half a checkpoint")
     (tmp_path / "step_000100.bin").write_bytes(b"kept")
-    assert run.discard_incomplete_writes(lambda m: None) == [".step_000200.bin.tmp.4242"]
+    assert run.discard_incomplete_writes(lambda m: None) == [f".step_000200.bin.tmp.{no_such_pid()}"]
     assert run.listdir() == ["step_000100.bin"]
+
+
+def test_discard_keeps_a_temporary_whose_writer_lives_here_or_holds_its_flock(tmp_path):
+    """A temporary is a dead writer's only once its flock is free and its pid is gone: one named by a
+    pid that means nothing here (another pid namespace) but flocked by a live process is kept, as is
+    one of a live pid that has not taken its flock yet (between its create and its flock)."""
+    run = RunDir(tmp_path)
+    elsewhere = tmp_path / f".policy.yaml.tmp.{no_such_pid()}.0123456789abcdef"
+    elsewhere.write_bytes(b"name: half-wr")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_FLOCK, str(elsewhere)], stdout=subprocess.PIPE, text=True
+    )
+    live = subprocess.Popen(["sleep", "600"])
+    unlocked = tmp_path / f".pivot.json.tmp.{live.pid}.fedcba9876543210"
+    unlocked.write_bytes(b"{")
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert run.discard_incomplete_writes(lambda m: None) == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([elsewhere.name, unlocked.name])
+    finally:
+        for p in (holder, live):
+            p.kill()
+            p.wait()
+    assert sorted(run.discard_incomplete_writes(lambda m: None)) == sorted([elsewhere.name, unlocked.name])
+    assert run.listdir() == []
+
+
+HOLD_FLOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "rb")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+REPLACE_LOCK = """
+import sys
+from andrea_core.run.rundir import LOCK, RunDir
+run = RunDir(sys.argv[1])
+data, version = run.read_versioned(LOCK)
+run.replace_if_unchanged(LOCK, b'{"theirs": 2}', version)
+"""
+
+
+def test_a_lock_holders_discard_leaves_another_processs_write_in_flight_alone(tmp_path):
+    """The race CI met (a trainer of three started at once on a new run died with ENOENT renaming its
+    `.trainer.json` temporary): the process holding the lock clears dead writers' temporaries while
+    another process, whole and alive, is between writing its temporary and renaming it. Its write must
+    go through."""
+    run = RunDir(tmp_path / "run")
+    run.create_exclusive(LOCK, b'{"ours": 1}')
+    held = tmp_path / "held"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", REPLACE_LOCK, run.url],
+        env={**os.environ, TEST_HOLD_ENV: str(held)},  # it pauses with its temporary written
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(held.exists, timeout=60, what="the other writer's temporary")
+    (temporary,) = [n for n in run.listdir() if ".tmp." in n]  # the write in flight to race with
+    with open(run.path(temporary), "rb") as f, pytest.raises(BlockingIOError):
+        fcntl.flock(
+            f, fcntl.LOCK_EX | fcntl.LOCK_NB
+        )  # its writer holds its flock (seen from any pid namespace)
+    assert run.discard_incomplete_writes(lambda m: None) == []
+    assert writer.wait(timeout=60) == 0, writer.stderr.read()
+    assert run.read_bytes(LOCK) == b'{"theirs": 2}'
+    assert run.listdir() == [LOCK]
 
 
 def line(step: int, segment: int) -> dict:

@@ -451,18 +451,30 @@ class RunDir:
     def discard_incomplete_writes(self, log: Callable[[str], None] = print) -> list[str]:
         """Clear what a killed writer left half-done: temporary files, and on S3 the parts of
         multipart uploads that were never completed (invisible, but stored and billed). Only the
-        holder of the run's lock may call this: to it, every write in progress is a dead one's."""
+        holder of the run's lock may call this. A temporary file is a dead writer's only once its flock
+        is free and its pid is no live process here (`_writer_gone`): processes that do not hold the
+        lock write in the run too (a trainer racing for `.trainer.json`, a pivot writing its journal),
+        and their writes in flight are theirs to finish."""
         if self.is_s3:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
         discarded = []
-        for name in self.listdir():
-            m = TEMP_RE.fullmatch(name)
-            # Our own pid's temporaries are writes in flight on our other threads (the checkpoint
-            # writer). Removing a planted name is harmless: unlink removes a link, never its target.
-            if m and int(m.group(1)) != os.getpid():
-                self.remove(name)
-                discarded.append(name)
-                log(f"removed {self.path(name)}, left by a writer that did not finish")
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in self.listdir():
+                m = TEMP_RE.fullmatch(name)
+                # Our own pid's temporaries are writes in flight on our other threads (the checkpoint
+                # writer).
+                if not m or int(m.group(1)) == os.getpid():
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    # A link is no writer's (we create temporaries with O_EXCL): removing it removes
+                    # the link, never its target.
+                    if stat.S_ISLNK(os.lstat(name, dir_fd=dfd).st_mode) or _writer_gone(dfd, name):
+                        self.remove(name)
+                        discarded.append(name)
+                        log(f"removed {self.path(name)}, left by a writer that did not finish")
+        finally:
+            os.close(dfd)
         return discarded
 
     # --- exclusive creation and conditional replacement (the trainer lock) ----------------------
@@ -562,12 +574,12 @@ class RunDir:
             tmp, fd = _create_temp(dfd, base, _mode(name))
             size = 0
             try:
-                with open(fd, "wb", closefd=True) as f:
+                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
                     for view in views:
                         size += f.write(view)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)
@@ -587,31 +599,32 @@ class RunDir:
             self._refuse_link(dfd, base, name)
             tmp, fd = _create_temp(dfd, base, _mode(name))
             try:
-                with open(fd, "wb", closefd=True) as f:
+                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                with _DirectoryLock(dfd) as guard:
-                    try:
-                        held = self.read_bounded(name)
-                    except FileNotFoundError:
-                        held = None
-                    if held is None or _sha256(held) != expect.etag:
-                        raise ConcurrentWriteError(
-                            f"{final} changed since this process read it; not replacing it"
-                        )
-                    if not guard.within_bound():
-                        raise ConcurrentWriteError(
-                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                            "while replacing it (another may have replaced it meanwhile); not replacing it"
-                        )
-                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    if not guard.within_bound():
-                        raise ReplacePaused(
-                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                            "while replacing it: a waiter may have replaced it meanwhile, and been "
-                            "overwritten"
-                        )
+                    with _DirectoryLock(dfd) as guard:
+                        try:
+                            held = self.read_bounded(name)
+                        except FileNotFoundError:
+                            held = None
+                        if held is None or _sha256(held) != expect.etag:
+                            raise ConcurrentWriteError(
+                                f"{final} changed since this process read it; not replacing it"
+                            )
+                        if not guard.within_bound():
+                            raise ConcurrentWriteError(
+                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                                "while replacing it (another may have replaced it meanwhile); "
+                                "not replacing it"
+                            )
+                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        if not guard.within_bound():
+                            raise ReplacePaused(
+                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                                "while replacing it: a waiter may have replaced it meanwhile, and been "
+                                "overwritten"
+                            )
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)
@@ -626,11 +639,11 @@ class RunDir:
         try:
             tmp, fd = _create_temp(dfd, base, _mode(name))
             try:
-                with open(fd, "wb", closefd=True) as f:
+                with open(fd, "wb", closefd=True) as f:  # its flock held to the link (_create_temp)
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                    os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)
@@ -851,30 +864,47 @@ class MirroredAppendFile:
 
 
 def _remove_dead_mirrors(own: Path) -> None:
-    """Remove the other mirrors of `own`'s file (`<name>.<pid>` beside it) whose writer is gone: its
-    flock is free and then its pid is no live process here (signals.process_start_ticks). Both,
-    because a cache shared with another pid namespace names its writers by pids that mean nothing here
-    (their flock says they live), and a writer of this namespace between its open and its flock is a
-    live pid (the pid is looked at after the flock is taken, so one that opened the file before it is
-    seen)."""
+    """Remove the other mirrors of `own`'s file (`<name>.<pid>` beside it) whose writer is gone
+    (`_writer_gone`); a link planted among them is not followed, and not removed."""
     stem = own.name.rsplit(".", 1)[0]
-    for other in own.parent.iterdir():
-        pid = other.name[len(stem) + 1 :]
-        if other == own or not other.name.startswith(stem + ".") or not pid.isdigit():
-            continue
-        try:
-            fd = os.open(other, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue  # gone meanwhile, or a link: not ours to remove
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if stat.S_ISREG(os.fstat(fd).st_mode) and process_start_ticks(int(pid)) is None:
+    dfd = os.open(own.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for other in own.parent.iterdir():
+            pid = other.name[len(stem) + 1 :]
+            if (
+                other != own
+                and other.name.startswith(stem + ".")
+                and pid.isdigit()
+                and _writer_gone(dfd, other.name)
+            ):
                 with contextlib.suppress(FileNotFoundError):
-                    other.unlink()
-        except OSError:
-            pass  # its flock is held: its writer lives (in another pid namespace, or here)
-        finally:
-            os.close(fd)
+                    os.unlink(other.name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _writer_gone(dfd: int, name: str) -> bool:
+    """Whether the writer of file `name` in folder `dfd` is gone: the file is a regular one (not a
+    link), its flock is free, and then the pid its name ends with (`.PID`, or `.PID.RANDOM` for a
+    temporary) is no live process here (signals.process_start_ticks). Writers hold the flock from
+    just after they create the file to its rename or close (`_create_temp`, MirroredAppendFile).
+    Both checks, because a folder shared with another pid namespace names its writers by pids that
+    mean nothing here (their flock says they live), and a writer of this namespace between its
+    create and its flock is a live pid (looked at after the flock is taken, so one that created the
+    file before it is seen)."""
+    pid = TEMP_RE.fullmatch(name)
+    pid = int(pid.group(1)) if pid else int(name.rsplit(".", 1)[1])
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError:
+        return False  # gone meanwhile, or a link: not a writer's file
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return stat.S_ISREG(os.fstat(fd).st_mode) and process_start_ticks(pid) is None
+    except OSError:
+        return False  # its flock is held: its writer lives (in another pid namespace, or here)
+    finally:
+        os.close(fd)
 
 
 def _line_end(last: bytes) -> bytes:
@@ -963,13 +993,22 @@ def _mode(name: str) -> int:
 
 def _create_temp(dfd: int, base: str, mode: int) -> tuple[str, int]:
     """(name, fd) of a new temporary file beside `base` in folder `dfd`: `.BASE.tmp.PID.RANDOM`,
-    created with O_EXCL and O_NOFOLLOW, so nothing planted in advance is ever written through."""
+    created with O_EXCL and O_NOFOLLOW, so nothing planted in advance is ever written through. The fd
+    holds the file's flock: keep it open until the rename, so that no lock holder's
+    `discard_incomplete_writes` takes the write for a dead one's (`_writer_gone`)."""
     if os.environ.get(TEST_FIXED_TEMPS_ENV):
         tmp = f".{base}.tmp.{os.getpid()}"
-        return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode, dir_fd=dfd)
-    tmp = f".{base}.tmp.{os.getpid()}.{secrets.token_hex(8)}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return tmp, os.open(tmp, flags, mode, dir_fd=dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode, dir_fd=dfd)
+    else:
+        tmp = f".{base}.tmp.{os.getpid()}.{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, mode, dir_fd=dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocking: a sweep that looks at it holds it only for a moment
+    except OSError:
+        os.close(fd)
+        raise
+    return tmp, fd
 
 
 def _fsync_dir(folder: str) -> None:
