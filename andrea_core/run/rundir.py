@@ -457,6 +457,8 @@ class RunDir:
         and their writes in flight are theirs to finish."""
         if self.is_s3:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
+        if not self.is_local:
+            return []  # one put a file (pipe_file): no temporaries
         discarded = []
         dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
