@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -9,7 +10,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,21 @@ def start_trainer(*args: str, log: Path | None = None, env: dict[str, str] | Non
         env=env or _env(),
         cwd=REPO,
     )
+
+
+@contextlib.contextmanager
+def flock_held_elsewhere(path: Path) -> Iterator[int]:
+    """A live process of its own holds `path`'s flock (as a writer holds its temporary's, or its
+    mirror's) until the block ends, then is killed: its pid inside the block."""
+    code = "import fcntl, sys, time\nf = open(sys.argv[1], 'rb')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+    code += "print('held', flush=True)\ntime.sleep(600)\n"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = "condition") -> object:

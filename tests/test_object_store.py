@@ -14,7 +14,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
-from conftest import TINY, andrea, start_trainer, wait_for
+from conftest import TINY, andrea, flock_held_elsewhere, start_trainer, wait_for
 
 from andrea_core import cli
 from andrea_core.checkpoint import checkpoint_name, decode
@@ -124,31 +124,19 @@ def test_discard_keeps_a_temporary_whose_writer_lives_here_or_holds_its_flock(tm
     run = RunDir(tmp_path)
     elsewhere = tmp_path / f".policy.yaml.tmp.{no_such_pid()}.0123456789abcdef"
     elsewhere.write_bytes(b"name: half-wr")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_FLOCK, str(elsewhere)], stdout=subprocess.PIPE, text=True
-    )
     live = subprocess.Popen(["sleep", "600"])
     unlocked = tmp_path / f".pivot.json.tmp.{live.pid}.fedcba9876543210"
     unlocked.write_bytes(b"{")
     try:
-        assert holder.stdout.readline() == "held\n"
-        assert run.discard_incomplete_writes(lambda m: None) == []
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([elsewhere.name, unlocked.name])
+        with flock_held_elsewhere(elsewhere):
+            assert run.discard_incomplete_writes(lambda m: None) == []
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted([elsewhere.name, unlocked.name])
     finally:
-        for p in (holder, live):
-            p.kill()
-            p.wait()
+        live.kill()
+        live.wait()
     assert sorted(run.discard_incomplete_writes(lambda m: None)) == sorted([elsewhere.name, unlocked.name])
     assert run.listdir() == []
 
-
-HOLD_FLOCK = """
-import fcntl, sys, time
-f = open(sys.argv[1], "rb")
-fcntl.flock(f, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(600)
-"""
 
 REPLACE_LOCK = """
 import sys

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, andrea
+from conftest import REPO, _env, andrea, flock_held_elsewhere
 
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
@@ -80,7 +80,18 @@ def test_abandon_clears_a_dead_writers_temporary_file_in_the_phase_folder(traine
     before = files_of(run)
     pivot_killed_after(run, "archive-move-1")
     # What a SIGKILL during the archive's write of policy.yaml leaves (pid of the dead pivot).
-    (run / PHASE / ".policy.yaml.tmp.4194000").write_bytes(b"name: half-writ")
+    temporary = run / PHASE / ".policy.yaml.tmp.4194000"
+    temporary.write_bytes(b"name: half-writ")
+    # While a live process holds its flock (a pivot of this run writing there, from another pid
+    # namespace: its pid means nothing here), abandon refuses and changes nothing.
+    with flock_held_elsewhere(temporary):
+        mid = files_of(run)
+        proc = andrea("pivot", str(run), "--abandon", check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"{run / PHASE}: {temporary.name} is being written by a live process" in proc.stderr, (
+            proc.stderr
+        )
+        assert files_of(run) == mid
     out = andrea("pivot", str(run), "--abandon")
     assert "left by a writer that did not finish" in out.stdout, out.stdout
     assert files_of(run) == before and not (run / PHASE).exists()

@@ -782,6 +782,12 @@ def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
 
     names = run.listdir(folder)
     temporary = [n for n in names if TEMP_RE.fullmatch(n)]
+    writing = [n for n in temporary if not run.is_dead_temporary(f"{folder}/{n}")]
+    if writing:
+        raise ConfigError(
+            f"{run.path(folder)}: {', '.join(writing)} is being written by a live process (another pivot "
+            "of this run?): not abandoning (nothing was changed); let it finish, then run this again"
+        )
     back = [n for n in names if n in (SAMPLES, STATE) or step_from_name(n) is not None]
     unknown = sorted(set(names) - set(temporary) - set(back) - {POLICY_YAML, "phase.json"})
     if unknown:

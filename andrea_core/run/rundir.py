@@ -460,24 +460,30 @@ class RunDir:
         if not self.is_local:
             return []  # one put a file (pipe_file): no temporaries
         discarded = []
-        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for name in self.listdir():
-                m = TEMP_RE.fullmatch(name)
-                # Our own pid's temporaries are writes in flight on our other threads (the checkpoint
-                # writer).
-                if not m or int(m.group(1)) == os.getpid():
-                    continue
+        for name in self.listdir():
+            m = TEMP_RE.fullmatch(name)
+            # Our own pid's temporaries are writes in flight on our other threads (the checkpoint
+            # writer).
+            if m and int(m.group(1)) != os.getpid() and self.is_dead_temporary(name):
                 with contextlib.suppress(FileNotFoundError):
-                    # A link is no writer's (we create temporaries with O_EXCL): removing it removes
-                    # the link, never its target.
-                    if stat.S_ISLNK(os.lstat(name, dir_fd=dfd).st_mode) or _writer_gone(dfd, name):
-                        self.remove(name)
-                        discarded.append(name)
-                        log(f"removed {self.path(name)}, left by a writer that did not finish")
+                    self.remove(name)
+                    discarded.append(name)
+                    log(f"removed {self.path(name)}, left by a writer that did not finish")
+        return discarded
+
+    def is_dead_temporary(self, name: str) -> bool:
+        """Whether run file `name`, named as a temporary (TEMP_RE), is a dead writer's, to be removed:
+        a link (no writer of ours makes one: removing it removes the link, never its target), or a
+        file whose writer is gone (`_writer_gone`). Off local disk, nothing writes temporaries."""
+        if not self.is_local:
+            return True
+        dfd, base = self._parent_fd(name)
+        try:
+            return stat.S_ISLNK(os.lstat(base, dir_fd=dfd).st_mode) or _writer_gone(dfd, base)
+        except FileNotFoundError:
+            return False  # renamed or removed meanwhile: nothing left to remove
         finally:
             os.close(dfd)
-        return discarded
 
     # --- exclusive creation and conditional replacement (the trainer lock) ----------------------
 
