@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from andrea_core.checkpoint import checkpoint_name, encode
-from andrea_core.config import ConfigError
+from andrea_core.config import ConfigError, RetentionConfig
 from andrea_core.data.mixer import Exp3Mixer
 from andrea_core.data.pipeline import make_mixer, step_rng
 from andrea_core.data.policy import parse_policy
@@ -194,3 +194,35 @@ def test_an_unreadable_state_is_refused_naming_the_file(tmp_path):
     run.write_text(STATE, '{"format": 1, "step": "x"')
     with pytest.raises(ConfigError, match=rf"{tmp_path}/{STATE}: not a bandit state .*move it aside"):
         store(run, policy).restore(Exp3Mixer(ARMS, [0.0] * 3, [1.0] * 3), 100)
+
+
+def test_a_checkpoint_a_pivot_protects_after_the_save_that_dropped_its_state_gets_it_back(tmp_path):
+    """The chaos soak's finding (seed 1, pivots 812 and four more): keep_last 5 at checkpoints 10..60
+    every 10; the save of 60 drops 10's state (10 falls out of the newest five), then a pivot's intent
+    protects 10, then checkpoint 60 is written and retention keeps 10 for the pivot. Its state must be in
+    the file again once retention has run (keep_states), as the state of every kept checkpoint is."""
+    from andrea_core.data.policy import load_policy
+    from andrea_core.ops.pivot import parse_policy_text
+    from andrea_core.run.pivot_journal import record_pivot
+    from andrea_core.run.retention import apply_retention
+
+    policy = make_policy()
+    run = RunDir(str(tmp_path / "run"))
+    mixer, s, states = make_mixer(policy, ARMS), store(run, policy), {}
+    s.restore(mixer, 0)
+    zeros = np.zeros(3, dtype=np.float32)
+    cfg = RetentionConfig(keep_last=5, keep_every=None)
+    for step in range(10, 70, 10):
+        train(mixer, step - 9, step)
+        s.save(mixer, step)
+        states[step] = json.loads(json.dumps(s.history[0]))
+        if step == 60:  # the pivot's intent lands between the state's save and the checkpoint
+            record_pivot(run, parse_policy_text(load_policy("tiny-mix")[1], "tiny-mix"), "intent", 10)
+        run.write_atomic(checkpoint_name(step), encode(step, zeros))
+        plan = apply_retention(run, cfg, None, newest=step)
+        s.keep_states(set(plan.keep))
+    assert run.checkpoint_steps() == [10, 20, 30, 40, 50, 60]  # 10 kept for the pivot, the newest five
+    doc = run.read_json(STATE)
+    kept = {doc["step"]: doc, **{e["step"]: e for e in doc["previous"]}}
+    assert sorted(kept) == [10, 20, 30, 40, 50, 60]
+    assert {k: v for k, v in kept[10].items() if k != "previous"} == states[10]

@@ -24,6 +24,7 @@ was built over the live arms only); arms new to the state start at the prior.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,12 +65,16 @@ class BanditStore:
         self.warn = warn
         self.phase = Phase(1, 0)
         self.history: list[dict[str, Any]] = []  # states kept in the file, newest first
+        self._dropped: dict[int, dict[str, Any]] = {}  # step -> a state dropped, its checkpoint on disk
+        # save() runs on the training thread, keep_states() after retention on the checkpoint writer's.
+        self._lock = threading.Lock()
         self.restored = False  # restore() loaded the resume checkpoint's bandit (not a fresh one)
 
     # --- load ------------------------------------------------------------------------------------
 
     def restore(self, mixer: Mixer, step: int) -> None:
         """Load the bandit of checkpoint `step` into `mixer`, or start a fresh one (and say why)."""
+        self._dropped = {}
         doc = self._read()
         if doc is None:
             self._fresh(step)
@@ -169,17 +174,38 @@ class BanditStore:
 
     def save(self, mixer: Mixer, step: int) -> None:
         """Publish the state of `step` atomically; call it before writing checkpoint `step`."""
-        entry = self.snapshot(mixer, step)
-        older = [e for e in self.history if e["step"] < step]
-        kept = self.kept_checkpoints(step)
-        self.history = [entry, *older[:1], *(e for e in older[1:] if e["step"] in kept)]
-        self.run.write_json(STATE, {**entry, "previous": self.history[1:]})
+        with self._lock:
+            entry = self.snapshot(mixer, step)
+            older = [e for e in self.history if e["step"] < step]
+            on_disk = set(self.run.checkpoint_steps())
+            kept = self.kept_checkpoints(step, on_disk)
+            self.history = [entry, *older[:1], *(e for e in older[1:] if e["step"] in kept)]
+            # Dropped while their checkpoints are still on disk: retention, which runs after the
+            # checkpoint, may yet keep one of them (keep_states).
+            dropped = (*older[1:], *self._dropped.values())
+            self._dropped = {e["step"]: e for e in dropped if e["step"] not in kept and e["step"] in on_disk}
+            self.run.write_json(STATE, {**entry, "previous": self.history[1:]})
 
-    def kept_checkpoints(self, step: int) -> set[int]:
-        """The checkpoints on disk that retention keeps once checkpoint `step` is written: the states
-        to keep with them."""
+    def keep_states(self, kept: set[int]) -> None:
+        """After retention kept the checkpoints `kept`: the state of any of them that a save dropped
+        goes back into the file. A pivot's intent (pivot.json) can protect a checkpoint between the
+        save that dropped its state, which did not see the intent, and the retention that follows the
+        checkpoint, which does: without this the checkpoint stays and its bandit is lost (the chaos
+        soak's finding: an archived phase without its boundary's state)."""
+        with self._lock:
+            back = [e for step, e in self._dropped.items() if step in kept]
+            self._dropped = {}
+            if not back or not self.history:
+                return
+            head, *rest = self.history
+            self.history = [head, *sorted([*rest, *back], key=lambda e: -e["step"])]
+            self.run.write_json(STATE, {**head, "previous": self.history[1:]})
+
+    def kept_checkpoints(self, step: int, on_disk: set[int] | None = None) -> set[int]:
+        """The checkpoints on disk (`on_disk`: listed by the caller) that retention keeps once
+        checkpoint `step` is written: the states to keep with them."""
         retention = read_run_retention(self.run)
-        steps = sorted({*self.run.checkpoint_steps(), step})
+        steps = sorted({*(self.run.checkpoint_steps() if on_disk is None else on_disk), step})
         return set(plan_retention(steps, retention, protected_steps(self.run), newest=step).keep)
 
 

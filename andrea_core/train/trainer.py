@@ -422,12 +422,17 @@ class Trainer:
         error, an unreadable forks.jsonl) is a retention error, not a failed checkpoint: the checkpoint
         stands, nothing is lost but disk space, and the next checkpoint retries retention whole."""
         try:
-            apply_retention(self.run, self.cfg.retention, self.model.n_params, self.log, newest=step)
+            plan = apply_retention(self.run, self.cfg.retention, self.model.n_params, self.log, newest=step)
         except Exception as e:
             self.log(
                 f"ERROR: retention after {checkpoint_name(step)} failed: {type(e).__name__}: {e}. "
                 "The checkpoint is written and kept; retention runs again at the next checkpoint."
             )
+            return
+        try:
+            self.data.store.keep_states(set(plan.keep))
+        except OSError as e:
+            self.log(f"ERROR: the bandit states of the kept checkpoints could not be written back: {e}")
 
     def _open_segment(self, step: int) -> None:
         """The run's record from `step` on (rank 0), at a start and after a guard rollback: a new
