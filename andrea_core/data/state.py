@@ -201,11 +201,11 @@ class BanditStore:
             self.history = [head, *sorted([*rest, *back], key=lambda e: -e["step"])]
             self.run.write_json(STATE, {**head, "previous": self.history[1:]})
 
-    def kept_checkpoints(self, step: int, on_disk: set[int] | None = None) -> set[int]:
+    def kept_checkpoints(self, step: int, on_disk: set[int]) -> set[int]:
         """The checkpoints on disk (`on_disk`: listed by the caller) that retention keeps once
         checkpoint `step` is written: the states to keep with them."""
         retention = read_run_retention(self.run)
-        steps = sorted({*(self.run.checkpoint_steps() if on_disk is None else on_disk), step})
+        steps = sorted({*on_disk, step})
         return set(plan_retention(steps, retention, protected_steps(self.run), newest=step).keep)
 
 
