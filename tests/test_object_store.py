@@ -232,6 +232,35 @@ def test_published_log_is_never_replaced_over_a_version_it_did_not_see(tmp_path,
     assert run.read_bytes(LOSS_LOG) == foreign  # nothing lost, nothing clobbered
 
 
+def test_a_multipart_publish_is_never_made_over_a_version_it_did_not_see(tmp_path, s3_bucket, monkeypatch):
+    """Over twice a part's size an append-only file is published as a multipart upload, its If-Match on
+    the complete (objstore.s3_put): S3 refuses it over another version, and so must the tests' server
+    (tests/moto_s3.py; moto alone completes it, replacing the foreign version). Nothing lost, nothing
+    clobbered, no upload left pending."""
+    from andrea_core.run.objstore import S3_MIN_PART
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path))
+    run = RunDir(f"{s3_bucket}/run")
+    monkeypatch.setattr(run.fs, "default_block_size", S3_MIN_PART)
+    bucket = s3_bucket.removeprefix("s3://")
+    f = run.open_append(LOSS_LOG)
+    big = b"".join(b"%09d" % i + b"x" * 1014 + b"\n" for i in range(11 * 1024))  # 11 MiB: two parts
+    f.write(big, durable=True)
+    assert run.read_bytes(LOSS_LOG) == big
+    assert run.fs.info(f"{s3_bucket}/run/{LOSS_LOG}")["ETag"].strip('"').endswith("-2")  # multipart
+    f.write(b"more\n", durable=True)  # over the version it made itself: fine
+    assert run.read_bytes(LOSS_LOG) == big + b"more\n"
+    foreign = b"someone else's\n"
+    run.write_atomic(LOSS_LOG, foreign)
+    f.write(b"and more\n")
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        f.publish()
+    assert run.read_bytes(LOSS_LOG) == foreign
+    pending = run.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert pending == []
+    f.close()
+
+
 def tiny_config(**train):
     overrides = {f"train.{k}": v for k, v in {"checkpoint_every": 10, "log_every": 10, **train}.items()}
     return load_run_config(TINY).with_overrides(overrides)
