@@ -209,6 +209,15 @@ class DroppingRelay(http.server.ThreadingHTTPServer):
 
 class _RelayHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # An answer's headers and body leave in one write (buffered, flushed at the end): written apart,
+    # a small body waits on the client's delayed ACK (Nagle), 40 ms a reply (a listing: 51 ms, 12 direct).
+    wbufsize = -1
+    disable_nagle_algorithm = True
+
+    def handle_expect_100(self) -> bool:
+        ok = super().handle_expect_100()
+        self.wfile.flush()  # buffered above: a client waiting for its 100 Continue would wait forever
+        return ok
 
     def log_message(self, *args) -> None:
         pass
@@ -236,9 +245,7 @@ class _RelayHandler(http.server.BaseHTTPRequestHandler):
         conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
         for k, v in self.headers.items():
             conn.putheader(k, v)
-        conn.endheaders()
-        if body:
-            conn.send(body)
+        conn.endheaders(body or None)  # with the headers: apart, the body would wait on an ACK too
         resp = conn.getresponse()
         data = resp.read()
         conn.close()
