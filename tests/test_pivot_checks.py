@@ -204,13 +204,84 @@ def test_a_boundary_the_trainer_passed_before_the_pivot_protected_it_is_decided_
         trainer.wait(120)
     text = "\n".join(lines)
     assert f"pivot decided at step {stale[0]}: pivoting at step {stale[0]}" in text, text
-    assert f"{checkpoint_name(stale[0])} is not there" in text and "deciding again" in text, text
+    # The stale boundary's checkpoint was written (and removed) before the intent: decided again.
+    assert f"before the intent protected {checkpoint_name(stale[0])}" in text and "deciding again" in text, (
+        text
+    )
     boundary = result["boundary"]
     assert boundary > stale[0] and not run.exists(checkpoint_name(stale[0]))
     assert f"pivot checkpoint {checkpoint_name(boundary)} is valid" in text
     assert run.checkpoint_steps()[-1] == boundary and not run.exists(PIVOT_JSON)
     assert run.read_checkpoint(boundary).step == boundary
     assert len(run.listdir("archive")) == 1  # one phase: the pivot happened once, at the new boundary
+
+
+@pytest.mark.slow
+def test_a_boundary_written_before_the_intent_is_never_the_pivot_point(tmp_path, monkeypatch):
+    """The soak's fault 396 (2026-12-04, local, seed 1): the pivot decided a boundary whose checkpoint
+    the trainer had already written (its view of the trainer a few steps old), saw it valid and
+    stopped the trainer; but a retention pass of the trainer had read the protections just before the
+    intent was on disk, and deleted that checkpoint after the pivot saw it. The pivot then failed on
+    "step_045605.bin: no such file" with pivot.json at "archiving": a half-done pivot no rerun could
+    finish, every trainer start refused. Here the pivot's first view decides the newest checkpoint on
+    disk, and the retention pass the trainer has under way (planned with the protections read then:
+    the checkpoint is one it deletes) deletes it right after the pivot has seen it valid. The pivot
+    must decide again and pivot at a checkpoint written after its intent."""
+    from andrea_core.ops import pivot as ops_pivot
+    from andrea_core.ops import supervise
+    from andrea_core.ops.pivot import check_pivot, run_pivot
+    from andrea_core.run.record import read_run
+    from andrea_core.run.retention import plan_retention, protected_steps
+
+    run = RunDir(tmp_path / "run")
+    config = tiny_config(
+        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
+    )
+    trainer = start_trainer(
+        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
+    )
+    real_choose, real_wait, stale = ops_pivot.choose_boundary, supervise.wait_for_checkpoint, []
+
+    def written_boundary(rd: RunDir) -> tuple[int, int]:
+        if stale:
+            return real_choose(rd)
+        newest = rd.checkpoint_steps()[-1]
+        # The trainer's retention pass after two more checkpoints, its protections read now, before
+        # the intent: it deletes `newest`.
+        steps = sorted({*rd.checkpoint_steps(), newest + 1, newest + 2})
+        plan = plan_retention(steps, read_run(rd).config.retention, protected_steps(rd), newest + 2)
+        assert newest in plan.delete, plan
+        stale.append(newest)
+        return newest, newest
+
+    def seen_valid_then_deleted(rd: RunDir, step: int, *args, **kwargs):
+        ckpt = real_wait(rd, step, *args, **kwargs)
+        if step == stale[0]:
+            rd.remove(checkpoint_name(step))  # the pass deletes what it planned
+        return ckpt
+
+    monkeypatch.setattr(ops_pivot, "choose_boundary", written_boundary)
+    monkeypatch.setattr(supervise, "wait_for_checkpoint", seen_valid_then_deleted)
+    lines: list[str] = []
+    try:
+        wait_for(
+            lambda: live_trainer(run) and len(run.checkpoint_steps()) >= 2, timeout=300, what="2 checkpoints"
+        )
+        checked = check_pivot(run, "tiny-mix", restart=False, warn=lines.append)
+        result = run_pivot(run, checked, restart=False, timeout_s=120, log=lines.append)
+    finally:
+        if trainer.poll() is None:
+            trainer.send_signal(signal.SIGTERM)
+        trainer.wait(120)
+    text = "\n".join(lines)
+    assert f"pivot decided at step {stale[0]}: pivoting at step {stale[0]}" in text, text
+    assert f"before the intent protected {checkpoint_name(stale[0])}" in text and "deciding again" in text, (
+        text
+    )
+    boundary = result["boundary"]
+    assert boundary > stale[0] and f"pivot checkpoint {checkpoint_name(boundary)} is valid" in text, text
+    assert run.checkpoint_steps()[-1] == boundary and run.read_checkpoint(boundary).step == boundary
+    assert not run.exists(PIVOT_JSON) and len(run.listdir("archive")) == 1
 
 
 @pytest.mark.slow

@@ -334,12 +334,15 @@ def _record(run: RunDir, journal: dict, step: str, **fields: Any) -> dict:
 
 def choose_boundary(run: RunDir) -> tuple[int, int]:
     """(decided at, pivot point): the next checkpoint on the grid after the step the live trainer is at
-    (a pivot decided at step 112,619 pivots at step_112700.bin)."""
+    (a pivot decided at step 112,619 pivots at step_112700.bin), and after every checkpoint already
+    written (the loss log read can be older than the checkpoints: those are never the pivot point,
+    see wait_for_boundary)."""
     from andrea_core.run.record import read_run
 
     every = read_run(run).config.train.checkpoint_every
     decided_at = supervise.logged_step(run) or 0
-    return decided_at, boundary_after(decided_at, every)
+    newest = max(run.checkpoint_steps(), default=-1)
+    return decided_at, boundary_after(max(decided_at, newest + 1), every)
 
 
 def newest_checkpoint(run: RunDir, log: Log = print) -> int:
@@ -426,7 +429,14 @@ def wait_for_boundary(
     before it is written. A view of the trainer's step is old by the time the intent is on disk (the
     loss log read, a slow machine, a slow store): when the trainer has passed the boundary meanwhile,
     its checkpoint was never protected (retention may have removed it) or never written (its write
-    failed), and the pivot decides again from where the trainer is now, within the same timeout."""
+    failed), and the pivot decides again from where the trainer is now, within the same timeout.
+
+    A boundary is protected only for the retention passes that read pivot.json after the intent: a
+    pass lists the checkpoints, reads the protections, then deletes, so one that read them just before
+    the intent can still delete a boundary checkpoint that was already written, after the pivot saw it
+    valid (the soak's fault 396: "step_045605.bin: no such file" once the trainer had stopped, the run
+    left with a half-done pivot no rerun could finish). So a boundary must be written after its intent:
+    if any checkpoint at or past it is on disk once the intent is, the pivot decides again."""
     deadline = time.monotonic() + timeout_s
     while True:
         decided_at, boundary = choose_boundary(run)
@@ -434,6 +444,18 @@ def wait_for_boundary(
             require_steps_after(journal["max_steps"], boundary)
         _record(run, journal, "intent", boundary=boundary, not_before=None)
         log(f"pivot decided at step {decided_at}: pivoting at step {boundary}")
+        written = [s for s in run.checkpoint_steps() if s >= boundary]
+        if written:
+            log(
+                f"{run.url}: the trainer wrote {checkpoint_name(written[0])} before the intent protected "
+                f"{checkpoint_name(boundary)} (a retention pass may still remove it): deciding again"
+            )
+            if time.monotonic() > deadline:
+                raise SupervisionError(
+                    f"{run.url}: no checkpoint boundary ahead of the trainer within {timeout_s:.0f}s "
+                    f"(trainer at step {supervise.logged_step(run)})"
+                )
+            continue
         try:
             left = max(0.0, deadline - time.monotonic())
             return supervise.wait_for_checkpoint(run, boundary, left, trainer=trainer).step
