@@ -4,6 +4,7 @@ forked, checked from the data it plots; the bias-corrected EMA; the fork report'
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from conftest import andrea
 from tiny import tiny_config
 
-from andrea_core.ops.loss_view import Mark, loss_view
+from andrea_core.ops.loss_view import Mark, envelope, loss_view
 from andrea_core.run.loss_log import ema_curve, read_history
 from andrea_core.run.rundir import RunDir
 
@@ -29,6 +30,35 @@ def test_the_ema_is_bias_corrected_and_continues_from_a_start():
     # After 20 steps a curve started at the first value still carries 36% of it: 3.83 against 3.13.
     assert curve[19] < 3.2
     assert ema_curve([2.0, 2.0], start=3.0) == pytest.approx([2.95, 2.9025])
+
+
+def test_a_long_curve_is_drawn_as_its_envelope_keeping_every_spike():
+    """Weeks of steps are drawn as the lowest and highest point of each of PLOT_BUCKETS runs: at most
+    twice that many points (and the two ends), in step order, and every point the curve reaches above or
+    below a run's others drawn (a one-step spike and a one-step dip survive, where a mean would not)."""
+    rng = np.random.default_rng(0)
+    n = 600_000
+    xs = list(range(1, n + 1))
+    ys = list(3.0 + 0.1 * rng.standard_normal(n))
+    ys[123_457], ys[400_001] = 40.0, -1.0  # a spike and a dip, one step each
+    ex, ey = envelope(xs, ys, buckets=1000)
+    assert len(ex) <= 2 * 1000 + 4 and ex == sorted(set(ex))
+    assert (ex[0], ey[0], ex[-1], ey[-1]) == (1, ys[0], n, ys[-1])
+    assert (123_458, 40.0) in zip(ex, ey, strict=True) and (400_002, -1.0) in zip(ex, ey, strict=True)
+    assert all(ys[x - 1] == y for x, y in zip(ex, ey, strict=True))  # points of the curve, not made-up ones
+    for b in range(1000):  # each run's extremes are drawn
+        run = ys[b * n // 1000 : (b + 1) * n // 1000]
+        assert min(run) in ey and max(run) in ey
+    # A diverged stretch (NaN losses, a whole run of 600 steps and more): drawn as a gap, and the finite
+    # points beside it in their runs still drawn.
+    ys[200_000:201_500] = [float("nan")] * 1500
+    ys[201_500] = 0.5
+    ex, ey = envelope(xs, ys, buckets=1000)
+    assert (201_501, 0.5) in zip(ex, ey, strict=True)
+    gap = [y for x, y in zip(ex, ey, strict=True) if 200_000 < x <= 201_500]
+    assert gap and all(math.isnan(y) for y in gap)
+    short = list(range(50))
+    assert envelope(short, [float(x) for x in short], buckets=1000) == (short, [float(x) for x in short])
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from andrea_core.config import ConfigError
 from andrea_core.ops.compare import markdown_code, markdown_text, png_data_uri
 from andrea_core.ops.loss_view import loss_view, plot_view
 from andrea_core.ops.status import RunStatus, run_status
+from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import STATE, RunDir
 from andrea_core.run.samples import read_audits
 
@@ -75,14 +76,16 @@ def dashboard(url: str) -> tuple[str, dict[str, Any]]:
     run = RunDir(url)
     name = run.url.rstrip("/").rsplit("/", 1)[-1]
     try:
-        st = run_status(url)
+        # One read of the loss history for both the status and the plot: weeks of steps are tens of MB.
+        history = read_history(run)
+        st = run_status(url, history=history)
     except ConfigError as e:  # no run.yaml and no trainer holding the lock yet: it is starting
         page = f"### Run {markdown_text(name)}: STARTING\n\n{markdown_text(e)}; the trainer is starting up\n"
         return page, {"state": "starting", "step": 0, "target": None, "ema": None, "checkpoint": None}
     if st.state == "creating":
         view, png = None, None
     else:
-        view = loss_view(run)
+        view = loss_view(run, history)
         png = plot_view(view, title=f"{run.url}: loss")
     ema = view.ema[-1] if view and view.ema else None
     last = view.history[-1].loss if view and view.history else None

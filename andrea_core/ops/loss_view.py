@@ -102,12 +102,13 @@ def guard_marks(run: RunDir) -> list[Mark]:
 MARK_SOURCES: list[Callable[[RunDir], list[Mark]]] = [guard_marks]
 
 
-def loss_view(url: str | RunDir) -> LossView:
+def loss_view(url: str | RunDir, history: list[LossEntry] | None = None) -> LossView:
+    """The view of the run at `url`; `history`: its canonical loss history if the caller read it."""
     from andrea_core.run.record import read_run
     from andrea_core.run.samples import read_audits
 
     run = url if isinstance(url, RunDir) else RunDir(url)
-    history = read_history(run)
+    history = read_history(run) if history is None else history
     view = LossView(run.url, history, ema_curve([e.loss for e in history], EMA_ALPHA))
 
     # Held-out loss per arm from every audit: the closed phases' (archived at their pivots) and this one's.
@@ -143,6 +144,33 @@ def loss_view(url: str | RunDir) -> LossView:
     return view
 
 
+# A line of more points than this is drawn as its envelope (envelope()): a plot is 900 pixels wide, and
+# weeks of steps (600,000 of them: 2.4 s to draw whole, under load) would otherwise cost every dashboard.
+PLOT_BUCKETS = 2000
+
+
+def envelope(xs: list[int], ys: list[float], buckets: int = PLOT_BUCKETS) -> tuple[list[int], list[float]]:
+    """At most 2 * `buckets` + 4 points that draw as `ys` does at plot resolution: the lowest and the highest
+    point of each of `buckets` runs of consecutive points, in step order (a spike a mean would hide is
+    kept; the first and last points are always in)."""
+    import numpy as np
+
+    n = len(xs)
+    if n <= 2 * buckets:
+        return list(xs), list(ys)
+    values = np.asarray(ys, dtype=np.float64)
+    out: list[int] = []
+    for b in range(buckets):
+        lo, hi = b * n // buckets, (b + 1) * n // buckets
+        chunk = values[lo:hi]
+        if np.isnan(chunk).all():  # a diverged stretch: drawn as the gap it is
+            i_min = i_max = lo
+        else:
+            i_min, i_max = lo + int(np.nanargmin(chunk)), lo + int(np.nanargmax(chunk))
+        out += sorted({lo, i_min, i_max, hi - 1} if b in (0, buckets - 1) else {i_min, i_max})
+    return [xs[i] for i in out], [ys[i] for i in out]
+
+
 # Greys and line styles for the marks (their labels say what each is); the arms' points take the colours.
 MARK_STYLE = {
     "pivot": ("0.1", "-"),
@@ -161,8 +189,19 @@ def plot_view(view: LossView, title: str | None = None) -> bytes:
 
     fig, ax = plt.subplots(figsize=(9, 4.8), dpi=100)
     steps = [e.step for e in view.history]
-    ax.plot(steps, [e.loss for e in view.history], lw=0.7, alpha=0.35, color="C0", label="training loss")
-    ax.plot(steps, view.ema, lw=1.6, color="C0", label=f"training loss EMA ({EMA_ALPHA:g}, bias-corrected)")
+    ax.plot(
+        *envelope(steps, [e.loss for e in view.history], PLOT_BUCKETS),
+        lw=0.7,
+        alpha=0.35,
+        color="C0",
+        label="training loss",
+    )
+    ax.plot(
+        *envelope(steps, view.ema, PLOT_BUCKETS),
+        lw=1.6,
+        color="C0",
+        label=f"training loss EMA ({EMA_ALPHA:g}, bias-corrected)",
+    )
     markers = "osD^vP*X"
     for i, (arm, points) in enumerate(sorted(view.val.items())):
         ax.plot(

@@ -89,7 +89,9 @@ def _identity(ident: TrainerIdentity) -> dict:
     return {"pid": ident.pid, "host": ident.host, "started_at": ident.started_at}
 
 
-def run_status(url: str, now: float | None = None) -> RunStatus:
+def run_status(url: str, now: float | None = None, history: list[LossEntry] | None = None) -> RunStatus:
+    """Where the run stands. `history`: its canonical loss history when the caller has read it already
+    (the dashboard draws the same one), else read here."""
     from andrea_core.data.policy import read_policy
     from andrea_core.run.lineage import phases
     from andrea_core.run.pivot_journal import read_pivot
@@ -136,7 +138,8 @@ def run_status(url: str, now: float | None = None) -> RunStatus:
 
     # The readers keep a line's integers whole, however large; this report does float arithmetic on
     # them (rates, ETA, percent), where a step or token count past 2**53 is no trainer's anyway.
-    history = [e for e in read_history(run) if max(abs(e.step), abs(e.tokens)) < 2**53]
+    history = read_history(run) if history is None else history
+    history = [e for e in history if max(abs(e.step), abs(e.tokens)) < 2**53]
     if history:
         st.step, st.last_logged_at = history[-1].step, history[-1].time
     rates = throughput(history)

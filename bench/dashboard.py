@@ -1,0 +1,91 @@
+"""Benchmark: the run's dashboard (ops/dashboard.py, published at every checkpoint by the Prefect train
+flow) of a run weeks long, against the same page made as before 2026-12-04 (the loss history read twice,
+once by the status and once by the view, and every step drawn), in the same run.
+
+The run is real (an andrea-tiny run of one step, its run.yaml, policy and checkpoint) with a loss log
+of `--steps` steps written in the trainer's own line format (30,000 steps a segment, as restarts make
+them). Both pages are made `--repeats` times, alternating; medians are printed. Asserts nothing.
+
+    .venv/bin/python bench/dashboard.py [--steps 600000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+
+def make_run(folder: Path, steps: int) -> str:
+    from tiny import tiny_config
+
+    run = folder / "run"
+    cfg = tiny_config(folder)
+    env = {**os.environ, "ANDREA_CACHE_DIR": str(folder / "cache")}
+    argv = [sys.executable, "-m", "andrea_core", "train", "--config", cfg, "--run-dir", str(run)]
+    subprocess.run([*argv, "--max-steps", "1"], check=True, capture_output=True, env=env, cwd=REPO)
+    rng, t0 = random.Random(0), time.time() - steps * 0.05
+    with open(run / ".loss.json", "w") as f:
+        for s in range(1, steps + 1):
+            line = {"step": s, "loss": 5 * (s + 10) ** -0.1 + 0.1 * rng.random(), "lr": 3e-4}
+            line |= {"arm": "stdlib-code", "tokens": 512, "segment": 1 + s // 30_000, "time": t0 + s * 0.05}
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+    return str(run)
+
+
+def before(url: str) -> str:
+    """The page as it was made before: status and view each read the history; every point drawn."""
+    from andrea_core.ops import dashboard, loss_view
+
+    real_read, real_buckets = dashboard.read_history, loss_view.PLOT_BUCKETS
+    dashboard.read_history = lambda run: None  # run_status and loss_view then read it themselves
+    loss_view.PLOT_BUCKETS = 10**12
+    try:
+        return dashboard.dashboard(url)[0]
+    finally:
+        dashboard.read_history, loss_view.PLOT_BUCKETS = real_read, real_buckets
+
+
+def now(url: str) -> str:
+    from andrea_core.ops import dashboard
+
+    return dashboard.dashboard(url)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=600_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="andrea-bench-dashboard-") as tmp:
+        os.environ["ANDREA_CACHE_DIR"] = str(Path(tmp) / "cache")
+        url = make_run(Path(tmp), args.steps)
+        size = (Path(url) / ".loss.json").stat().st_size
+        now(url)  # imports and matplotlib's first figure, outside the timings
+        times: dict[str, list[float]] = {"before": [], "now": []}
+        for _ in range(args.repeats):
+            for name, make in (("before", before), ("now", now)):
+                t0 = time.perf_counter()
+                make(url)
+                times[name].append(time.perf_counter() - t0)
+        b, n = statistics.median(times["before"]), statistics.median(times["now"])
+        mb = size / 1e6
+        print(
+            f"dashboard of a run of {args.steps:,} steps (.loss.json {mb:.1f} MB), median of {args.repeats}:"
+        )
+        print(f"  before (history read twice, every step drawn): {b:.2f} s")
+        print(f"  now (one read, the curve's envelope drawn):     {n:.2f} s   ({n / b:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
