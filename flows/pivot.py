@@ -32,6 +32,7 @@ from flows._background import start_subflow
 from flows.train import train
 from tasks.artifacts import run_name
 from tasks.pivot import (
+    already_pivoted,
     archive_phase,
     begin_pivot,
     check_new_policy,
@@ -84,6 +85,11 @@ def pivot(
     run = RunDir(run_dir)
     # Every parameter, the policy and its data are checked here, before anything is touched.
     new_policy = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)
+    # A rerun of this same pivot after it completed (nothing trained since): nothing to do again.
+    done = already_pivoted(run.url, policy, new_policy, restart)
+    if done is not None:
+        message = f"{run.url}: policy {new_policy['name']!r} already in force since step {done['boundary']}"
+        return Completed(message=message + "; nothing to do", data=done)
     # The journal (pivot.json): a rerun of this same pivot after a crash resumes it from its last step.
     journal = begin_pivot(run.url, policy, new_policy, at, restart)
     # 1. the pivot checkpoint, protected (pivot.json) from retention before the trainer is stopped

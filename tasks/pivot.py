@@ -69,6 +69,15 @@ def _require_deployment(name: str | None) -> None:
         ) from None
 
 
+@task(name="check-not-already-pivoted", cache_policy=NO_CACHE)
+def already_pivoted(run_dir: str, policy: str, checked: dict, restart: str) -> dict | None:
+    """A completed pivot to this policy that nothing has trained after (a rerun of it): its result, and
+    nothing is done again (pivot.already_pivoted)."""
+    parsed = pivot.parse_policy_text(checked["text"], policy)
+    check = pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
+    return pivot.already_pivoted(RunDir(run_dir), check, restart != "none", get_run_logger().info)
+
+
 @task(name="begin-pivot", cache_policy=NO_CACHE)
 def begin_pivot(run_dir: str, policy: str, checked: dict, at: str, restart: str) -> dict:
     """The pivot journal: the one a crash left of this same pivot (resumed from its last step), or a

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import andrea, start_trainer, wait_for
+from conftest import _env, andrea, start_trainer, wait_for
 from prefect_ephemeral import ephemeral_prefect  # noqa: F401
 from test_retention import fabricated_run
 
@@ -282,6 +282,39 @@ def test_a_boundary_written_before_the_intent_is_never_the_pivot_point(tmp_path,
     assert boundary > stale[0] and f"pivot checkpoint {checkpoint_name(boundary)} is valid" in text, text
     assert run.checkpoint_steps()[-1] == boundary and run.read_checkpoint(boundary).step == boundary
     assert not run.exists(PIVOT_JSON) and len(run.listdir("archive")) == 1
+
+
+@pytest.mark.usefixtures("ephemeral_prefect")
+def test_a_pivot_killed_after_it_completed_and_rerun_is_done_once(tmp_path):
+    """The soak's fault 121 (2026-12-04, local, seed 1): `andrea pivot --no-restart` killed after it had
+    completed (journal cleared) but before it exited; the operator's rerun of the same command pivoted
+    again and closed an empty second phase at the same boundary. A rerun (from the shell or the flow)
+    of a pivot that nothing has trained after is done already: exit 0, nothing written; asked to restart
+    with no trainer running it refuses, naming the command that starts one."""
+    from flows.pivot import pivot
+
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    for name, data in {".samples.json": b'{"samples": 1}\n', ".state.json": b'{"state": 2}\n'}.items():
+        run.write_atomic(name, data)
+    argv = ["pivot", run.url, "--policy", "tiny-mix", "--no-restart"]
+    killed = andrea(*argv, check=False, env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "finished"})
+    assert killed.returncode == -signal.SIGKILL
+    assert run.listdir("archive") == ["phase_001_step_000200"] and not run.exists(PIVOT_JSON)
+
+    def tree() -> dict[str, bytes]:
+        root = Path(run.url)
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    before = tree()
+    again = andrea(*argv)
+    assert "policy 'tiny-mix' is already in force" in again.stdout and "nothing to do" in again.stdout
+    assert "pivoted " in again.stdout and "at step 200" in again.stdout  # the result it had
+    refused = andrea("pivot", run.url, "--policy", "tiny-mix", check=False)  # restart: no trainer runs
+    assert refused.returncode == 2 and "no trainer is running" in refused.stderr, refused.stderr
+    assert f"andrea train --run-dir {run.url}" in refused.stderr
+    state = pivot(run.url, "tiny-mix", restart="none", return_state=True)
+    assert state.is_completed() and "already in force since step 200" in state.message
+    assert tree() == before  # nothing written by any of the three: one pivot, one phase
 
 
 @pytest.mark.slow

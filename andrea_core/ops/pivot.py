@@ -32,7 +32,7 @@ from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
 from andrea_core.data.policy import Policy, load_policy, parse_policy
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
-from andrea_core.run.lineage import PHASE_FOLDER_RE, phases
+from andrea_core.run.lineage import PHASE_FOLDER_RE, phase_folder, phases
 from andrea_core.run.lock import (
     ALIVE,
     REQUEST,
@@ -52,7 +52,7 @@ from andrea_core.run.pivot_journal import (
     record_pivot,
 )
 from andrea_core.run.record import read_run
-from andrea_core.run.rundir import ARCHIVE, LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
+from andrea_core.run.rundir import LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 from andrea_core.run.target import check_max_steps, read_target, set_target
 
 KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
@@ -195,8 +195,7 @@ class ArchivedPhase:
 
 
 def next_phase_folder(run: RunDir, boundary: int) -> str:
-    number = (phases(run)[-1][0] if phases(run) else 0) + 1
-    return f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
+    return phase_folder((phases(run)[-1][0] if phases(run) else 0) + 1, boundary)
 
 
 def archive_phase(
@@ -315,6 +314,47 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
         "train_options": checked.train,
         "loss_before": _snapshot_doc(LossLogSnapshot.take(run)),
     }
+
+
+def already_pivoted(run: RunDir, checked: PivotCheck, restart: bool, log: Log = print) -> dict | None:
+    """A completed pivot to this same policy that nothing has trained after (no journal, the policy in
+    force is this one, the newest closed phase's boundary is still the newest checkpoint and no sidecar
+    of a new phase exists): the result it had, else None. A pivot killed after it completed but before
+    it exited, or a flow run rerun, is run again as it was; pivoting again would close an empty phase,
+    a second phase folder for one pivot (the same weights, policy and fresh bandit): the chaos soak's
+    fault 121 (seed 1, 2026-12-04). Asked to restart with no trainer holding the run, it refuses
+    (ConfigError) saying how to start one, rather than pivot again."""
+    done = _completed_pivot(run, checked)
+    if done is None:
+        return None
+    if restart and _holder(run) is None:
+        raise ConfigError(
+            f"{run.url}: policy {checked.policy.name!r} is already in force (the pivot at step "
+            f"{done['boundary']} closed {done['archive']['folder']}) and no trainer is running: start one "
+            f"(andrea train --run-dir {run.url}); not pivoting again"
+        )
+    log(
+        f"policy {checked.policy.name!r} is already in force: the pivot to it at step {done['boundary']} "
+        f"closed {done['archive']['folder']} and nothing has trained since; nothing to do"
+    )
+    return done
+
+
+def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
+    from andrea_core.data.policy import read_policy
+
+    closed = phases(run)
+    if not closed or read_pivot(run) is not None or run.checkpoint_steps()[-1:] != [closed[-1][1]]:
+        return None
+    if any(run.exists(name) for name in (SAMPLES, STATE)):
+        return None  # a trainer of the new phase has written its state or an audit
+    try:
+        if read_policy(run).hash != checked.policy.hash:
+            return None
+    except (ConfigError, OSError, ValueError):
+        return None  # no readable policy in force: not this one
+    folder = run.path(phase_folder(*closed[-1]))
+    return {"boundary": closed[-1][1], "policy": checked.policy.name, "archive": {"folder": folder}}
 
 
 def _record(run: RunDir, journal: dict, step: str, **fields: Any) -> dict:
@@ -700,6 +740,9 @@ def run_pivot(
     """The six steps for `andrea pivot`: against the live trainer (or the newest valid checkpoint when
     none runs); with `restart`, a detached resumed trainer, confirmed by its first step, run with the
     stopped trainer's command line (checked.train; --max-steps as the journal says)."""
+    done = already_pivoted(run, checked, restart, log)
+    if done is not None:
+        return done
     journal = begin_pivot(run, checked, at, "detached" if restart else "none", log)
     boundary = take_pivot_checkpoint(run, journal, timeout_s, log)
     stopped = stop_trainer(run, journal, log=log)
@@ -710,6 +753,7 @@ def run_pivot(
     result = {"boundary": boundary, "policy": journal["policy"], "archive": archived, "stopped": stopped}
     if not restart:
         finish_pivot(run)
+        _kill_point("finished")  # complete, not yet exited: a rerun finds it done (already_pivoted)
         return result
     if not _reached(journal, "restarted"):
         proc = None

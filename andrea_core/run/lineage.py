@@ -82,7 +82,7 @@ def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
     steps = run.checkpoint_steps()
     tree = []
     for number, boundary in phases(run):
-        folder = f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
+        folder = phase_folder(number, boundary)
         closed = run.read_json(f"{folder}/phase.json") if run.exists(f"{folder}/phase.json") else {}
         policy = _policy_name(run, f"{folder}/{POLICY_YAML}")
         tree.append(Phase(number, start, boundary, policy, folder, closed.get("closed_at")))
@@ -172,6 +172,11 @@ def format_lineage(lin: Lineage) -> str:
 
 PHASE_RE = re.compile(r"phase_(\d{3,})_step_(\d{6,})")  # fullmatch: no trailing newline slips in
 PHASE_FOLDER_RE = re.compile(rf"{ARCHIVE}/{PHASE_RE.pattern}")  # a phase folder, run-relative
+
+
+def phase_folder(number: int, boundary: int) -> str:
+    """The run-relative folder of closed phase `number`, whose boundary is `boundary`."""
+    return f"{ARCHIVE}/phase_{number:03d}_step_{boundary:06d}"
 
 
 def phases(run: RunDir) -> list[tuple[int, int]]:
