@@ -319,7 +319,9 @@ def cmd_pivot(args: argparse.Namespace) -> int:
         print(f"andrea: error: {e}", file=sys.stderr)
         return 1
     line = f"pivoted {run.url} at step {result['boundary']} to policy {result['policy']!r}"
-    if "resumed" in result:
+    if result.get("already"):
+        line = f"{line} already (nothing trained since): nothing done"
+    elif "resumed" in result:
         pid = result["resumed"]["pid"]
         line += f"; resumed at step {result['resumed']['first_step']}, trainer pid {pid}"
         line += f" (output in {pivot.trainer_log_path(run)})"

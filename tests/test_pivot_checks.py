@@ -308,7 +308,9 @@ def test_a_pivot_killed_after_it_completed_and_rerun_is_done_once(tmp_path):
     before = tree()
     again = andrea(*argv)
     assert "policy 'tiny-mix' is already in force" in again.stdout and "nothing to do" in again.stdout
-    assert "pivoted " in again.stdout and "at step 200" in again.stdout  # the result it had
+    assert (
+        f"pivoted {run.url} at step 200 to policy 'tiny-mix' already (nothing trained since)" in again.stdout
+    )
     refused = andrea("pivot", run.url, "--policy", "tiny-mix", check=False)  # restart: no trainer runs
     assert refused.returncode == 2 and "no trainer is running" in refused.stderr, refused.stderr
     assert f"andrea train --run-dir {run.url}" in refused.stderr

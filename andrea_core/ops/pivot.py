@@ -354,7 +354,12 @@ def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
     except (ConfigError, OSError, ValueError):
         return None  # no readable policy in force: not this one
     folder = run.path(phase_folder(*closed[-1]))
-    return {"boundary": closed[-1][1], "policy": checked.policy.name, "archive": {"folder": folder}}
+    return {
+        "boundary": closed[-1][1],
+        "policy": checked.policy.name,
+        "archive": {"folder": folder},
+        "already": True,
+    }
 
 
 def _record(run: RunDir, journal: dict, step: str, **fields: Any) -> dict:
