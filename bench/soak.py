@@ -70,6 +70,7 @@ PIVOT_KILLS = [
     "archived",
     "loss-kept",
     "installed",
+    "finished",  # complete (journal cleared), not yet exited: the rerun must find it done
     "random",
 ]
 HALF_DONE = ["stopped", "archive-move-1", "archived", "loss-kept"]
