@@ -319,3 +319,29 @@ def test_a_stop_on_a_full_disk_says_what_was_not_written_without_a_traceback(sma
     assert "its last lines could not be written at exit" in text, text[-2000:]
     assert valid_checkpoints(run) == kept
     loss_lines_whole_but_last(run)
+
+
+def test_commands_on_a_full_disk_say_so_in_one_line_and_change_nothing(small_disk, tmp_path):
+    """The chaos soak's tmpfs, filled for good (fault 894 on, 2026-12-04): `andrea pivot`, `andrea fork`
+    and a trainer's start died with a traceback (exit 1) on ENOSPC. Each now says it in one line, exit 1
+    (a failure to retry once there is room: systemd restarts a trainer), and the run is as it was."""
+    run = small_disk / "run"
+    cfg = tiny_config(tmp_path, train__checkpoint_every=5)
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--device", "cpu", "--max-steps", "10")
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    filler = fill(small_disk, 0)
+    for argv in (
+        ["pivot", str(run), "--policy", "tiny-mix", "--no-restart"],
+        ["fork", str(run), "--step", "10", "--branch", "b"],
+        ["train", "--run-dir", str(run), "--device", "cpu", "--max-steps", "20"],
+    ):
+        proc = andrea(*argv, check=False)
+        assert proc.returncode == 1, (argv, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and "No space left on device" in proc.stderr, proc.stderr
+        assert "free space there, then run the command again" in proc.stderr.splitlines()[-1], proc.stderr
+        after = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+        # The fork's append opened forks.jsonl before its write failed: an empty file, no record in it.
+        assert after == before | ({run / "forks.jsonl": b""} if run / "forks.jsonl" in after else {}), argv
+    filler.unlink()
+    andrea("train", "--run-dir", str(run), "--device", "cpu", "--max-steps", "20")  # room again: it trains on
+    assert (run / "step_000020.bin").is_file()
