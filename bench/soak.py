@@ -1388,14 +1388,17 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=0, help="inject no fault after this many seconds")
     ap.add_argument("--store", choices=("local", "s3"), default="local")
     ap.add_argument("--every", type=int, default=5, help="checkpoint_every of the run (5)")
-    ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 4 per fault)")
+    ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 8 per fault)")
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--work", help="keep the soak's files here (default: a temporary folder, removed)")
     ap.add_argument("--cache", help="ANDREA_CACHE_DIR of every process (default: WORK/cache, built first)")
     ap.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind)")
     ap.add_argument("--verbose", action="store_true", help="one line per fault")
     args = ap.parse_args()
-    args.disk_mb = args.disk_mb or 48 + 4 * args.faults
+    # What the run keeps grows with it: a checkpoint of every keep_every steps (1.6 MB each: 3.2 GB by
+    # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
+    # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
+    args.disk_mb = args.disk_mb or 48 + 8 * args.faults
     kinds = args.kinds.split(",") if args.kinds else None
     unknown = sorted(set(kinds or []) - set(KINDS[args.store]))
     if unknown:
