@@ -559,15 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except BrokenPipeError:
         return _reader_gone()
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        # A full disk or quota (the chaos soak's tmpfs, filled for good): one line, not a traceback, and
-        # exit 1, a failure to retry once there is room (systemd's Restart=on-failure starts it again).
-        # Every run file is written whole or not at all: nothing this command wrote is half there.
-        print(f"andrea: error: {e}: free space there, then run the command again", file=sys.stderr)
-        return 1
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            # A full disk or quota (the chaos soak's tmpfs, filled for good): one line, not a traceback,
+            # and exit 1, a failure to retry once there is room (systemd's Restart=on-failure starts it
+            # again). Every run file is written whole or not at all: nothing it wrote is half there.
+            print(f"andrea: error: {e}: free space there, then run the command again", file=sys.stderr)
+            return 1
         if not isinstance(e, _operator_errors()):
             raise
         print(f"andrea: error: {e}", file=sys.stderr)
