@@ -73,19 +73,23 @@ def _require_deployment(name: str | None) -> None:
 def already_pivoted(run_dir: str, policy: str, checked: dict, restart: str) -> dict | None:
     """A completed pivot to this policy that nothing has trained after (a rerun of it): its result, and
     nothing is done again (pivot.already_pivoted)."""
-    parsed = pivot.parse_policy_text(checked["text"], policy)
-    check = pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
+    check = _pivot_check(policy, checked)
     return pivot.already_pivoted(RunDir(run_dir), check, restart != "none", get_run_logger().info)
+
+
+def _pivot_check(policy: str, checked: dict) -> pivot.PivotCheck:
+    """check_new_policy's result (a flow's data) as the PivotCheck the ops functions take."""
+    parsed = pivot.parse_policy_text(checked["text"], policy)
+    return pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
 
 
 @task(name="begin-pivot", cache_policy=NO_CACHE)
 def begin_pivot(run_dir: str, policy: str, checked: dict, at: str, restart: str) -> dict:
     """The pivot journal: the one a crash left of this same pivot (resumed from its last step), or a
     new one (pivot.begin_pivot)."""
-    run = RunDir(run_dir)
-    parsed = pivot.parse_policy_text(checked["text"], policy)
-    check = pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
-    return pivot.begin_pivot(run, check, at, restart, get_run_logger().info)
+    return pivot.begin_pivot(
+        RunDir(run_dir), _pivot_check(policy, checked), at, restart, get_run_logger().info
+    )
 
 
 @task(name="take-pivot-checkpoint", cache_policy=NO_CACHE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -139,6 +140,34 @@ def test_retention_keeps_the_checkpoint_of_a_pivot_under_way(tmp_path):
     assert apply_retention(run, cfg, None).deleted == []  # an unreadable record protects everything
 
 
+def _fast_trainer(tmp_path: Path) -> subprocess.Popen:
+    """A trainer of tmp_path/run that checkpoints every step and keeps the newest two: retention deletes
+    a checkpoint two steps after it is written, the window a pivot's boundary races."""
+    config = tiny_config(
+        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
+    )
+    run_dir = str(tmp_path / "run")
+    return start_trainer("--config", config, "--run-dir", run_dir, "--max-steps", "100000", "--pace", "0.05")
+
+
+def _pivot_live(run: RunDir, trainer: subprocess.Popen, ready, what: str) -> tuple[dict, str]:
+    """Once the trainer holds the run and `ready()`, `andrea pivot --no-restart` to tiny-mix of the live
+    run, in this process (a test's monkeypatches apply); the trainer stopped whatever happens.
+    (result, the pivot's log)."""
+    from andrea_core.ops.pivot import check_pivot, run_pivot
+
+    lines: list[str] = []
+    try:
+        wait_for(lambda: live_trainer(run) and ready(), timeout=300, what=what)
+        checked = check_pivot(run, "tiny-mix", restart=False, warn=lines.append)
+        result = run_pivot(run, checked, restart=False, timeout_s=120, log=lines.append)
+    finally:
+        if trainer.poll() is None:
+            trainer.send_signal(signal.SIGTERM)
+        trainer.wait(120)
+    return result, "\n".join(lines)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("ephemeral_prefect")
 def test_a_pivot_at_a_boundary_with_checkpoints_every_step_and_keep_last_2(tmp_path):
@@ -146,13 +175,7 @@ def test_a_pivot_at_a_boundary_with_checkpoints_every_step_and_keep_last_2(tmp_p
     deleted between the wait and the SIGTERM; the pivot protects it first."""
     from flows.pivot import pivot
 
-    run = RunDir(tmp_path / "run")
-    config = tiny_config(
-        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
-    )
-    trainer = start_trainer(
-        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
-    )
+    run, trainer = RunDir(tmp_path / "run"), _fast_trainer(tmp_path)
     try:
         wait_for(lambda: live_trainer(run) and logged_step(run), timeout=300, what="the first steps")
         result = pivot(run.url, "tiny-mix", at="boundary", restart="none")
@@ -174,15 +197,9 @@ def test_a_boundary_the_trainer_passed_before_the_pivot_protected_it_is_decided_
     that could never appear. Here its first view of the trainer is 20 steps old: the pivot sees the
     trainer publish past that boundary, decides again from where the trainer is, and pivots there."""
     from andrea_core.ops import pivot as ops_pivot
-    from andrea_core.ops.pivot import boundary_after, check_pivot, run_pivot
+    from andrea_core.ops.pivot import boundary_after
 
-    run = RunDir(tmp_path / "run")
-    config = tiny_config(
-        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
-    )
-    trainer = start_trainer(
-        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
-    )
+    run, trainer = RunDir(tmp_path / "run"), _fast_trainer(tmp_path)
     real, stale = ops_pivot.choose_boundary, []
 
     def slow_view(rd: RunDir) -> tuple[int, int]:
@@ -193,16 +210,7 @@ def test_a_boundary_the_trainer_passed_before_the_pivot_protected_it_is_decided_
         return decided_at - 20, stale[0]
 
     monkeypatch.setattr(ops_pivot, "choose_boundary", slow_view)
-    lines: list[str] = []
-    try:
-        wait_for(lambda: live_trainer(run) and (logged_step(run) or 0) > 30, timeout=300, what="30 steps")
-        checked = check_pivot(run, "tiny-mix", restart=False, warn=lines.append)
-        result = run_pivot(run, checked, restart=False, timeout_s=120, log=lines.append)
-    finally:
-        if trainer.poll() is None:
-            trainer.send_signal(signal.SIGTERM)
-        trainer.wait(120)
-    text = "\n".join(lines)
+    result, text = _pivot_live(run, trainer, lambda: (logged_step(run) or 0) > 30, "30 steps")
     assert f"pivot decided at step {stale[0]}: pivoting at step {stale[0]}" in text, text
     # The stale boundary's checkpoint was written (and removed) before the intent: decided again.
     assert f"before the intent protected {checkpoint_name(stale[0])}" in text and "deciding again" in text, (
@@ -229,17 +237,10 @@ def test_a_boundary_written_before_the_intent_is_never_the_pivot_point(tmp_path,
     must decide again and pivot at a checkpoint written after its intent."""
     from andrea_core.ops import pivot as ops_pivot
     from andrea_core.ops import supervise
-    from andrea_core.ops.pivot import check_pivot, run_pivot
     from andrea_core.run.record import read_run
     from andrea_core.run.retention import plan_retention, protected_steps
 
-    run = RunDir(tmp_path / "run")
-    config = tiny_config(
-        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
-    )
-    trainer = start_trainer(
-        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
-    )
+    run, trainer = RunDir(tmp_path / "run"), _fast_trainer(tmp_path)
     real_choose, real_wait, stale = ops_pivot.choose_boundary, supervise.wait_for_checkpoint, []
 
     def written_boundary(rd: RunDir) -> tuple[int, int]:
@@ -262,18 +263,7 @@ def test_a_boundary_written_before_the_intent_is_never_the_pivot_point(tmp_path,
 
     monkeypatch.setattr(ops_pivot, "choose_boundary", written_boundary)
     monkeypatch.setattr(supervise, "wait_for_checkpoint", seen_valid_then_deleted)
-    lines: list[str] = []
-    try:
-        wait_for(
-            lambda: live_trainer(run) and len(run.checkpoint_steps()) >= 2, timeout=300, what="2 checkpoints"
-        )
-        checked = check_pivot(run, "tiny-mix", restart=False, warn=lines.append)
-        result = run_pivot(run, checked, restart=False, timeout_s=120, log=lines.append)
-    finally:
-        if trainer.poll() is None:
-            trainer.send_signal(signal.SIGTERM)
-        trainer.wait(120)
-    text = "\n".join(lines)
+    result, text = _pivot_live(run, trainer, lambda: len(run.checkpoint_steps()) >= 2, "2 checkpoints")
     assert f"pivot decided at step {stale[0]}: pivoting at step {stale[0]}" in text, text
     assert f"before the intent protected {checkpoint_name(stale[0])}" in text and "deciding again" in text, (
         text
