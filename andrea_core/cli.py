@@ -369,7 +369,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
         return _refuse(ValueError("fork: name one or more branches (--branch NAME [--set key=value ...])"))
     specs = [BranchSpec(b["name"], b["overrides"]) for b in args.branches]
     try:
-        urls = fork(args.run_dir, specs, args.step)
+        urls = fork(args.run_dir, specs, args.step, log=lambda msg: print(msg, file=sys.stderr))
     except CheckpointError as e:
         return _refuse(e)
     for spec, url in zip(specs, urls, strict=True):

@@ -74,7 +74,9 @@ def copy_checkpoint_into_branches(
         step = newest.step
     names = [s.name for s in specs]
     already = any(r.get("step") == step and r.get("names") == names for r in fork.fork_records(parent))
-    urls = fork.fork(parent.url, specs, step)
+    urls = fork.fork(
+        parent.url, specs, step, log=lambda m: (logger.warning if m.startswith("warning") else logger.info)(m)
+    )
     for name, url in zip(names, urls, strict=True):
         logger.info(f"branch {name}: {url} (from step {step}{', made before' if already else ''})")
     return {"step": step, "branches": urls, "names": names, "already": already}

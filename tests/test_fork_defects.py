@@ -4,6 +4,9 @@ starts with, a fork that stops half-way, and branch names that would climb out o
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +159,102 @@ def test_a_lineage_of_the_wrong_type_is_refused_naming_the_field(tmp_path):
     assert proc.returncode == 2 and f"lineage.{field}: {why}" in proc.stderr + proc.stdout
     (run / RUN_YAML).write_text(yaml.safe_dump(good, sort_keys=False))
     assert read_run(RunDir(str(run))).lineage == good["lineage"]
+
+
+def _keep_last_2(run: RunDir) -> RetentionConfig:
+    """The run's retention made keep_last 2, keep_every null, as its run.yaml says from here on."""
+    record = read_run(run)
+    run.write_text(RUN_YAML, record.to_yaml().replace("keep_last: 5", "keep_last: 2"))
+    run.write_text(RUN_YAML, run.read_text(RUN_YAML).replace("keep_every: 10000", "keep_every: null"))
+    cfg = read_run(run).config.retention
+    assert (cfg.keep_last, cfg.keep_every) == (2, None)
+    return cfg
+
+
+class _ForkedDuringReadBack(RunDir):
+    """A parent whose retention pass, while it reads back its newest checkpoint, sees a fork of step
+    200 made (a real fork, through its own RunDir): the moment a large checkpoint on an object store
+    gives a fork seconds for."""
+
+    def read_checkpoint(self, step, n_params=None):
+        if not fork_records(self):
+            fork(self.url, [BranchSpec("a")], step=200)
+        return super().read_checkpoint(step, n_params)
+
+
+def test_a_fork_recorded_while_retention_reads_back_the_newest_keeps_its_fork_point(tmp_path):
+    """The trainer's retention after 400 (keep_last 2) reads 400 back before deleting 100 and 200. A
+    fork of 200 recorded during that read-back is seen: the pass reads the protections after it, so
+    200 stays (before, the protections were read first, and 200 was deleted under the fork's line)."""
+    run = fabricated_run(str(tmp_path / "run"), [100, 200, 300, 400])
+    cfg = _keep_last_2(run)
+    plan = apply_retention(_ForkedDuringReadBack(run.url), cfg, None, newest=400)
+    assert [r["step"] for r in fork_records(run)] == [200]
+    assert plan.deleted == [100] and run.checkpoint_steps() == [200, 300, 400]
+    assert plan.keep[200] == ["fork point (a)"]
+
+
+def test_a_fork_waits_out_the_retention_pass_under_way_and_says_when_it_lost_the_fork_point(tmp_path):
+    """A retention pass of the lease holder (this test, as a trainer would) read the protections before
+    the fork's line and will delete 100 and 200. A fork of 200 cannot know whether the pass is over:
+    it waits for the holder's next checkpoint, then finds 200 gone and says so (the branch holds it).
+    A fork of the newest checkpoint, which no pass can release, does not wait; a holder that publishes
+    nothing is waited for no longer than the bound."""
+    from andrea_core.ops.fork import confirm_fork_point
+    from andrea_core.run import lock
+    from andrea_core.run.retention import plan_retention, protected_steps
+
+    run = fabricated_run(str(tmp_path / "run"), [100, 200, 300, 400])
+    cfg = _keep_last_2(run)
+    fork_point = run.read_bytes(checkpoint_name(200))
+    me = lock.acquire(run)
+    try:
+        under_way = plan_retention(run.checkpoint_steps(), cfg, protected_steps(run), 400)
+        assert under_way.delete == [100, 200]
+
+        logs: list[str] = []
+        result: list[list[str]] = []
+        forking = threading.Thread(
+            target=lambda: result.append(fork(run.url, [BranchSpec("a")], 200, logs.append))
+        )
+        forking.start()
+        deadline = time.monotonic() + 30
+        while not logs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logs == [
+            f"{run.url}: waiting for trainer pid {os.getpid()}'s next checkpoint: a retention pass under way "
+            "when the fork was recorded may still delete step_000200.bin (at most 600s)"
+        ]
+        time.sleep(0.5)
+        assert forking.is_alive()  # still waiting: the pass is not known to be over
+        for step in under_way.delete:  # the pass ends as it planned, before the line
+            run.remove(checkpoint_name(step))
+        copy_checkpoint(run, 400, run, 500)  # the holder's next checkpoint: its pass is over
+        forking.join(30)
+        assert not forking.is_alive() and len(result) == 1
+        assert logs[1] == (
+            f"warning: {run.url}: the parent no longer holds the fork point step_000200.bin: a retention "
+            "pass under way when the fork was recorded deleted it. The branches hold it; a rerun of this "
+            "fork cannot rebuild a branch from the parent"
+        )
+        assert RunDir(result[0][0]).read_bytes(checkpoint_name(200)) == fork_point
+
+        # The newest, 500: no pass can release one of the keep_last newest; nothing is waited for.
+        logs.clear()
+        t0 = time.monotonic()
+        fork(run.url, [BranchSpec("b")], 500, logs.append)
+        assert logs == [] and time.monotonic() - t0 < 5
+
+        # 300 (two newer: 400, 500) with a holder that publishes nothing: bounded, and said.
+        logs.clear()
+        assert confirm_fork_point(run, 300, cfg, logs.append, timeout_s=0.5) is False
+        assert logs[-1] == (
+            f"warning: {run.url}: could not confirm the parent keeps the fork point step_000300.bin: "
+            f"trainer pid {os.getpid()} published no checkpoint in 0.5s (stopped?); a retention pass it had "
+            "under way may still delete it. The branches hold it"
+        )
+        # Once the holder's pass is over (here: it releases the run), the step on disk is kept for good.
+        lock.release(run, me)
+        assert confirm_fork_point(run, 300, cfg, logs.append, timeout_s=0.5) is True
+    finally:
+        lock.release(run, me)

@@ -11,7 +11,9 @@ trains from scratch:
   3. build each branch with its run.yaml last: a folder without run.yaml is an unfinished branch, never
      a run. A rerun of the same fork (same step, same branch names) finds its line and completes
      whatever is missing instead of refusing or appending a second line;
-  4. a trainer started on a branch whose lineage names a fork point it does not hold refuses to start
+  4. confirm the parent keeps the fork point: a retention pass under way when the line was added read
+     the protections before it and may still delete it (confirm_fork_point waits that pass out);
+  5. a trainer started on a branch whose lineage names a fork point it does not hold refuses to start
      (require_fork_point) instead of training from step 1.
 """
 
@@ -22,14 +24,16 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
-from andrea_core.config import ConfigError, RunConfig, load_yaml
+from andrea_core.config import ConfigError, RetentionConfig, RunConfig, load_yaml
 from andrea_core.data.policy import load_policy, parse_policy
 from andrea_core.run.guard_events import events_up_to
 from andrea_core.run.lineage import fork_records
+from andrea_core.run.lock import read_lock, still_holds
 from andrea_core.run.record import config_differences, read_run, run_n_params
 from andrea_core.run.rundir import (
     FORKS,
@@ -89,10 +93,13 @@ class _Plan:
     complete: bool  # a finished branch of this very fork: left as it is
 
 
-def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -> list[str]:
+def fork(
+    parent_url: str, branches: list[BranchSpec], step: int | None = None, log: Callable[[str], None] = print
+) -> list[str]:
     """Create one branch run directory per spec from the parent's checkpoint at `step` (default:
     newest valid). Returns the branch URLs. Everything is validated before the first write; a rerun
-    of a fork that did not finish completes it."""
+    of a fork that did not finish completes it. `log` gets what the fork waits for and a fork point
+    the parent could not be shown to keep (confirm_fork_point)."""
     parent = RunDir(parent_url)
     record = read_run(parent)
     n_params = run_n_params(record)
@@ -151,7 +158,64 @@ def fork(parent_url: str, branches: list[BranchSpec], step: int | None = None) -
     for plan in plans:
         if not plan.complete:
             _build_branch(parent, plan, ckpt)
+    confirm_fork_point(parent, step, record.config.retention, log)
     return urls
+
+
+CONFIRM_TIMEOUT_S = 600.0  # a trainer stopped (SIGSTOP, a paused VM) publishes nothing: how long to wait
+
+
+def confirm_fork_point(
+    parent: RunDir,
+    step: int,
+    retention: RetentionConfig,
+    log: Callable[[str], None] = print,
+    timeout_s: float = CONFIRM_TIMEOUT_S,
+    poll: float = 0.25,  # a listing each: on an object store, a LIST request
+) -> bool:
+    """Whether the parent keeps checkpoint `step` for good, once the fork's line is in forks.jsonl.
+
+    Every retention pass that reads the protections after the line keeps the step; one under way when
+    the line was added read them before and may still delete it. Retention runs only under the run's
+    lease (the trainer's pass after each checkpoint, `andrea gc`), one pass at a time, and a trainer
+    publishes its next checkpoint only once the previous one's pass is over: so the pass that can
+    delete the fork point is over when the lease holder of now publishes a checkpoint that is not on
+    disk now, or holds the run no more. Until one of those, this waits (at most `timeout_s`); it need
+    not where no pass can release the step: retention.keep_last null, a keep_every multiple, or one of
+    the keep_last newest on disk now (a pass's newest is on disk already, and it deletes oldest first).
+    A False is logged, naming what happened; the branches hold the checkpoint either way."""
+    name = checkpoint_name(step)
+    listed = parent.checkpoint_steps()
+    holder = read_lock(parent)
+    newer = sum(1 for s in listed if s > step)
+    by_rule = (
+        retention.keep_last is None
+        or bool(retention.keep_every and step % retention.keep_every == 0)
+        or newer < retention.keep_last
+    )
+    if step in listed and not by_rule and holder is not None:
+        log(
+            f"{parent.url}: waiting for trainer pid {holder.pid}'s next checkpoint: a retention pass "
+            f"under way when the fork was recorded may still delete {name} (at most {timeout_s:g}s)"
+        )
+        deadline = time.monotonic() + timeout_s
+        while still_holds(parent, holder) and set(parent.checkpoint_steps()) <= set(listed):
+            if time.monotonic() > deadline:
+                log(
+                    f"warning: {parent.url}: could not confirm the parent keeps the fork point {name}: "
+                    f"trainer pid {holder.pid} published no checkpoint in {timeout_s:g}s (stopped?); "
+                    "a retention pass it had under way may still delete it. The branches hold it"
+                )
+                return False
+            time.sleep(poll)
+    if parent.exists(name):
+        return True
+    log(
+        f"warning: {parent.url}: the parent no longer holds the fork point {name}: a retention pass "
+        "under way when the fork was recorded deleted it. The branches hold it; a rerun of this fork "
+        "cannot rebuild a branch from the parent"
+    )
+    return False
 
 
 # Settings that change how a run is run, never what it learns (the same steps, the same weights).

@@ -101,6 +101,11 @@ def apply_retention(
         except CheckpointError as e:
             log(f"warning: retention deletes nothing: the newest checkpoint does not read back valid ({e})")
             return RetentionPlan(newest, plan.keep, [])
+        # The protections again, read after the read-back (seconds for a large checkpoint on an object
+        # store), not before it: a fork records its step in forks.jsonl and then checks it is still
+        # here, so the shorter the time from reading them to deleting, the fewer records a pass can
+        # miss (ops.fork.confirm_fork_point waits out the rest).
+        plan = plan_retention(steps, cfg, protected_steps(run), newest)
     for step in plan.delete:
         try:
             run.remove(checkpoint_name(step))
