@@ -236,8 +236,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # the tiny reference, test_data_resume the mix runs); test_audit, which reads both, goes late, where
 # they are built (its figure an estimate of its tests without them).
 SLOWEST_FIRST = """
-    test_distributed 307  test_prefect_flows 267  test_cli_pivot_fork 208  test_guard 170
-    test_object_store 142  test_soak 133  test_bench_smoke 122  test_export_sample 110
+    test_distributed 307  test_prefect_flows 267  test_cli_pivot_fork 208  test_soak_s3 200
+    test_soak 180  test_guard 170  test_object_store 142  test_bench_smoke 122  test_export_sample 110
     test_fuzz_rundir 104  test_async_checkpoint 104  test_lease_outage 99  test_data_tokenizer 88
     test_resume 87  test_demo 85  test_lock_identity 83  test_run_target 77  test_data_resume 76
     test_prefect_dashboard 67  test_data_corpora_s3 65  test_audit_fork_flow 63

@@ -1,0 +1,13 @@
+"""The chaos soak's CI version on moto (issue 28): tests/test_soak.py's 40 seeded faults, the S3 kinds
+among them (puts denied, a reply lost after the write committed), over one run in a bucket."""
+
+from __future__ import annotations
+
+import pytest
+from test_soak import soak
+
+pytestmark = pytest.mark.slow
+
+
+def test_forty_seeded_faults_on_moto_break_no_invariant(tmp_path):
+    soak("s3", tmp_path / "soak")
