@@ -261,6 +261,68 @@ def test_a_multipart_publish_is_never_made_over_a_version_it_did_not_see(tmp_pat
     f.close()
 
 
+def test_a_long_append_only_file_is_extended_on_s3_by_sending_only_its_new_tail(
+    tmp_path, s3_bucket, s3_server, monkeypatch
+):
+    """Past a part's worth, publishing an append-only file makes the store copy the published prefix
+    (UploadPartCopy of exactly that version) and sends the tail alone: the object becomes a two-part
+    upload (ETag "-2") after a 5-byte append that a whole put would have sent as one 6 MiB part
+    (ETag without "-": one put under the 50 MiB part size). The bytes are exactly the mirror's at each
+    publish; over a version it did not see, it is refused as a whole put is, and nothing is left."""
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path))
+    run = RunDir(f"{s3_bucket}/run")
+    bucket = s3_bucket.removeprefix("s3://")
+    etag = lambda: run.fs.info(f"{s3_bucket}/run/{LOSS_LOG}")["ETag"].strip('"')  # noqa: E731
+    f = run.open_append(LOSS_LOG)
+    head = b"".join(b"%09d" % i + b"y" * 1014 + b"\n" for i in range(6 * 1024))  # 6 MiB
+    f.write(head, durable=True)
+    assert run.read_bytes(LOSS_LOG) == head and "-" not in etag()  # one put: nothing to copy yet
+    f.write(b"more\n", durable=True)
+    assert run.read_bytes(LOSS_LOG) == head + b"more\n" and etag().endswith("-2")  # copy + the tail
+    f.write(b"and more\n", durable=True)
+    assert run.read_bytes(LOSS_LOG) == head + b"more\nand more\n" and etag().endswith("-2")
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "elsewhere"))
+    with RunDir(run.url).open_append(LOSS_LOG) as other:  # a writer elsewhere extends it meanwhile
+        other.write(b"theirs\n", durable=True)
+    f.write(b"mine\n")
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        f.publish()
+    assert run.read_bytes(LOSS_LOG) == head + b"more\nand more\ntheirs\n"  # nothing lost or clobbered
+    assert s3_server.client().call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+    f.close()
+
+
+def test_an_extension_whose_complete_reply_is_lost_is_still_ours(tmp_path, s3_bucket, monkeypatch):
+    """The store completed the extension, its reply was lost and the SDK's identical retry got another
+    answer: the writer reads back its own bytes, adopts that version and goes on from it."""
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path))
+    run = RunDir(f"{s3_bucket}/run")
+    f = run.open_append(LOSS_LOG)
+    head = b"".join(b"%09d" % i + b"z" * 1014 + b"\n" for i in range(6 * 1024))  # 6 MiB
+    f.write(head, durable=True)
+    real = run.fs._call_s3
+    answers: list[str] = []
+
+    async def call_s3(method, *args, **kwargs):
+        if method == "complete_multipart_upload" and not answers:
+            await real(method, *args, **kwargs)  # committed; the reply is lost on the way back
+            try:
+                r = await real(method, *args, **kwargs)
+            except Exception as e:
+                answers.append(type(e.__cause__ or e).__name__)
+                raise
+            answers.append("ok")
+            return r
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(run.fs, "_call_s3", call_s3)
+    f.write(b"more\n", durable=True)
+    f.write(b"again\n", durable=True)
+    assert answers == ["ok"], answers  # moto: a retried complete of a completed upload is idempotent
+    assert run.read_bytes(LOSS_LOG) == head + b"more\nagain\n"
+    f.close()
+
+
 def tiny_config(**train):
     overrides = {f"train.{k}": v for k, v in {"checkpoint_every": 10, "log_every": 10, **train}.items()}
     return load_run_config(TINY).with_overrides(overrides)

@@ -147,6 +147,71 @@ async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | N
     return Version(size, r["ETag"])
 
 
+async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
+    """Publish `data` as `path`, which holds version `expect`: the first expect.size bytes of `data`, at
+    least a part's worth (an append-only file, grown since). The store copies that prefix into the
+    first part itself (UploadPartCopy of exactly those bytes of exactly that version) and only the new
+    tail travels: a long loss log published at every checkpoint costs its growth, not its size. The
+    upload is completed only over `expect` (If-Match), and fails as s3_put's does: aborted, a lost
+    reply resolved by reading back, anything else a ConcurrentWriteError."""
+    bucket, key, _ = fs.split_path(path)
+    part_size = max(fs.default_block_size, S3_MIN_PART)
+    tail = memoryview(data)[expect.size :]
+    if not (expect.exists and expect.etag and S3_MIN_PART <= expect.size and tail.nbytes):
+        raise ValueError(f"s3://{path}: an extension needs a published prefix of a part's worth and a tail")
+    upload_id = None
+    try:
+        mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        upload_id = mpu["UploadId"]
+        copied = await fs._call_s3(
+            "upload_part_copy",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=1,
+            CopySource={"Bucket": bucket, "Key": key},
+            CopySourceIfMatch=expect.etag,
+            CopySourceRange=f"bytes=0-{expect.size - 1}",
+        )
+        parts = [{"PartNumber": 1, "ETag": copied["CopyPartResult"]["ETag"]}]
+        # Parts of part_size, the last one whatever is left (only the last may be under S3's minimum).
+        starts = list(range(0, tail.nbytes, part_size))
+        if len(starts) > 1 and tail.nbytes - starts[-1] < S3_MIN_PART:
+            starts.pop()  # a short remainder joins the part before it
+        for i, start in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else tail.nbytes
+            r = await fs._call_s3(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=i + 2,
+                Body=bytes(tail[start:end]),
+            )  # fmt: skip
+            parts.append({"PartNumber": i + 2, "ETag": r["ETag"]})
+        r = await fs._call_s3(
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": parts},
+            IfMatch=expect.etag,
+        )
+    except BaseException as e:
+        if upload_id is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                )
+        if _is_precondition_failure(e):
+            etag = await s3_etag_if_holding(fs, path, len(data), hashlib.sha256(data).digest())
+            if etag is not None:
+                return Version(len(data), etag)  # our own complete, committed before its reply was lost
+            raise ConcurrentWriteError(
+                f"s3://{path} changed since this process read it; not replacing it"
+            ) from e
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    return Version(len(data), r["ETag"])
+
+
 async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | None:
     """The ETag of `path` if the store holds exactly `size` bytes with this SHA-256, else None."""
     bucket, key, _ = fs.split_path(path)

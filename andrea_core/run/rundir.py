@@ -552,6 +552,17 @@ class RunDir:
             self.fence.verify(name)  # no conditional puts here: compare after the write
         return Version(len(data))
 
+    def _extend(self, name: str, data: bytes, expect: Version) -> Version:
+        """Publish `data` over version `expect` of `name`, its first expect.size bytes (an append-only
+        file grown since), else ConcurrentWriteError. On S3, once the published file is a part's worth,
+        only the new tail is uploaded (objstore.s3_extend); elsewhere, and below that, it is put whole."""
+        if not (
+            self.is_s3 and expect.exists and expect.etag and objstore.S3_MIN_PART <= expect.size < len(data)
+        ):
+            return self._put(name, data, expect=expect)
+        self._fenced(name)
+        return fsspec.asyn.sync(self.fs.loop, objstore.s3_extend, self.fs, self.path(name), data, expect)
+
     def _read_versioned(self, name: str) -> tuple[bytes, Version]:
         """A file's bytes and the version they are, read as one (ABSENT if there is no such file)."""
         try:
@@ -790,8 +801,9 @@ class AppendFile:
 class MirroredAppendFile:
     """An append-only file on a store without append. Writes go to a mirror in the run cache, which
     starts as a copy of the published file (never from an older mirror: the run is the truth, and
-    another machine may have extended it). A durable write publishes the whole mirror with one atomic
-    put, and only over the version this handle last published, so the published file only grows.
+    another machine may have extended it). A durable write publishes the whole mirror atomically, and
+    only over the version this handle last published, so the published file only grows (on S3, past a
+    part's worth, the store copies the published prefix and only the new tail is sent: RunDir._extend).
     The mirror is this process's own (two forks of one parent may append at once), held under its
     flock while open, and removed at a clean close. One a crash leaves behind holds only a tail that
     was never published (a resume reads the run, never a mirror): the next open of the file on this
@@ -844,7 +856,7 @@ class MirroredAppendFile:
             return  # nothing new: the published file already is the mirror
         mirror = self._read_locked()
         try:
-            self._version = self.run._put(self.name, mirror, expect=self._version)
+            self._version = self.run._extend(self.name, mirror, self._version)
         except ConcurrentWriteError:
             # An earlier publish of ours may have reached the store although its call failed (a lost
             # reply): then the store holds a prefix of the mirror, at least as long as the version we
@@ -855,7 +867,7 @@ class MirroredAppendFile:
                 raise
             self._version = version
             if len(held) < len(mirror):
-                self._version = self.run._put(self.name, mirror, expect=version)
+                self._version = self.run._extend(self.name, mirror, version)
 
     def close(self) -> None:
         with self._lock:
