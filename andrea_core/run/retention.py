@@ -86,26 +86,30 @@ def apply_retention(
     written (the trainer's case), read back before anything is deleted; None finds and validates the
     newest valid one (the `andrea gc` case)."""
     steps = run.checkpoint_steps()
-    validated = newest is None
     if newest is None:
         ckpt = run.newest_valid_checkpoint(n_params, warn=log)
         if ckpt is None:
             return RetentionPlan(None, {s: ["no valid checkpoint: nothing is deleted"] for s in steps})
         newest = ckpt.step
-    plan = plan_retention(steps, cfg, protected_steps(run), newest)
-    if dry_run or not plan.delete:
-        return plan
-    if not validated:
+    elif not dry_run:
+        # The trainer's pass, after each checkpoint. The rules alone (no file read) say whether anything
+        # may go; if so, the newest is read back before anything is deleted, and only then are the
+        # protections read, right before the deletes, not a read-back (seconds for a large checkpoint
+        # on an object store) before them: a fork records its step in forks.jsonl and then checks it
+        # is still here, so the shorter that time, the fewer records a pass can miss
+        # (ops.fork.confirm_fork_point waits out the rest).
+        rules = plan_retention(steps, cfg, {}, newest)
+        if not rules.delete:
+            return rules
         try:
             run.read_checkpoint(newest, n_params)
         except CheckpointError as e:
             log(f"warning: retention deletes nothing: the newest checkpoint does not read back valid ({e})")
-            return RetentionPlan(newest, plan.keep, [])
-        # The protections again, read after the read-back (seconds for a large checkpoint on an object
-        # store), not before it: a fork records its step in forks.jsonl and then checks it is still
-        # here, so the shorter the time from reading them to deleting, the fewer records a pass can
-        # miss (ops.fork.confirm_fork_point waits out the rest).
-        plan = plan_retention(steps, cfg, protected_steps(run), newest)
+            why = ["kept: the newest checkpoint does not read back valid"]
+            return RetentionPlan(newest, {s: rules.keep.get(s, why) for s in steps}, [])
+    plan = plan_retention(steps, cfg, protected_steps(run), newest)
+    if dry_run or not plan.delete:
+        return plan
     for step in plan.delete:
         try:
             run.remove(checkpoint_name(step))
