@@ -1,7 +1,8 @@
 """The chaos soak's CI version (issue 28): bench/soak.py's seeded schedule, 40 faults (every kind at least
 twice), over one run on a tmpfs, with zero invariant violations; tests/test_soak_s3.py runs the same on
 moto. Each store in a module of its own, so that the two go to the suite's two workers side by side
-(about three minutes each here). The long soak (`--faults 1000`) and its figures are in bench/README.md."""
+(locally 169 s alone on 2026-12-04). The long soak (`--faults 1000`) and its figures are in
+bench/README.md."""
 
 from __future__ import annotations
 
