@@ -126,25 +126,34 @@ async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | N
         for task in uploads:
             task.cancel()
         await asyncio.gather(*uploads, return_exceptions=True)
-        if upload_id is not None:
-            # If even the abort fails, the next trainer start aborts it (discard_incomplete_writes);
-            # the error that matters is the upload's.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(
-                    fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-                )
-        if _is_precondition_failure(e) and digest is not None:
-            etag = await s3_etag_if_holding(fs, path, size, digest.digest())
-            if etag is not None:
-                return Version(size, etag)  # our own put, committed before its reply was lost
-        if _is_precondition_failure(e):
-            raise ConcurrentWriteError(
-                f"s3://{path} changed since this process read it; not replacing it"
-            ) from e
-        raise
+        return await _failed(fs, path, upload_id, e, size, None if digest is None else digest.digest())
     finally:
         fs.invalidate_cache(path)
     return Version(size, r["ETag"])
+
+
+async def _failed(
+    fs, path: str, upload_id: str | None, e: BaseException, size: int, sha256: bytes | None
+) -> Version:
+    """After a failed publish (raised from `e`): abort its multipart upload, if any; a refused
+    conditional write whose bytes the store holds anyway (`size`, `sha256`) was our own, committed
+    before its reply was lost, and its version is returned; any other refusal is a ConcurrentWriteError,
+    anything else `e` itself."""
+    bucket, key, _ = fs.split_path(path)
+    if upload_id is not None:
+        # If even the abort fails, the next trainer start aborts it (discard_incomplete_writes); the
+        # error that matters is the upload's.
+        with contextlib.suppress(Exception):
+            await asyncio.shield(
+                fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            )
+    if not _is_precondition_failure(e):
+        raise e
+    if sha256 is not None:
+        etag = await s3_etag_if_holding(fs, path, size, sha256)
+        if etag is not None:
+            return Version(size, etag)
+    raise ConcurrentWriteError(f"s3://{path} changed since this process read it; not replacing it") from e
 
 
 async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
@@ -194,19 +203,7 @@ async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
             IfMatch=expect.etag,
         )
     except BaseException as e:
-        if upload_id is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(
-                    fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-                )
-        if _is_precondition_failure(e):
-            etag = await s3_etag_if_holding(fs, path, len(data), hashlib.sha256(data).digest())
-            if etag is not None:
-                return Version(len(data), etag)  # our own complete, committed before its reply was lost
-            raise ConcurrentWriteError(
-                f"s3://{path} changed since this process read it; not replacing it"
-            ) from e
-        raise
+        return await _failed(fs, path, upload_id, e, len(data), hashlib.sha256(data).digest())
     finally:
         fs.invalidate_cache(path)
     return Version(len(data), r["ETag"])
