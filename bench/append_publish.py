@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,34 +26,6 @@ import fsspec.config  # noqa: E402
 from s3_server import ThrottledLink, start_s3_server  # noqa: E402
 
 from andrea_core.run.rundir import LOSS_LOG, RunDir  # noqa: E402
-
-
-class CountingLink(ThrottledLink):
-    """The tests' throttled relay, counting the bytes clients send to the store."""
-
-    def __init__(self, target_port: int, rate: float):
-        self.sent = 0
-        self._count = threading.Lock()
-        super().__init__(target_port, rate)
-
-    def _pump(self, src, dst) -> None:
-        upstream = dst.getpeername()[1] == self.target_port
-        try:
-            while data := src.recv(self.chunk):
-                if upstream:
-                    with self._count:
-                        self.sent += len(data)
-                dst.sendall(data)
-                if self.rate:
-                    time.sleep(len(data) / self.rate)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(2)
-                except OSError:
-                    pass
 
 
 def lines(n_bytes: int, first: int) -> bytes:
@@ -75,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
 
     server = start_s3_server()
-    link = CountingLink(server.port, args.link_mb_s * 1e6)
+    link = ThrottledLink(server.port, args.link_mb_s * 1e6)  # and counts the bytes sent to the store
     results: dict[str, tuple[float, float]] = {}
     try:
         server.use_in_this_process()

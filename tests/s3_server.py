@@ -96,12 +96,15 @@ def start_s3_server(timeout: float = 60, server: list[str] | None = None) -> S3S
 class ThrottledLink:
     """A TCP relay in front of the server that passes at most `rate` bytes per second per connection
     and direction: a slow network link, so that an upload stays in flight long enough to be observed
-    and interrupted. Bytes are relayed unchanged."""
+    and interrupted (`rate` 0: unthrottled). Bytes are relayed unchanged; `sent` counts those the
+    clients sent to the server (bench/append_publish.py)."""
 
     def __init__(self, target_port: int, rate: float, chunk: int = 64 * 1024):
         self.target_port = target_port
         self.rate = rate
         self.chunk = chunk
+        self.sent = 0
+        self._counting = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.closed = False
@@ -118,14 +121,18 @@ class ThrottledLink:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, to_server in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, to_server), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, to_server: bool) -> None:
         try:
             while data := src.recv(self.chunk):
+                if to_server:
+                    with self._counting:
+                        self.sent += len(data)
                 dst.sendall(data)
-                time.sleep(len(data) / self.rate)
+                if self.rate:
+                    time.sleep(len(data) / self.rate)
         except OSError:
             pass
         finally:
