@@ -156,6 +156,12 @@ async def _failed(
     raise ConcurrentWriteError(f"s3://{path} changed since this process read it; not replacing it") from e
 
 
+def extendable(expect: Version, size: int) -> bool:
+    """Whether a file of version `expect`, grown to `size` bytes, can be published by s3_extend: a
+    published prefix of at least a part's worth (a copied part must be one), its ETag, and a tail."""
+    return expect.exists and bool(expect.etag) and S3_MIN_PART <= expect.size < size
+
+
 async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
     """Publish `data` as `path`, which holds version `expect`: the first expect.size bytes of `data`, at
     least a part's worth (an append-only file, grown since). The store copies that prefix into the
@@ -166,7 +172,7 @@ async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
     bucket, key, _ = fs.split_path(path)
     part_size = max(fs.default_block_size, S3_MIN_PART)
     tail = memoryview(data)[expect.size :]
-    if not (expect.exists and expect.etag and S3_MIN_PART <= expect.size and tail.nbytes):
+    if not extendable(expect, len(data)):
         raise ValueError(f"s3://{path}: an extension needs a published prefix of a part's worth and a tail")
     upload_id = None
     try:

@@ -556,9 +556,7 @@ class RunDir:
         """Publish `data` over version `expect` of `name`, its first expect.size bytes (an append-only
         file grown since), else ConcurrentWriteError. On S3, once the published file is a part's worth,
         only the new tail is uploaded (objstore.s3_extend); elsewhere, and below that, it is put whole."""
-        if not (
-            self.is_s3 and expect.exists and expect.etag and objstore.S3_MIN_PART <= expect.size < len(data)
-        ):
+        if not (self.is_s3 and objstore.extendable(expect, len(data))):
             return self._put(name, data, expect=expect)
         self._fenced(name)
         return fsspec.asyn.sync(self.fs.loop, objstore.s3_extend, self.fs, self.path(name), data, expect)
