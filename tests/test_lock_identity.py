@@ -46,6 +46,11 @@ RACER = textwrap.dedent(
             results.append("lost")
         except Exception as e:
             results.append(f"error {type(e).__name__}: {e}")
+    # Alive until every racer is done: a winner that exited would leave the last round a dead
+    # trainer's lock, which a racer still looking takes over (a second "won" of the test's making).
+    open(os.path.join(sync, f"done.{me}"), "w").close()
+    while sum(f.startswith("done.") for f in os.listdir(sync)) < n:
+        time.sleep(0.001)
     print(json.dumps(results), flush=True)
     """
 )
