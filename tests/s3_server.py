@@ -97,7 +97,8 @@ class ThrottledLink:
     """A TCP relay in front of the server that passes at most `rate` bytes per second per connection
     and direction: a slow network link, so that an upload stays in flight long enough to be observed
     and interrupted (`rate` 0: unthrottled). Bytes are relayed unchanged; `sent` counts those the
-    clients sent to the server (bench/append_publish.py)."""
+    clients sent to the server (bench/append_publish.py). `pause` holds every byte in both directions
+    until `resume` (a partitioned network: the client's requests stay in flight, unanswered)."""
 
     def __init__(self, target_port: int, rate: float, chunk: int = 64 * 1024):
         self.target_port = target_port
@@ -105,6 +106,8 @@ class ThrottledLink:
         self.chunk = chunk
         self.sent = 0
         self._counting = threading.Lock()
+        self._open = threading.Event()
+        self._open.set()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.closed = False
@@ -127,6 +130,7 @@ class ThrottledLink:
     def _pump(self, src: socket.socket, dst: socket.socket, to_server: bool) -> None:
         try:
             while data := src.recv(self.chunk):
+                self._open.wait()
                 if to_server:
                     with self._counting:
                         self.sent += len(data)
@@ -142,6 +146,13 @@ class ThrottledLink:
                 except OSError:
                     pass
 
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
     def close(self) -> None:
         self.closed = True
+        self._open.set()
         self.listener.close()

@@ -25,7 +25,9 @@ machine is trusted), raising `generation`. Every publish of the holder goes thro
 (RunDir.fence): a holder that has not confirmed its lease within ttl - renew seconds confirms it first by
 a conditional renewal, and one that finds the lock another holder's is fenced: it writes nothing more.
 A renewal that merely fails (a full disk, a store refusing puts) loses nothing: publishes wait for the
-next renewal that goes through (LeaseUnconfirmed). A clean exit leaves the lock `released` (never
+next renewal that goes through (LeaseUnconfirmed). A holder may be only paused, its publish in flight
+past its check: the taker undoes those right before its takeover write (RunDir.abort_writes_in_flight),
+so that it cannot land after the takeover. A clean exit leaves the lock `released` (never
 deleted), so that `generation` only ever grows.
 
 Whether a trainer holds the run is judged here alone (trainer_liveness); one that cannot be checked
@@ -524,6 +526,9 @@ def acquire_lease(
             if version is None:
                 continue  # it changed hands (or was released) while we watched: look again
             why = f"its lease was not renewed for {held.lease_ttl_s:g}s"
+            # Its publishes in flight are undone before the lock changes hands: the holder may only be
+            # paused, and would complete them after the takeover (RunDir.abort_writes_in_flight).
+            run.abort_writes_in_flight(held.pid, log)
         me = dataclasses.replace(me, generation=held.generation + 1)
         try:
             written = run.replace_if_unchanged(LOCK, me.encode(), version)

@@ -5,6 +5,15 @@ and aborts a failed multipart upload only on Exception, not on cancellation. `s3
 with bounded memory (at most max_concurrency parts in flight) and aborts on any failure whatsoever, so
 that a failed upload leaves neither an object under the final name nor stored, billed parts; a writer
 killed outright leaves parts that `s3_abort_uploads` clears at the next start.
+
+A fenced publish (the lease holder's: `fence` given) is always a multipart upload, and its fence is
+checked after the upload is created, before any byte: S3 cannot make a write conditional on another
+object (the lock), but an upload can be aborted by someone else. A trainer taking over an expired lease
+aborts every unfinished upload of the run right before its takeover write (lock.acquire_lease), so an
+upload of the holder it replaces either completed before the takeover or never completes; and an upload
+created after that sweep meets a fence that is past its free window and must renew the lease, which
+either blocks the takeover or fails (LeaseLost). A holder paused mid-upload (SIGSTOP, a frozen VM, a
+partitioned network) therefore never publishes after its lease was taken over.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 S3_MIN_PART = 5 * 2**20  # S3 refuses smaller parts (except the last)
+Fence = Callable[[], None]  # the lease holder's check before a publish (RunDir._fence_of): raises to refuse
 
 
 class ConcurrentWriteError(OSError):
@@ -51,9 +61,31 @@ def _is_precondition_failure(e: BaseException) -> bool:
     return isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412")
 
 
-async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | None) -> Version:
+def _is_aborted_upload(e: BaseException) -> bool:
+    for err in (e, e.__cause__):
+        if getattr(err, "response", {}).get("Error", {}).get("Code") == "NoSuchUpload":
+            return True
+    return False
+
+
+async def _fence_after_create(fence: Fence | None) -> None:
+    # The fence may renew the lease: a put of the lock through this same event loop, from a thread of its
+    # own (a coroutine of the loop cannot wait for the loop).
+    if fence is not None:
+        await asyncio.to_thread(fence)
+
+
+async def s3_put(
+    fs,
+    path: str,
+    views: Iterable[memoryview],
+    expect: Version | None,
+    fence: Fence | None = None,
+) -> Version:
     """Publish `views` as `path` whole (one PUT, or a multipart upload completed or aborted); with
-    `expect`, only over that version (If-Match / If-None-Match), else ConcurrentWriteError.
+    `expect`, only over that version (If-Match / If-None-Match), else ConcurrentWriteError. With
+    `fence` (the lease holder's check, which raises to refuse): a multipart upload, whatever its size,
+    fenced once it exists (see the module's docstring).
 
     A conditional put is ambiguous when its reply is lost: the store may have committed it, and the
     SDK's identical retry then fails its own precondition (412). So a refused put reads back what the
@@ -96,6 +128,10 @@ async def s3_put(fs, path: str, views: Iterable[memoryview], expect: Version | N
         uploads.append(asyncio.create_task(upload_part(len(uploads) + 1, take(body_size))))
 
     try:
+        if fence is not None:
+            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+            upload_id = mpu["UploadId"]
+            await _fence_after_create(fence)
         for view in views:
             if digest is not None:
                 digest.update(view)
@@ -140,6 +176,11 @@ async def _failed(
     before its reply was lost, and its version is returned; any other refusal is a ConcurrentWriteError,
     anything else `e` itself."""
     bucket, key, _ = fs.split_path(path)
+    if _is_aborted_upload(e):
+        raise ConcurrentWriteError(
+            f"s3://{path}: its upload was aborted before it completed (a trainer taking the run over aborts "
+            "the uploads of the holder it replaces): not published"
+        ) from e
     if upload_id is not None:
         # If even the abort fails, the next trainer start aborts it (discard_incomplete_writes); the
         # error that matters is the upload's.
@@ -162,13 +203,13 @@ def extendable(expect: Version, size: int) -> bool:
     return expect.exists and bool(expect.etag) and S3_MIN_PART <= expect.size < size
 
 
-async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
+async def s3_extend(fs, path: str, data: bytes, expect: Version, fence: Fence | None = None) -> Version:
     """Publish `data` as `path`, which holds version `expect`: the first expect.size bytes of `data`, at
     least a part's worth (an append-only file, grown since). The store copies that prefix into the
     first part itself (UploadPartCopy of exactly those bytes of exactly that version) and only the new
     tail travels: a long loss log published at every checkpoint costs its growth, not its size. The
     upload is completed only over `expect` (If-Match), and fails as s3_put's does: aborted, a lost
-    reply resolved by reading back, anything else a ConcurrentWriteError."""
+    reply resolved by reading back, anything else a ConcurrentWriteError; `fence` as s3_put's."""
     bucket, key, _ = fs.split_path(path)
     part_size = max(fs.default_block_size, S3_MIN_PART)
     tail = memoryview(data)[expect.size :]
@@ -178,6 +219,7 @@ async def s3_extend(fs, path: str, data: bytes, expect: Version) -> Version:
     try:
         mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
         upload_id = mpu["UploadId"]
+        await _fence_after_create(fence)
         copied = await fs._call_s3(
             "upload_part_copy",
             Bucket=bucket,
@@ -239,7 +281,9 @@ async def s3_get(fs, path: str) -> tuple[bytes, str]:
         return await body.read(), r["ETag"]
 
 
-async def s3_abort_uploads(fs, root: str, log: Callable[[str], None]) -> list[str]:
+async def s3_abort_uploads(
+    fs, root: str, log: Callable[[str], None], whose: str = "its writer died"
+) -> list[str]:
     bucket, prefix, _ = fs.split_path(root)
     prefix = f"{prefix}/" if prefix else ""
     aborted = []
@@ -252,7 +296,7 @@ async def s3_abort_uploads(fs, root: str, log: Callable[[str], None]) -> list[st
                 "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
             )
             aborted.append(upload["Key"])
-            log(f"aborted an unfinished upload of s3://{bucket}/{upload['Key']} (its writer died)")
+            log(f"aborted an unfinished upload of s3://{bucket}/{upload['Key']} ({whose})")
         if not listing.get("IsTruncated") or not uploads:
             return aborted
         # The markers are positions in the listing's order: valid although those uploads are gone now.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -185,8 +186,16 @@ class RunDir:
         self.fence: Any = None
 
     def _fenced(self, name: str) -> None:
-        if self.fence is not None and name != LOCK:
-            self.fence.check(name)
+        if (check := self._fence_of(name)) is not None:
+            check()
+
+    def _fence_of(self, name: str) -> objstore.Fence | None:
+        """The holder's check before publishing `name` (None: unfenced). A publish calls it once its
+        write can be undone by a trainer taking the run over (an upload created, a temporary file made:
+        abort_writes_in_flight), so that a holder paused past it publishes nothing after a takeover."""
+        if self.fence is None or name == LOCK:
+            return None
+        return functools.partial(self.fence.check, name)
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -303,6 +312,8 @@ class RunDir:
         size = self.fs.size(path)
         if size is not None:
             check_limit(size, bound, f"{path}: {size} bytes")
+        if size == 0:
+            return b""  # S3 refuses any range of an empty object (416)
         data = self.fs.cat_file(path, start=0, end=most + 1)  # it may have grown since
         check_limit(len(data), bound, f"{path}: more than {most} bytes")
         return data
@@ -471,6 +482,30 @@ class RunDir:
                     log(f"removed {self.path(name)}, left by a writer that did not finish")
         return discarded
 
+    def abort_writes_in_flight(self, writer_pid: int, log: Callable[[str], None] = print) -> list[str]:
+        """Undo the unfinished writes of a lease holder that is being taken over (lock.acquire_lease,
+        after its lease expired and before the takeover write): on S3 every unfinished upload of the
+        run (a fenced publish is one), on local disk the temporary files its pid named in the run's
+        folder, live or not. Its publish then fails (the upload's complete, the rename) instead of
+        landing after the takeover; one it starts later meets its fence past the free window
+        (RunDir._fence_of). `writer_pid` is the pid the holder's lock records, in its own namespace:
+        a process of this namespace with the same number loses its write in flight too (it fails and
+        can be run again; nothing published is touched)."""
+        whose = f"of trainer pid {writer_pid}, whose lease is being taken over"
+        if self.is_s3:
+            return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log, whose)
+        if not self.is_local:
+            return []
+        removed = []
+        for name in self.listdir():
+            m = TEMP_RE.fullmatch(name)
+            if m and int(m.group(1)) == writer_pid != os.getpid():
+                with contextlib.suppress(FileNotFoundError):
+                    self.remove(name)
+                    removed.append(name)
+                    log(f"removed {self.path(name)}, a write in flight {whose}")
+        return removed
+
     def is_dead_temporary(self, name: str) -> bool:
         """Whether run file `name`, named as a temporary (TEMP_RE), is a dead writer's, to be removed:
         a link (no writer of ours makes one: removing it removes the link, never its target), or a
@@ -538,12 +573,13 @@ class RunDir:
         """Publish `name` atomically; with `expect`, only over that version of it (else raise
         ConcurrentWriteError). Returns the version published."""
         final = self.path(name)
-        self._fenced(name)
+        fence = self._fence_of(name)
         views = _byte_views(parts)
         if self.is_local:
-            return Version(self._write_local(name, views))
+            return Version(self._write_local(name, views, fence))
         if self.is_s3:
-            return fsspec.asyn.sync(self.fs.loop, objstore.s3_put, self.fs, final, views, expect)
+            return fsspec.asyn.sync(self.fs.loop, objstore.s3_put, self.fs, final, views, expect, fence)
+        self._fenced(name)
         if expect is not None:
             self._check_unchanged(name, expect)
         data = b"".join(views)
@@ -558,8 +594,10 @@ class RunDir:
         only the new tail is uploaded (objstore.s3_extend); elsewhere, and below that, it is put whole."""
         if not (self.is_s3 and objstore.extendable(expect, len(data))):
             return self._put(name, data, expect=expect)
-        self._fenced(name)
-        return fsspec.asyn.sync(self.fs.loop, objstore.s3_extend, self.fs, self.path(name), data, expect)
+        fence = self._fence_of(name)
+        return fsspec.asyn.sync(
+            self.fs.loop, objstore.s3_extend, self.fs, self.path(name), data, expect, fence
+        )
 
     def _read_versioned(self, name: str) -> tuple[bytes, Version]:
         """A file's bytes and the version they are, read as one (ABSENT if there is no such file)."""
@@ -582,9 +620,12 @@ class RunDir:
                 "not replacing it"
             )
 
-    def _write_local(self, name: str, views: Iterable[memoryview]) -> int:
+    def _write_local(
+        self, name: str, views: Iterable[memoryview], fence: objstore.Fence | None = None
+    ) -> int:
         """Write under an unguessable temporary name (O_EXCL, O_NOFOLLOW), fsync, rename over `name`
-        (refused if `name` is a symlink), fsync the folder."""
+        (refused if `name` is a symlink), fsync the folder. `fence` is checked once the temporary file
+        exists: a trainer taking the run over removes it (abort_writes_in_flight), and the rename fails."""
         dfd, base = self._parent_fd(name, create=True)
         try:
             self._refuse_link(dfd, base, name)
@@ -592,11 +633,22 @@ class RunDir:
             size = 0
             try:
                 with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
+                    if fence is not None:
+                        fence()
                     for view in views:
                         size += f.write(view)
                     f.flush()
                     os.fsync(f.fileno())
-                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    try:
+                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    except FileNotFoundError as e:
+                        if fence is None:
+                            raise
+                        raise ConcurrentWriteError(
+                            f"{self.path(name)}: its temporary file was removed before the rename (a "
+                            "trainer taking the run over removes those of the holder it replaces): not "
+                            "published"
+                        ) from e
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)

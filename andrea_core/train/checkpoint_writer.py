@@ -9,7 +9,9 @@ exactly what the synchronous writer (`asynchronous=False`) produces: the same he
 
 Ordering guarantee of a save of step S (what sidecar writers can rely on):
   0. If the run is fenced (a trainer's lease, lock.Lease), the lease is renewed first, conditionally
-     over its own version; a lost lease fails the save (LeaseLost) before anything is written.
+     over its own version; a lost lease fails the save (LeaseLost) before anything is written. (The
+     publish itself checks the fence again once its upload or temporary file exists, which a taker
+     aborts: RunDir._fence_of.)
   1. `before_write(S)` runs before any byte of step_S.bin is written; if it raises, nothing is written.
      The trainer makes .loss.json durable here, so that every checkpoint has its history.
   2. step_S.bin appears under its final name whole: fsynced, renamed, directory entry fsynced.
