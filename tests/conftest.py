@@ -236,15 +236,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # the tiny reference, test_data_resume the mix runs); test_audit, which reads both, goes late, where
 # they are built (its figure an estimate of its tests without them).
 SLOWEST_FIRST = """
-    test_distributed 307  test_prefect_flows 267  test_cli_pivot_fork 208  test_soak_s3 200
+    test_distributed 307  test_prefect_flows 267  test_soak_s3 230  test_cli_pivot_fork 208
     test_soak 180  test_guard 170  test_object_store 142  test_bench_smoke 122  test_export_sample 110
     test_fuzz_rundir 104  test_async_checkpoint 104  test_lease_outage 99  test_data_tokenizer 88
     test_resume 87  test_demo 85  test_lock_identity 83  test_run_target 77  test_data_resume 76
     test_prefect_dashboard 67  test_data_corpora_s3 65  test_audit_fork_flow 63
     test_retention 60  test_promises 58  test_checkpoint 57  test_gpu_path 56  test_full_disk 53
     test_lease 49  test_supervise 44  test_pivot_elsewhere 43  test_pivot_checks 43
-    test_security_paths 42  test_security_inputs 40  test_pivot_restart 39  test_pivot_abandon 34
-    test_tensorboard 33  test_lock_and_config 33  test_compare 30  test_audit 30  test_corpus_memory 29
+    test_security_paths 42  test_security_inputs 40  test_pivot_restart 39  test_stale_holder 35
+    test_pivot_abandon 34  test_tensorboard 33  test_lock_and_config 33  test_compare 30  test_audit 30
+    test_corpus_memory 29
 """.split()[::2]
 
 

@@ -1,8 +1,8 @@
 """The chaos soak's CI version (issue 28): bench/soak.py's seeded schedule, 40 faults (every kind at least
-twice), over one run on a tmpfs, with zero invariant violations; tests/test_soak_s3.py runs one round
-(every kind once) on moto. Each store in a module of its own, so that the two go to the suite's two
-workers side by side (locally 169 s alone on 2026-12-04). The long soak (`--faults 1000`) and its
-figures are in bench/README.md."""
+twice), over one run, with zero invariant violations: on a tmpfs here, on moto in tests/test_soak_s3.py.
+Each store in a module of its own, so that the two go to the suite's two workers side by side (alone on
+this machine: 178 s local, 222 s on moto, 2026-12-05). The long soak (`--faults 1000`) and its figures
+are in bench/README.md."""
 
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 KINDS = {"local": 15, "s3": 16}  # bench/soak.py's KINDS
-# The issue's 40 (every kind at least twice) on the tmpfs. On moto one round (every kind once) until a
-# trainer stopped mid-upload past the lease's ttl can no longer complete its put after the takeover
-# (the 2026-12-05 S3 soak's one violation, at fault 7: bench/README.md): each sigstop-long risks it.
-FAULTS = {"local": 40, "s3": 16}
+FAULTS = {"local": 40, "s3": 40}  # the issue's 40 on each store: every kind at least twice
 
 
 def soak(store: str, work: Path) -> None:
