@@ -71,16 +71,22 @@ class S3Server:
             self.proc.wait()
 
 
-def start_s3_server(timeout: float = 60, server: list[str] | None = None) -> S3Server:
+def start_s3_server(
+    timeout: float = 60, server: list[str] | None = None, log: Path | None = None
+) -> S3Server:
     """Start moto's server with atomic conditional writes (moto_s3.py; or `server`, a command line to
-    which -H and -p are added) on a free 127.0.0.1 port and wait until it answers."""
+    which -H and -p are added) on a free 127.0.0.1 port and wait until it answers. `log`: a file for
+    its output, one line a request (bench/s3_requests.py counts them)."""
     for _ in range(3):  # the port is free when picked; another process may take it before moto binds
         port = free_port()
+        out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (the child's)
         proc = subprocess.Popen(
             [*(server or [sys.executable, str(MOTO_S3)]), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
         )
+        if log is not None:
+            out.close()  # the child holds its own copy
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
             try:
