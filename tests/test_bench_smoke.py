@@ -124,3 +124,11 @@ def test_peer_nanogpt_runs_the_andrea_side_alone_without_a_checkout(tmp_path):
     assert vocab.max() < 128  # ASCII: one byte a character
     for ids, raw in splits.values():
         assert np.array_equal(np.searchsorted(vocab, raw), ids)
+
+
+def test_s3_requests_counts_each_kind_and_every_fenced_publish_is_an_upload():
+    out = bench("s3_requests.py", "--checkpoints", "2")
+    rows = {k: float(v) for k, v in re.findall(rf"^  ([a-z ]+?)\s+({NUMBER})$", out, re.M)}
+    assert rows["all"] == pytest.approx(sum(v for k, v in rows.items() if k != "all"), abs=0.2), out
+    # The holder's publishes are multipart uploads (abortable by a taker): created, one part, completed.
+    assert rows["create upload"] == rows["upload part"] == rows["complete upload"] >= 4, out
