@@ -185,15 +185,12 @@ def confirm_fork_point(
     the keep_last newest on disk now (a pass's newest is on disk already, and it deletes oldest first).
     A False is logged, naming what happened; the branches hold the checkpoint either way."""
     name = checkpoint_name(step)
-    listed = parent.checkpoint_steps()
-    holder = read_lock(parent)
+    # Kept by a rule no pass can change: asked first, with no listing and no lock read.
+    fixed = retention.keep_last is None or bool(retention.keep_every and step % retention.keep_every == 0)
+    listed = [] if fixed else parent.checkpoint_steps()
+    holder = None if fixed else read_lock(parent)
     newer = sum(1 for s in listed if s > step)
-    by_rule = (
-        retention.keep_last is None
-        or bool(retention.keep_every and step % retention.keep_every == 0)
-        or newer < retention.keep_last
-    )
-    if step in listed and not by_rule and holder is not None:
+    if step in listed and newer >= retention.keep_last and holder is not None:
         log(
             f"{parent.url}: waiting for trainer pid {holder.pid}'s next checkpoint: a retention pass "
             f"under way when the fork was recorded may still delete {name} (at most {timeout_s:g}s)"
