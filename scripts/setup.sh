@@ -9,14 +9,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.andrea-installed
-if [ ! -f "$stamp" ] || ! cmp -s requirements.txt "$stamp"; then
-  echo "setup: installing pinned dependencies (requirements.txt)"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 \
+if [ ! -f "$stamp" ] || ! cat requirements.txt constraints.txt | cmp -s - "$stamp"; then
+  echo "setup: installing pinned dependencies (requirements.txt, their own dependencies: constraints.txt)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e . 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
   .venv/bin/python -c "import torch, prefect, fsspec, yaml, numpy" \
     || { echo "setup: dependencies failed to import" >&2; exit 1; }
-  cp requirements.txt "$stamp"
+  cat requirements.txt constraints.txt > "$stamp"
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
