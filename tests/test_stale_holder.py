@@ -14,6 +14,7 @@ store never holds its bytes.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -192,3 +193,22 @@ def test_a_fenced_publish_on_s3_is_an_upload_that_can_be_aborted(s3_server, s3_b
     bucket = s3_bucket.removeprefix("s3://")
     assert s3_server.client().call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
     b.release()
+
+
+@pytest.mark.parametrize("holder_pid", ["other", "same-as-ours"])
+def test_a_taker_removes_the_temporary_files_of_the_holder_it_replaces_and_only_those(tmp_path, holder_pid):
+    """On local disk, the holder's writes in flight are its temporary files, named with the pid its lock
+    records (in its own namespace: the same number as this process's in two containers, pid 1 in each).
+    Another writer's temporary file, and every published file, are left as they are."""
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    pid = os.getpid() if holder_pid == "same-as-ours" else os.getpid() + 1
+    holders = [f".step_000270.bin.tmp.{pid}.{'a' * 16}", f".samples.json.tmp.{pid}.{'b' * 16}"]
+    others = [f".step_000270.bin.tmp.{pid + 7}.{'c' * 16}", "step_000260.bin", ".samples.json"]
+    for name in holders + others:
+        (tmp_path / "run" / name).write_bytes(b"x")
+    logged: list[str] = []
+    assert sorted(run.abort_writes_in_flight(pid, logged.append)) == sorted(holders)
+    assert sorted(run.listdir()) == sorted(others)
+    said = f"a write in flight of trainer pid {pid}, whose lease is being taken over"
+    assert len(logged) == 2 and all(said in m for m in logged), logged

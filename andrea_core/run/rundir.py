@@ -499,7 +499,9 @@ class RunDir:
         removed = []
         for name in self.listdir():
             m = TEMP_RE.fullmatch(name)
-            if m and int(m.group(1)) == writer_pid != os.getpid():
+            # Ours too if the numbers match (pid 1 in two containers): this process, taking the lock,
+            # has no write in flight.
+            if m and int(m.group(1)) == writer_pid:
                 with contextlib.suppress(FileNotFoundError):
                     self.remove(name)
                     removed.append(name)
