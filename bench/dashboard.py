@@ -4,7 +4,9 @@ once by the status and once by the view, and every step drawn), in the same run.
 
 The run is real (an andrea-tiny run of one step, its run.yaml, policy and checkpoint) with a loss log
 of `--steps` steps written in the trainer's own line format (30,000 steps a segment, as restarts make
-them). Both pages are made `--repeats` times, alternating; medians are printed. Asserts nothing.
+them). Both pages are made `--repeats` times, alternating; medians are printed. So is `andrea status`
+(ops/status.run_status) of the same run, reading the log's end (loss_log.read_recent) against the whole
+canonical history it read before 2026-12-05 (it asserts that both say the same step and speed).
 
     .venv/bin/python bench/dashboard.py [--steps 600000] [--repeats 3]
 """
@@ -45,15 +47,21 @@ def make_run(folder: Path, steps: int) -> str:
 
 def before(url: str) -> str:
     """The page as it was made before: status and view each read the history; every point drawn."""
-    from andrea_core.ops import dashboard, loss_view
+    from andrea_core.ops import dashboard, loss_view, status
+    from andrea_core.run.loss_log import read_history
 
-    real_read, real_buckets = dashboard.read_history, loss_view.PLOT_BUCKETS
+    real_read, real_buckets, real_recent = dashboard.read_history, loss_view.PLOT_BUCKETS, status.read_recent
     dashboard.read_history = lambda run: None  # run_status and loss_view then read it themselves
+    status.read_recent = lambda run, window_s: read_history(run)  # the whole of it, as before
     loss_view.PLOT_BUCKETS = 10**12
     try:
         return dashboard.dashboard(url)[0]
     finally:
-        dashboard.read_history, loss_view.PLOT_BUCKETS = real_read, real_buckets
+        dashboard.read_history, loss_view.PLOT_BUCKETS, status.read_recent = (
+            real_read,
+            real_buckets,
+            real_recent,
+        )
 
 
 def now(url: str) -> str:
@@ -85,6 +93,27 @@ def main() -> None:
         )
         print(f"  before (history read twice, every step drawn): {b:.2f} s")
         print(f"  now (one read, the curve's envelope drawn):     {n:.2f} s   ({n / b:.2f}x)")
+        whole, tail = status_times(url, args.repeats)
+        print(f"andrea status of the same run, median of {args.repeats}:")
+        print(f"  before (the whole log parsed):                  {whole:.3f} s")
+        print(f"  now (the log's end: its last minute of logging): {tail:.3f} s   ({tail / whole:.3f}x)")
+
+
+def status_times(url: str, repeats: int) -> tuple[float, float]:
+    from andrea_core.ops.status import run_status
+    from andrea_core.run.loss_log import read_history
+    from andrea_core.run.rundir import RunDir
+
+    times: dict[str, list[float]] = {"whole": [], "tail": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a = run_status(url, history=read_history(RunDir(url)))
+        t1 = time.perf_counter()
+        b = run_status(url)
+        times["whole"].append(t1 - t0)
+        times["tail"].append(time.perf_counter() - t1)
+        assert (a.step, a.steps_per_s, a.tokens_per_s) == (b.step, b.steps_per_s, b.tokens_per_s)
+    return statistics.median(times["whole"]), statistics.median(times["tail"])
 
 
 if __name__ == "__main__":

@@ -109,3 +109,37 @@ def test_fast_reader_agrees_with_json_on_every_kind_of_line(tmp_path):
     history = read_history(RunDir(str(tmp_path)))
     assert same(history, canonical(expected))
     assert [e.step for e in history] == list(range(1, 9001))  # segment 1 came back after segment 2
+
+
+def test_the_recent_entries_read_from_the_logs_end_are_the_canonical_historys(tmp_path):
+    """read_recent (what `andrea status` reads: the newest step and the speed over the last minute)
+    gives exactly the canonical history's newest-segment entries of the window, however the window, the
+    segments and the first chunk fall: a segment that starts inside the chunk, one that began long before
+    it, a window wider than many chunks, a resume below the older segment's steps, a torn last line."""
+    import random
+
+    from andrea_core.run.loss_log import read_recent
+
+    rng = random.Random(7)
+    for case in range(40):
+        run = RunDir(str(tmp_path / f"run{case}"))
+        run.makedirs()
+        lines, step, t = [], 0, 1000.0
+        for segment in range(1, rng.randint(1, 4) + 1):
+            step = max(0, step - rng.randint(0, 30))  # a resume, at or below the newest step
+            for _ in range(rng.randint(0, 300)):
+                step, t = step + 1, t + rng.choice([0.05, 0.5, 2.0])
+                lines.append(json.dumps({"step": step, "loss": 3.0, "segment": segment, "time": t,
+                                         "tokens": 64}))  # fmt: skip
+        data = "".join(line + "\n" for line in lines).encode()
+        if rng.random() < 0.3:
+            data += b'{"step": 99999, "lo'  # a crash mid-append
+        (tmp_path / f"run{case}" / LOSS_LOG).write_bytes(data)
+        window = rng.choice([1.0, 10.0, 60.0, 600.0])
+        history = read_history(run)
+        want = []
+        if history:
+            last = history[-1]
+            want = [e for e in history if e.segment == last.segment and e.time >= last.time - window]
+        got = read_recent(run, window, chunk=rng.choice([16, 100, 1000, 1 << 18]))
+        assert same(got, want), (case, window, len(got), len(want))

@@ -35,7 +35,7 @@ from andrea_core.run.lock import (
     lease_said,
     trainer_liveness,
 )
-from andrea_core.run.loss_log import LossEntry, read_history
+from andrea_core.run.loss_log import LossEntry, read_recent
 from andrea_core.run.rundir import GUARD_LOG, RunDir
 
 WINDOW_S = 60.0
@@ -91,7 +91,7 @@ def _identity(ident: TrainerIdentity) -> dict:
 
 def run_status(url: str, now: float | None = None, history: list[LossEntry] | None = None) -> RunStatus:
     """Where the run stands. `history`: its canonical loss history when the caller has read it already
-    (the dashboard draws the same one), else read here."""
+    (the dashboard draws the same one), else the end of the log that this report needs is read here."""
     from andrea_core.data.policy import read_policy
     from andrea_core.run.lineage import phases
     from andrea_core.run.pivot_journal import read_pivot
@@ -138,7 +138,8 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
 
     # The readers keep a line's integers whole, however large; this report does float arithmetic on
     # them (rates, ETA, percent), where a step or token count past 2**53 is no trainer's anyway.
-    history = read_history(run) if history is None else history
+    # Its newest step and speed need only the log's end (read_recent), not a log of millions of steps.
+    history = read_recent(run, WINDOW_S) if history is None else history
     history = [e for e in history if max(abs(e.step), abs(e.tokens)) < 2**53]
     if history:
         st.step, st.last_logged_at = history[-1].step, history[-1].time

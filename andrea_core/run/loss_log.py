@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from andrea_core.config import check_limit
+from andrea_core.config import check_limit, limit
 from andrea_core.run.rundir import LOSS_LOG, RunDir
 
 
@@ -171,6 +171,35 @@ def read_history(run: RunDir) -> list[LossEntry]:
     if not run.exists(LOSS_LOG):
         return []
     return newest_segments(parse_entries(run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES"))[0])
+
+
+def read_recent(run: RunDir, window_s: float, chunk: int = 1 << 18) -> list[LossEntry]:
+    """The newest segment's entries of its last `window_s` seconds of logging (its newest step and its
+    speed: what `andrea status` shows), read from the end of the log: a chunk, doubled until it reaches
+    back past the window, to an older segment or to the file's start. The same entries as the
+    canonical history's (read_history) of the newest segment in that window, at the cost of the window,
+    not of a log of millions of steps."""
+    if not run.exists(LOSS_LOG):
+        return []
+    most = limit("ANDREA_MAX_LOSS_LOG_BYTES")
+    while True:
+        data, start = run.read_tail(LOSS_LOG, min(chunk, most))
+        if start:
+            # Its first line is cut (with no line end at all, the chunk is one cut line: parsed as torn).
+            data = data[data.find(b"\n") + 1 :]
+        entries = parse_entries(data)[0]
+        if entries:
+            last = entries[-1]
+            newest = [e for e in entries if e.segment == last.segment]
+            since = last.time - window_s
+            if not start or len(newest) < len(entries) or newest[0].time < since:
+                return [e for e in newest if e.time >= since]
+        elif not start:
+            return []
+        if chunk >= most:  # not even the bound reaches back far enough (a whole read refuses it too)
+            what = f"{run.path(LOSS_LOG)}: the last {window_s:g}s of its newest segment take"
+            check_limit(most + 1, "ANDREA_MAX_LOSS_LOG_BYTES", what)
+        chunk *= 2
 
 
 def ema_curve(values: list[float], alpha: float = 0.05, start: float | None = None) -> list[float]:

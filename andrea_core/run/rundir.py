@@ -318,6 +318,30 @@ class RunDir:
         check_limit(len(data), bound, f"{path}: more than {most} bytes")
         return data
 
+    def read_tail(self, name: str, most: int) -> tuple[bytes, int]:
+        """The last `most` bytes of run file `name` (all of it when shorter) and the offset they start
+        at: a reader that needs the end of a long log reads that, never the whole of it."""
+        if self.is_local:
+            fd = self._open_local(name, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise UnsafeRunPath(f"{self.path(name)}: not a regular file; not read")
+                # The bytes it had when looked at (a log grows while it is read): at most `most`.
+                start, data = max(0, st.st_size - most), bytearray()
+                while len(data) < st.st_size - start:
+                    piece = os.pread(fd, st.st_size - start - len(data), start + len(data))
+                    if not piece:
+                        break  # cut short meanwhile
+                    data += piece
+                return bytes(data), start
+            finally:
+                os.close(fd)
+        path = self.path(name)
+        size = self.fs.size(path) or 0
+        start = max(0, size - most)
+        return (self.fs.cat_file(path, start=start, end=size) if size else b""), start
+
     def size(self, name: str) -> int:
         return self.fs.size(self.path(name))
 
