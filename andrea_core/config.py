@@ -42,6 +42,9 @@ LIMITS = {
     # a compressed file expanding to at most this many times its stored size (more: refused by name).
     "ANDREA_MAX_LINE_BYTES": 64 << 20,
     "ANDREA_MAX_EXPANSION": 100,
+    # The newest versions of a run's dashboard artifact that Prefect's database keeps (about 95 KB each;
+    # one is published at every checkpoint of a run that may last weeks).
+    "ANDREA_DASHBOARD_VERSIONS": 48,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from uuid import UUID
@@ -15,6 +16,7 @@ from prefect.artifacts import (
 )
 from prefect.cache_policies import NO_CACHE
 
+from andrea_core.config import limit
 from andrea_core.ops.compare import (
     Comparison,
     markdown_text,
@@ -95,16 +97,40 @@ def _duration(seconds: float) -> str:
 
 def publish_dashboard(run_dir: str) -> dict:
     """The run's dashboard (andrea_core.ops.dashboard) as the keyed markdown artifact `run-<name>`:
-    the UI's Artifacts page shows its newest version, its history one per checkpoint."""
+    the UI's Artifacts page shows its newest version, its history one per checkpoint (the newest
+    ANDREA_DASHBOARD_VERSIONS, 48 unless set)."""
     from andrea_core.ops.dashboard import dashboard
 
     markdown, facts = dashboard(run_dir)
+    key = artifact_key("run", run_name(run_dir))
     create_markdown_artifact(
         markdown=markdown,
-        key=artifact_key("run", run_name(run_dir)),
+        key=key,
         description=markdown_text(f"dashboard of {run_dir}: step {facts['step']} of {facts['target']}"),
     )
+    keep_newest_versions(key, limit("ANDREA_DASHBOARD_VERSIONS"))
     return facts
+
+
+def keep_newest_versions(key: str, keep: int) -> int:
+    """Delete all but the newest `keep` versions of artifact `key`; how many went. Prefect keeps every
+    version it is given: a dashboard published at each checkpoint of a run of weeks would be thousands of
+    rows. At most a page of the API's (its default limit) a call: an old backlog goes over a few."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        old = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            sort=ArtifactSort.CREATED_DESC,
+            offset=keep,
+        )
+        for version in old:
+            with contextlib.suppress(ObjectNotFound):  # deleted meanwhile (another publisher's prune)
+                client.delete_artifact(version.id)
+    return len(old)
 
 
 def status_markdown(title: str, rows: dict[str, object]) -> str:

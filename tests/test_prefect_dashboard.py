@@ -115,11 +115,27 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
 
     with client() as c:
         logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    assert not [e.message for e in logs if "was not updated" in e.message]  # every publish (and prune) went
     errors = [(e.name, e.message) for e in logs if e.level >= 40]
     ours = [(n, m) for n, m in errors if not m.startswith(("Crash detected!", "Finished in state Crashed"))]
     assert ours == [], ours
     table = artifact("trainer-dash").data
     assert re.search(r"\| loss \| \d\.\d{4} \|", table) and "| reason | SIGTERM |" in table
+
+
+def test_a_dashboard_keeps_only_its_newest_versions(stack):  # noqa: F811
+    """Prefect keeps every version of an artifact: the dashboard, published at each checkpoint of a run
+    of weeks, keeps its newest ANDREA_DASHBOARD_VERSIONS (tasks/artifacts.keep_newest_versions)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.artifacts import keep_newest_versions
+
+    for i in range(5):
+        create_markdown_artifact(markdown=f"version {i}", key="run-prune")
+    assert keep_newest_versions("run-prune", 2) == 3
+    assert [a.data for a in artifact_versions("run-prune")] == ["version 3", "version 4"]
+    assert keep_newest_versions("run-prune", 2) == 0
+    assert artifact("run-prune").data == "version 4"  # the newest, as the UI's key page shows it
 
 
 def test_a_train_flow_run_is_named_after_its_phase(tmp_path):
