@@ -212,3 +212,39 @@ def test_a_taker_removes_the_temporary_files_of_the_holder_it_replaces_and_only_
     assert sorted(run.listdir()) == sorted(others)
     said = f"a write in flight of trainer pid {pid}, whose lease is being taken over"
     assert len(logged) == 2 and all(said in m for m in logged), logged
+
+
+def test_an_upload_found_gone_is_ours_if_the_store_holds_our_bytes_else_aborted(s3_server, s3_bucket):
+    """NoSuchUpload is the taker's abort, or the SDK's retry of a complete that went through and whose
+    reply was lost. A conditional publish (its SHA-256 known) that finds the store holding exactly its
+    bytes adopts that version, as after a refused precondition; otherwise it was aborted: nothing is
+    taken for published that is not."""
+    import asyncio
+    import hashlib
+
+    from andrea_core.run import objstore
+    from andrea_core.run.objstore import ConcurrentWriteError
+
+    fs = RunDir(f"{s3_bucket}/run").fs
+    bucket, key = s3_bucket.removeprefix("s3://"), "run/.loss.json"
+    path = f"{bucket}/{key}"
+    data = b'{"step": 1}\n'
+    client = s3_server.client()
+    upload = client.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    part = client.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)
+    done = client.call_s3(
+        "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+    )  # fmt: skip
+    with pytest.raises(OSError) as gone:  # the store's own answer for an upload that is no more
+        client.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=2, Body=b"x")
+    assert objstore._is_aborted_upload(gone.value), gone.value
+
+    def failed(sha256: bytes):
+        return asyncio.run_coroutine_threadsafe(
+            objstore._failed(fs, path, upload, gone.value, len(data), sha256), fs.loop
+        ).result(60)
+
+    assert failed(hashlib.sha256(data).digest()) == objstore.Version(len(data), done["ETag"])
+    with pytest.raises(ConcurrentWriteError, match="its upload was aborted before it completed"):
+        failed(hashlib.sha256(b"other bytes").digest())

@@ -171,29 +171,32 @@ async def s3_put(
 async def _failed(
     fs, path: str, upload_id: str | None, e: BaseException, size: int, sha256: bytes | None
 ) -> Version:
-    """After a failed publish (raised from `e`): abort its multipart upload, if any; a refused
+    """After a failed publish (raised from `e`): abort its multipart upload, if any. A refused
     conditional write whose bytes the store holds anyway (`size`, `sha256`) was our own, committed
-    before its reply was lost, and its version is returned; any other refusal is a ConcurrentWriteError,
-    anything else `e` itself."""
+    before its reply was lost, and its version is returned; so is an upload found gone (NoSuchUpload:
+    the SDK's retry of a complete that went through may be answered so). Any other refusal is a
+    ConcurrentWriteError, an upload aborted by someone else (a trainer taking the run over) too;
+    anything else is `e` itself."""
     bucket, key, _ = fs.split_path(path)
-    if _is_aborted_upload(e):
-        raise ConcurrentWriteError(
-            f"s3://{path}: its upload was aborted before it completed (a trainer taking the run over aborts "
-            "the uploads of the holder it replaces): not published"
-        ) from e
-    if upload_id is not None:
+    aborted = _is_aborted_upload(e)
+    if upload_id is not None and not aborted:
         # If even the abort fails, the next trainer start aborts it (discard_incomplete_writes); the
         # error that matters is the upload's.
         with contextlib.suppress(Exception):
             await asyncio.shield(
                 fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             )
-    if not _is_precondition_failure(e):
+    if not (aborted or _is_precondition_failure(e)):
         raise e
     if sha256 is not None:
         etag = await s3_etag_if_holding(fs, path, size, sha256)
         if etag is not None:
             return Version(size, etag)
+    if aborted:
+        raise ConcurrentWriteError(
+            f"s3://{path}: its upload was aborted before it completed (a trainer taking the run over aborts "
+            "the uploads of the holder it replaces): not published"
+        ) from e
     raise ConcurrentWriteError(f"s3://{path} changed since this process read it; not replacing it") from e
 
 
