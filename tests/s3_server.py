@@ -103,14 +103,15 @@ class ThrottledLink:
     """A TCP relay in front of the server that passes at most `rate` bytes per second per connection
     and direction: a slow network link, so that an upload stays in flight long enough to be observed
     and interrupted (`rate` 0: unthrottled). Bytes are relayed unchanged; `sent` counts those the
-    clients sent to the server (bench/append_publish.py). `pause` holds every byte in both directions
-    until `resume` (a partitioned network: the client's requests stay in flight, unanswered)."""
+    clients sent to the server (bench/append_publish.py), `received` those the relay took from it.
+    `pause` holds every byte in both directions until `resume` (a partitioned network: the client's
+    requests stay in flight, unanswered)."""
 
     def __init__(self, target_port: int, rate: float, chunk: int = 64 * 1024):
         self.target_port = target_port
         self.rate = rate
         self.chunk = chunk
-        self.sent = 0
+        self.sent = self.received = 0
         self._counting = threading.Lock()
         self._open = threading.Event()
         self._open.set()
@@ -137,9 +138,11 @@ class ThrottledLink:
         try:
             while data := src.recv(self.chunk):
                 self._open.wait()
-                if to_server:
-                    with self._counting:
+                with self._counting:
+                    if to_server:
                         self.sent += len(data)
+                    else:
+                        self.received += len(data)
                 dst.sendall(data)
                 if self.rate:
                     time.sleep(len(data) / self.rate)

@@ -185,6 +185,41 @@ def line(step: int, segment: int) -> dict:
     }
 
 
+def test_an_s3_run_file_is_read_in_one_bounded_get_and_one_over_its_bound_is_refused_unread(
+    s3_bucket, s3_server, monkeypatch
+):
+    """A sidecar (and the lock, read with its version) is one GET whose answer names the object's size
+    before its body is read (Content-Range): over the bound it is refused, naming file, size and
+    bound, its body left unread (the slow relay took a chunk or two of its 3 MiB off the server); an
+    empty one is b""."""
+    from s3_server import ThrottledLink
+
+    from andrea_core.config import ConfigError
+
+    writer = RunDir(f"{s3_bucket}/run")
+    writer.write_text(FORKS, "x" * 3 * MiB)
+    writer.write_text(LOCK, "y" * 3 * MiB)  # a forged lock: its renewal read it whole before
+    writer.write_text("empty.json", "")
+    link = ThrottledLink(s3_server.port, rate=100_000)  # 3 MiB would take 30 s
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", link.endpoint)
+    monkeypatch.setitem(fsspec.config.conf.setdefault("s3", {}), "endpoint_url", link.endpoint)
+    try:
+        run = RunDir(f"{s3_bucket}/run")
+        assert run.fs.endpoint_url == link.endpoint
+        monkeypatch.setenv("ANDREA_MAX_SIDECAR_BYTES", "1000")
+        received = link.received
+        for read in (lambda: run.read_bytes(FORKS), lambda: run.read_versioned(LOCK)):
+            name = FORKS if received == link.received else LOCK
+            with pytest.raises(ConfigError, match=rf"{name}: {3 * MiB} bytes, more than the limit of 1000"):
+                read()
+        assert link.received - received < MiB, "the refused bodies were not read"
+        assert run.read_bytes("empty.json") == b"" and run.read_versioned("empty.json")[0] == b""
+        monkeypatch.setenv("ANDREA_MAX_SIDECAR_BYTES", str(4 * MiB))
+        assert writer.read_versioned(LOCK)[0] == b"y" * 3 * MiB  # under it: whole (directly, not slowly)
+    finally:
+        link.close()
+
+
 @pytest.mark.parametrize("kind", ["memory", "s3"])
 def test_loss_log_without_append_is_mirrored_and_published_at_durable_flushes(
     kind, tmp_path, s3_bucket, monkeypatch

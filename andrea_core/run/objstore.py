@@ -55,17 +55,21 @@ def _conditions(expect: Version | None) -> dict[str, str]:
     return {"IfMatch": expect.etag}
 
 
+def _error_code(e: BaseException) -> str | None:
+    """The S3 error code of `e` (s3fs raises OSErrors from the SDK's ClientError, its cause)."""
+    for err in (e, e.__cause__):
+        code = getattr(err, "response", {}).get("Error", {}).get("Code")
+        if code:
+            return code
+    return None
+
+
 def _is_precondition_failure(e: BaseException) -> bool:
-    cause = e.__cause__
-    code = getattr(cause, "response", {}).get("Error", {}).get("Code") if cause is not None else None
-    return isinstance(e, FileExistsError) or code in ("PreconditionFailed", "412")
+    return isinstance(e, FileExistsError) or _error_code(e) in ("PreconditionFailed", "412")
 
 
 def _is_aborted_upload(e: BaseException) -> bool:
-    for err in (e, e.__cause__):
-        if getattr(err, "response", {}).get("Error", {}).get("Code") == "NoSuchUpload":
-            return True
-    return False
+    return _error_code(e) == "NoSuchUpload"
 
 
 async def _fence_after_create(fence: Fence | None) -> None:
@@ -277,11 +281,25 @@ async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | N
     return r["ETag"] if held.digest() == sha256 else None
 
 
-async def s3_get(fs, path: str) -> tuple[bytes, str]:
+async def s3_get(fs, path: str, most: int) -> tuple[bytes, str | None, int]:
+    """(bytes, ETag, size) of `path` in one GET of at most `most` + 1 bytes; an object over `most`
+    bytes is not read at all (its size says so: b"" is returned with it). The range's answer names the
+    whole object's size (Content-Range) before its body is read, so the bound costs no HEAD."""
     bucket, key, _ = fs.split_path(path)
-    r = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    try:
+        r = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{most}")
+    except OSError as e:
+        if _error_code(e) == "InvalidRange":  # any range of an empty object (416)
+            head = await fs._call_s3("head_object", Bucket=bucket, Key=key)
+            return b"", head.get("ETag"), 0
+        raise
+    content_range = r.get("ContentRange") or ""
+    size = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(r["ContentLength"])
+    if size > most:
+        r["Body"].close()
+        return b"", r.get("ETag"), size
     async with r["Body"] as body:
-        return await body.read(), r["ETag"]
+        return await body.read(), r.get("ETag"), size
 
 
 async def s3_abort_uploads(

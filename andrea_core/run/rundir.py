@@ -283,7 +283,7 @@ class RunDir:
             if self.is_local:
                 return self._read_local(name, None, "")
             return self.fs.cat_file(self.path(name))
-        return self.read_bounded(name, "ANDREA_MAX_LOSS_LOG_BYTES" if name == LOSS_LOG else None)
+        return self.read_bounded(name, _bound_of(name))
 
     def read_text(self, name: str) -> str:
         """A sidecar's text (run.yaml, policy.yaml, data.jsonl ...), bounded like every sidecar read."""
@@ -308,15 +308,23 @@ class RunDir:
         most = limit(bound)
         if self.is_local:
             return self._read_local(name, most, bound)
+        if self.is_s3:
+            return self._s3_read(name, bound)[0]
         path = self.path(name)
         size = self.fs.size(path)
         if size is not None:
             check_limit(size, bound, f"{path}: {size} bytes")
-        if size == 0:
-            return b""  # S3 refuses any range of an empty object (416)
         data = self.fs.cat_file(path, start=0, end=most + 1)  # it may have grown since
         check_limit(len(data), bound, f"{path}: more than {most} bytes")
         return data
+
+    def _s3_read(self, name: str, bound: str) -> tuple[bytes, str | None]:
+        """S3 run file `name` and its ETag in one GET, refused unread above limit `bound` (the GET's
+        answer names the object's size before its body is read: no HEAD first)."""
+        path = self.path(name)
+        data, etag, size = fsspec.asyn.sync(self.fs.loop, objstore.s3_get, self.fs, path, limit(bound))
+        check_limit(size, bound, f"{path}: {size} bytes")
+        return data, etag
 
     def read_tail(self, name: str, most: int) -> tuple[bytes, int]:
         """The last `most` bytes of run file `name` (all of it when shorter) and the offset they start
@@ -629,9 +637,9 @@ class RunDir:
         """A file's bytes and the version they are, read as one (ABSENT if there is no such file)."""
         try:
             if self.is_s3:
-                data, etag = fsspec.asyn.sync(self.fs.loop, objstore.s3_get, self.fs, self.path(name))
+                data, etag = self._s3_read(name, _bound_of(name))
                 return data, Version(len(data), etag)
-            data = self.read_bounded(name)
+            data = self.read_bounded(name, _bound_of(name))
         except FileNotFoundError:
             return b"", ABSENT
         return data, Version(len(data), _sha256(data))
@@ -1081,6 +1089,11 @@ def _check_checkpoint_header(path: str, header: bytes, size: int) -> None:
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 SECRET_FILES = (LOCK,)  # the lock holds the trainer's nonce: readable by its owner only
+
+
+def _bound_of(name: str) -> str:
+    """The limit (config.LIMITS) a run file is read under: the loss log's, or any sidecar's."""
+    return "ANDREA_MAX_LOSS_LOG_BYTES" if name == LOSS_LOG else "ANDREA_MAX_SIDECAR_BYTES"
 
 
 def _mode(name: str) -> int:
