@@ -204,11 +204,11 @@ def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list
     """The well-formed lines of the run's forks.jsonl, in order. A malformed line (torn by a crash,
     junk, the wrong shape) is skipped, and reported through `warn`, like a torn .loss.json line: it
     must not break lineage, retention or the next fork."""
-    if not run.exists(FORKS):
+    try:  # read, not exists() then read: on an object store that is a request less
+        data = run.read_bounded(FORKS)
+    except (FileNotFoundError, NotADirectoryError):  # none (the run's folder not even there)
         return []
-    return well_formed_lines(
-        run.read_bounded(FORKS), lambda r: r if _is_fork_record(r) else None, run.path(FORKS), warn
-    )
+    return well_formed_lines(data, lambda r: r if _is_fork_record(r) else None, run.path(FORKS), warn)
 
 
 def _is_fork_record(record: Any) -> bool:

@@ -79,14 +79,14 @@ def read_pivot(run: RunDir) -> dict[str, Any] | None:
     """The pivot under way, or None. An unreadable file, or one whose fields are not what record_pivot
     writes (a forged journal), is reported as {"unreadable": why}: one that protects everything and
     that no step acts on. Whatever names a place must be a phase folder of this run."""
-    if not run.exists(PIVOT_JSON):
-        return None
     try:
         doc = run.read_json(PIVOT_JSON)
         if not isinstance(doc, dict):
             raise ValueError("not a JSON object")
         _check_journal(doc)
         return doc
+    except (FileNotFoundError, NotADirectoryError):  # none (the run's folder not even there)
+        return None
     except ValueError as e:
         why = str(e) if isinstance(e, JournalError) else type(e).__name__
         return {"unreadable": f"{run.path(PIVOT_JSON)}: {why}"}

@@ -24,7 +24,7 @@ from andrea_core.config import RetentionConfig
 from andrea_core.run.lineage import fork_records, phases
 from andrea_core.run.pivot_journal import pivot_protected_steps
 from andrea_core.run.record import read_run
-from andrea_core.run.rundir import RUN_YAML, RunDir
+from andrea_core.run.rundir import RunDir
 
 
 @dataclass
@@ -44,7 +44,10 @@ def protected_steps(run: RunDir) -> dict[int, list[str]]:
         protected[int(record["step"])].append(f"fork point ({', '.join(record.get('names', []))})")
     for step, why in pivot_protected_steps(run, run.checkpoint_steps()).items():
         protected[step].append(why)
-    lineage = read_run(run).lineage if run.exists(RUN_YAML) else {}
+    try:
+        lineage = read_run(run).lineage
+    except (FileNotFoundError, NotADirectoryError):  # none (the run's folder not even there)
+        lineage = {}
     if lineage.get("parent_step") is not None:
         protected[int(lineage["parent_step"])].append(f"forked from {lineage.get('parent')}")
     return dict(protected)

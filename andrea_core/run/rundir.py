@@ -380,9 +380,11 @@ class RunDir:
                 return sorted(os.listdir(fd))
             finally:
                 os.close(fd)
-        if not self.fs.exists(where):
+        try:  # no exists() first: on an object store that is a request more at every listing
+            found = self.fs.ls(where, detail=False)
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (locally: not even a folder)
             return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(where, detail=False))
+        return sorted(posixpath.basename(p.rstrip("/")) for p in found)
 
     def write_atomic(self, name: str, parts: Buffer | Iterable[Buffer]) -> None:
         """Publish `name` whole or not at all; a reader never sees a torn file under a final name."""
