@@ -179,11 +179,12 @@ def read_recent(run: RunDir, window_s: float, chunk: int = 1 << 18) -> list[Loss
     back past the window, to an older segment or to the file's start. The same entries as the
     canonical history's (read_history) of the newest segment in that window, at the cost of the window,
     not of a log of millions of steps."""
-    if not run.exists(LOSS_LOG):
-        return []
     most = limit("ANDREA_MAX_LOSS_LOG_BYTES")
     while True:
-        data, start = run.read_tail(LOSS_LOG, min(chunk, most))
+        try:  # read, not exists() then read: on an object store that is a request less
+            data, start = run.read_tail(LOSS_LOG, min(chunk, most))
+        except FileNotFoundError:
+            return []
         if start:
             # Its first line is cut (with no line end at all, the chunk is one cut line: parsed as torn).
             data = data[data.find(b"\n") + 1 :]

@@ -504,17 +504,27 @@ class RunDir:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
         if not self.is_local:
             return []  # one put a file (pipe_file): no temporaries
-        discarded = []
+        # Our own pid's temporaries are writes in flight on our other threads (the checkpoint writer).
+        return self._remove_temporaries(
+            lambda name, pid: pid != os.getpid() and self.is_dead_temporary(name),
+            "left by a writer that did not finish",
+            log,
+        )
+
+    def _remove_temporaries(
+        self, which: Callable[[str, int], bool], why: str, log: Callable[[str], None]
+    ) -> list[str]:
+        """Remove the temporary files (TEMP_RE) of the run's folder that `which(name, writer pid)`
+        picks, each said to `log` with `why`; the names removed."""
+        removed = []
         for name in self.listdir():
             m = TEMP_RE.fullmatch(name)
-            # Our own pid's temporaries are writes in flight on our other threads (the checkpoint
-            # writer).
-            if m and int(m.group(1)) != os.getpid() and self.is_dead_temporary(name):
+            if m and which(name, int(m.group(1))):
                 with contextlib.suppress(FileNotFoundError):
                     self.remove(name)
-                    discarded.append(name)
-                    log(f"removed {self.path(name)}, left by a writer that did not finish")
-        return discarded
+                    removed.append(name)
+                    log(f"removed {self.path(name)}, {why}")
+        return removed
 
     def abort_writes_in_flight(self, writer_pid: int, log: Callable[[str], None] = print) -> list[str]:
         """Undo the unfinished writes of a lease holder that is being taken over (lock.acquire_lease,
@@ -530,17 +540,9 @@ class RunDir:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log, whose)
         if not self.is_local:
             return []
-        removed = []
-        for name in self.listdir():
-            m = TEMP_RE.fullmatch(name)
-            # Ours too if the numbers match (pid 1 in two containers): this process, taking the lock,
-            # has no write in flight.
-            if m and int(m.group(1)) == writer_pid:
-                with contextlib.suppress(FileNotFoundError):
-                    self.remove(name)
-                    removed.append(name)
-                    log(f"removed {self.path(name)}, a write in flight {whose}")
-        return removed
+        # Ours too if the numbers match (pid 1 in two containers): this process, taking the lock, has no
+        # write in flight.
+        return self._remove_temporaries(lambda _, pid: pid == writer_pid, f"a write in flight {whose}", log)
 
     def is_dead_temporary(self, name: str) -> bool:
         """Whether run file `name`, named as a temporary (TEMP_RE), is a dead writer's, to be removed:
@@ -615,7 +617,8 @@ class RunDir:
             return Version(self._write_local(name, views, fence))
         if self.is_s3:
             return fsspec.asyn.sync(self.fs.loop, objstore.s3_put, self.fs, final, views, expect, fence)
-        self._fenced(name)
+        if fence is not None:  # no conditional puts here: checked before, compared after (verify)
+            fence()
         if expect is not None:
             self._check_unchanged(name, expect)
         data = b"".join(views)
