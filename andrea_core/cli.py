@@ -66,6 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         keep_signal_handlers=True,
         train_args=getattr(args, "train_args", None),
     )
+    from andrea_core.train.distributed import exit_follower
     from andrea_core.train.guard import EXIT_DIVERGED, DivergedTooOften
 
     try:
@@ -74,8 +75,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         # The guard's bound: one line naming the steps, the events and what to try; a status of its own
         # that systemd's unit does not restart on (RestartPreventExitStatus).
         print(f"andrea: {e}", file=sys.stderr)
+        exit_follower(trainer.world, EXIT_DIVERGED)
         return EXIT_DIVERGED
-    return 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
+    code = 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
+    exit_follower(trainer.world, code)  # a rank > 0 ends here (under torchrun)
+    return code
 
 
 def format_inspect(report: dict) -> str:

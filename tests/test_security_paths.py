@@ -102,6 +102,25 @@ def test_run_file_reads_do_not_follow_a_symlink_or_block_on_a_fifo(base, tmp_pat
         r.read_bounded("policy.yaml.fifo")
 
 
+@pytest.mark.parametrize("where", ["step_000100.bin", "a-file/run"])
+def test_a_file_where_the_run_folder_should_be_holds_no_run(tmp_path, where):
+    """The run's folder is a file (named like a checkpoint), or under one: every reader finds no run
+    there, as on an object store, and nothing is read from the file (it was listed as the run's own
+    checkpoint step_000100.bin by the listing, which asked the filesystem about the root as a path)."""
+    from andrea_core.run.lineage import fork_records
+    from andrea_core.run.pivot_journal import read_pivot
+    from andrea_core.run.retention import protected_steps
+
+    (tmp_path / where.split("/")[0]).write_bytes(b"not a run")
+    r = RunDir(str(tmp_path / where))
+    assert r.listdir() == [] and r.checkpoint_steps() == []
+    assert fork_records(r) == [] and read_pivot(r) is None and protected_steps(r) == {}
+    assert not r.exists(LOCK)
+    with pytest.raises(FileNotFoundError, match="a file, not the run's folder"):
+        r.read_bytes(LOCK)
+    assert (tmp_path / where.split("/")[0]).read_bytes() == b"not a run"
+
+
 @pytest.mark.parametrize(
     "bad", ["/etc/passwd", "../V/step_000100.bin", "archive/../../x", "a\0b", "", "a//b", "./x", "a/"]
 )

@@ -206,7 +206,7 @@ def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list
     must not break lineage, retention or the next fork."""
     try:  # read, not exists() then read: on an object store that is a request less
         data = run.read_bounded(FORKS)
-    except (FileNotFoundError, NotADirectoryError):  # none (the run's folder not even there)
+    except FileNotFoundError:  # none (the run's folder not even there)
         return []
     return well_formed_lines(data, lambda r: r if _is_fork_record(r) else None, run.path(FORKS), warn)
 

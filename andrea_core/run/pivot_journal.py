@@ -85,7 +85,7 @@ def read_pivot(run: RunDir) -> dict[str, Any] | None:
             raise ValueError("not a JSON object")
         _check_journal(doc)
         return doc
-    except (FileNotFoundError, NotADirectoryError):  # none (the run's folder not even there)
+    except FileNotFoundError:  # none (the run's folder not even there)
         return None
     except ValueError as e:
         why = str(e) if isinstance(e, JournalError) else type(e).__name__

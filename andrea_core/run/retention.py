@@ -46,7 +46,7 @@ def protected_steps(run: RunDir) -> dict[int, list[str]]:
         protected[step].append(why)
     try:
         lineage = read_run(run).lineage
-    except (FileNotFoundError, NotADirectoryError):  # none (the run's folder not even there)
+    except FileNotFoundError:  # none (the run's folder not even there)
         lineage = {}
     if lineage.get("parent_step") is not None:
         protected[int(lineage["parent_step"])].append(f"forked from {lineage.get('parent')}")

@@ -214,7 +214,7 @@ class RunDir:
         parts = check_name(name, f"{self.url}: run file name").split("/")
         if create:
             os.makedirs(self.root, exist_ok=True)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = self._root_fd()
         try:
             for i, part in enumerate(parts[:-1]):
                 if create:
@@ -237,6 +237,15 @@ class RunDir:
         except BaseException:
             os.close(fd)
             raise
+
+    def _root_fd(self) -> int:
+        """An fd of the run's folder. A file where it should be holds no run file: FileNotFoundError,
+        as on an object store (where a key is never a folder), so that every reader takes "no run
+        there" from one exception."""
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except NotADirectoryError:
+            raise FileNotFoundError(errno.ENOENT, "a file, not the run's folder", self.root) from None
 
     def _open_local(self, name: str, flags: int, mode: int = 0o666) -> int:
         """An fd of run file `name` opened with `flags` (+ O_NOFOLLOW): a symlink is refused."""
@@ -366,9 +375,9 @@ class RunDir:
         """Names (not paths) of the entries in the run directory or one of its subfolders (locally,
         a subfolder reached through a symlink is refused)."""
         where = self.path(sub) if sub else self.root
-        if self.is_local and sub:
+        if self.is_local:
             try:
-                fd = self._open_local(sub, os.O_RDONLY | os.O_DIRECTORY)
+                fd = self._open_local(sub, os.O_RDONLY | os.O_DIRECTORY) if sub else self._root_fd()
             except FileNotFoundError:
                 return []
             except (NotADirectoryError, UnsafeRunPath):  # O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR
@@ -382,7 +391,7 @@ class RunDir:
                 os.close(fd)
         try:  # no exists() first: on an object store that is a request more at every listing
             found = self.fs.ls(where, detail=False)
-        except (FileNotFoundError, NotADirectoryError):  # nothing there (locally: not even a folder)
+        except FileNotFoundError:  # nothing there
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in found)
 

@@ -96,6 +96,18 @@ def shutdown(world: World, clean: bool = True) -> None:
     _flag_group = None
 
 
+def exit_follower(world: World, code: int) -> None:
+    """A rank > 0 whose trainer has ended exits here, without the interpreter's teardown. It has left
+    the process group (shutdown) and writes nothing of the run, so nothing is lost; what is skipped is
+    the teardown of torch's C++ objects, where a gloo thread still holding a tensor can abort the process
+    ("terminate called without an active exception", SIGABRT, seen under load after a clean run) and
+    turn a completed job into a failed one. Rank 0 (and a single process) returns and exits normally."""
+    if world.rank > 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         torch.distributed.barrier()
