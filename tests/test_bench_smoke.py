@@ -84,6 +84,14 @@ def test_checkpoint_io_and_loss_log_print_their_figures(tmp_path):
     assert re.search(rf"read the canonical history\s+{NUMBER} s .* target < 1 s", out), out
 
 
+def test_dashboard_prints_before_now_and_the_status_read():
+    out = bench("dashboard.py", "--steps", "3000", "--segments", "7", "--repeats", "1")
+    assert "dashboard of a run of 3,000 steps in 7 segments" in out, out
+    assert re.search(rf"before \(.*\): {NUMBER} s", out), out
+    assert re.search(rf"now \(.*\):\s+{NUMBER} s\s+\({NUMBER}x\)", out), out
+    assert re.search(rf"now \(the log's end.*\): {NUMBER} s\s+\({NUMBER}x\)", out), out
+
+
 def test_ddp_overhead_prints_the_flag_all_reduce():
     out = bench("ddp_overhead.py", "--config", "andrea-tiny", "--nproc", "2", "--steps", "12", "--skip", "2",
                 "--flag-iterations", "50")  # fmt: skip

@@ -27,6 +27,38 @@ def test_canonical_history_takes_the_newest_segment_and_drops_abandoned_tails():
     ]  # fmt: skip
 
 
+def test_the_canonical_history_of_many_segments_is_the_per_step_newest_segments():
+    """newest_segments against its definition (a dict of every step, cut at each segment's start) on
+    random logs of many segments: resumes below, at and above the newest step, steps logged twice or out
+    of order within a segment (a forged log). Its cost, linear where the definition is quadratic in
+    the segments, is bench/dashboard.py's."""
+    import random
+
+    from andrea_core.run.loss_log import LossEntry, newest_segments
+
+    def definition(entries):
+        history, segment = {}, None
+        for e in entries:
+            if e.segment != segment:
+                segment, history = e.segment, {s: v for s, v in history.items() if s < e.step}
+            history[e.step] = e
+        return [history[s] for s in sorted(history)]
+
+    def entry(step, segment, i):
+        return LossEntry(step, float(i), 0.1, None, 1, segment, float(i))
+
+    rng = random.Random(3)
+    for _ in range(300):
+        entries, step, i = [], 0, 0
+        for segment in range(1, rng.randint(1, 12) + 1):
+            step = max(0, step + rng.randint(-40, 5))
+            for _ in range(rng.randint(0, 60)):
+                step = step + 1 if rng.random() < 0.85 else max(0, step - rng.randint(0, 20))
+                i += 1
+                entries.append(entry(step, segment, i))
+        assert newest_segments(entries) == definition(entries)
+
+
 def test_torn_last_line_is_skipped_and_the_next_segment_starts_on_a_new_line(tmp_path):
     run = RunDir(str(tmp_path))
     (tmp_path / LOSS_LOG).write_bytes((_line(1, 1.0, 1) + "\n" + _line(2, 2.0, 1))[:-7].encode())

@@ -13,7 +13,7 @@ import pytest
 from conftest import andrea
 from tiny import tiny_config
 
-from andrea_core.ops.loss_view import Mark, envelope, loss_view
+from andrea_core.ops.loss_view import Mark, draw_marks, envelope, loss_view, marks_to_label
 from andrea_core.run.loss_log import ema_curve, read_history
 from andrea_core.run.rundir import RunDir
 
@@ -62,6 +62,37 @@ def test_a_long_curve_is_drawn_as_its_envelope_keeping_every_spike():
 
 
 @pytest.mark.slow
+def test_a_plot_of_hundreds_of_marks_labels_the_rare_ones_and_counts_the_rest():
+    """A run of weeks restarted 300 times: every mark is drawn, 24 are labelled (both pivots, the fork,
+    then the newest resumes), and the legend counts the resumes left unlabelled."""
+    marks = [Mark(s, "resume", f"resume from step {s}") for s in range(100, 30_100, 100)]
+    marks += [Mark(5_000, "pivot", "pivot: p2"), Mark(20_000, "pivot", "pivot: p3")]
+    marks += [Mark(25_000, "fork", "fork")]
+    chosen = marks_to_label(marks)
+    resumes = sorted(m.step for m in chosen if m.kind == "resume")
+    assert len(chosen) == 24 and {m.kind for m in chosen if m.kind != "resume"} == {"pivot", "fork"}
+    assert sum(m.kind == "pivot" for m in chosen) == 2 and resumes == list(range(28_000, 30_100, 100))
+    assert marks_to_label(marks[:24]) == set(marks[:24])  # all of them, when they fit
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 30_000], [4.0, 2.0])
+    draw_marks(ax, marks)
+    ax.legend()
+    labels = [t.get_text() for t in ax.texts]
+    assert len(labels) == 24 and "pivot: p2" in labels and "resume from step 100" not in labels
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["resume x300 (279 not labelled)"]
+    drawn = sorted(int(seg[0][0]) for c in ax.collections for seg in c.get_segments())
+    assert drawn == sorted(m.step for m in marks)  # every mark drawn
+    assert ax.get_ylim()[0] > 1.5  # the lines span the axes without pulling the loss axis to 0
+    plt.close(fig)
+
+
 def test_the_loss_view_of_a_resumed_pivoted_and_forked_run(tmp_path):
     run = tmp_path / "run"
     cfg = tiny_config(tmp_path, train__checkpoint_every=10)

@@ -11,6 +11,7 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from andrea_core.config import ConfigError, load_yaml
 from andrea_core.run.loss_log import LossEntry, ema_curve, read_history
@@ -171,6 +172,25 @@ def envelope(xs: list[int], ys: list[float], buckets: int = PLOT_BUCKETS) -> tup
     return [xs[i] for i in out], [ys[i] for i in out]
 
 
+# At most this many marks are labelled on a plot (900 pixels wide): a run of weeks restarted hundreds of
+# times has hundreds of resumes, whose labels would overlap into a grey band and take seconds to draw.
+PLOT_LABELS = 24
+
+
+def marks_to_label(marks: list[Mark], most: int = PLOT_LABELS) -> set[Mark]:
+    """The marks a plot labels: all of them when they fit, else the rarer kinds first (pivots, forks,
+    then resumes), each kind's newest first; the others are drawn, and counted in the legend."""
+    if len(marks) <= most:
+        return set(marks)
+    by_kind: dict[str, list[Mark]] = {}
+    for m in marks:
+        by_kind.setdefault(m.kind, []).append(m)
+    chosen: list[Mark] = []
+    for kind in sorted(by_kind, key=lambda k: (len(by_kind[k]), k)):
+        chosen += sorted(by_kind[kind], key=lambda m: -m.step)[: most - len(chosen)]
+    return set(chosen)
+
+
 # Greys and line styles for the marks (their labels say what each is); the arms' points take the colours.
 MARK_STYLE = {
     "pivot": ("0.1", "-"),
@@ -178,6 +198,32 @@ MARK_STYLE = {
     "fork": ("0.3", "--"),
     "forked-from": ("0.3", "-."),
 }
+
+
+def draw_marks(ax: Any, marks: list[Mark]) -> None:
+    """The marks on a plot's axes: a vertical line each (one line collection a kind) and the labels of
+    marks_to_label; a kind with unlabelled marks is counted in the legend."""
+    labelled = marks_to_label(marks)
+    for kind in dict.fromkeys(m.kind for m in marks):  # one line collection a kind, in mark order
+        color, style = MARK_STYLE.get(kind, ("0.3", "-."))
+        steps = [m.step for m in marks if m.kind == kind]
+        unnamed = sum(1 for m in marks if m.kind == kind and m not in labelled)
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=color, linestyles=style, lw=1,
+                  label=f"{kind} x{len(steps)} ({unnamed} not labelled)" if unnamed else None)  # fmt: skip
+    for m in labelled:
+        color = MARK_STYLE.get(m.kind, ("0.3", "-."))[0]
+        ax.annotate(
+            m.label.replace("$", r"\$"),
+            (m.step, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -4),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            fontsize=7,
+            color=color,
+            bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
+        )
 
 
 def plot_view(view: LossView, title: str | None = None) -> bytes:
@@ -213,21 +259,7 @@ def plot_view(view: LossView, title: str | None = None) -> bytes:
             color=f"C{i + 1}",
             label=f"held-out loss: {arm}".replace("$", r"\$"),
         )
-    for m in view.marks:
-        color, style = MARK_STYLE.get(m.kind, ("0.3", "-."))
-        ax.axvline(m.step, color=color, ls=style, lw=1)
-        ax.annotate(
-            m.label.replace("$", r"\$"),
-            (m.step, 1),
-            xycoords=("data", "axes fraction"),
-            xytext=(3, -4),
-            textcoords="offset points",
-            rotation=90,
-            va="top",
-            fontsize=7,
-            color=color,
-            bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
-        )
+    draw_marks(ax, view.marks)
     ax.set(xlabel="step", ylabel="loss", title=(title if title is not None else view.run).replace("$", r"\$"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")  # a falling curve leaves that corner empty; marks label the top

@@ -35,7 +35,7 @@ from andrea_core.run.lock import (
     lease_said,
     trainer_liveness,
 )
-from andrea_core.run.loss_log import LossEntry, read_recent
+from andrea_core.run.loss_log import LossEntry, read_recent, recent_window
 from andrea_core.run.rundir import GUARD_LOG, RunDir
 
 WINDOW_S = 60.0
@@ -138,8 +138,8 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
 
     # The readers keep a line's integers whole, however large; this report does float arithmetic on
     # them (rates, ETA, percent), where a step or token count past 2**53 is no trainer's anyway.
-    # Its newest step and speed need only the log's end (read_recent), not a log of millions of steps.
-    history = read_recent(run, WINDOW_S) if history is None else history
+    # Its newest step and speed need only the log's last minute (recent_window), not millions of steps.
+    history = read_recent(run, WINDOW_S) if history is None else recent_window(history, WINDOW_S)[0]
     history = [e for e in history if max(abs(e.step), abs(e.tokens)) < 2**53]
     if history:
         st.step, st.last_logged_at = history[-1].step, history[-1].time

@@ -10,6 +10,7 @@ tail (steps past a later resume point) dropped.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import json
@@ -149,17 +150,32 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
 
 
 def newest_segments(entries: Iterable[LossEntry]) -> list[LossEntry]:
-    """The history the run actually has: for each step, the newest segment's entry (file order in)."""
-    history: dict[int, LossEntry] = {}
+    """The history the run actually has: for each step, the newest segment's entry (file order in).
+
+    Kept as a step-sorted list: a new segment cuts it at its first step (bisect) and a segment's steps,
+    which rise, are appended. Linear in the log, whatever the number of segments (a run of weeks has
+    one a restart; copying a dict of every step at each of them made a read quadratic)."""
+    history: list[LossEntry] = []
+    steps: list[int] = []  # history's steps, for bisect
     segment = None
     for e in entries:
         if e.segment != segment:
             # A new segment starts right after its resume point: whatever the older timelines
             # logged from that step on was lost with them.
             segment = e.segment
-            history = {s: v for s, v in history.items() if s < e.step}
-        history[e.step] = e
-    return [history[s] for s in sorted(history)]
+            cut = bisect.bisect_left(steps, e.step)
+            del history[cut:], steps[cut:]
+        if not steps or e.step > steps[-1]:
+            history.append(e)
+            steps.append(e.step)
+            continue
+        i = bisect.bisect_left(steps, e.step)  # a step logged again, or out of order (a forged log)
+        if steps[i] == e.step:
+            history[i] = e
+        else:
+            history.insert(i, e)
+            steps.insert(i, e.step)
+    return history
 
 
 def canonical(entries: list[dict]) -> list[LossEntry]:
@@ -171,6 +187,20 @@ def read_history(run: RunDir) -> list[LossEntry]:
     if not run.exists(LOSS_LOG):
         return []
     return newest_segments(parse_entries(run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES"))[0])
+
+
+def recent_window(entries: list[LossEntry], window_s: float) -> tuple[list[LossEntry], bool]:
+    """The newest segment's entries of its last `window_s` seconds of logging, at the end of `entries`
+    (a canonical history, or a log's lines in file order), and whether an entry before them is outside
+    the window (an older segment's, or older than it): False when they may reach further back. Walked
+    from the end, at the cost of the window, not of a history of millions of steps."""
+    if not entries:
+        return [], False
+    last = entries[-1]
+    since, i = last.time - window_s, len(entries) - 1
+    while i >= 0 and entries[i].segment == last.segment and entries[i].time >= since:
+        i -= 1
+    return entries[i + 1 :], i >= 0
 
 
 def read_recent(run: RunDir, window_s: float, chunk: int = 1 << 18) -> list[LossEntry]:
@@ -188,15 +218,9 @@ def read_recent(run: RunDir, window_s: float, chunk: int = 1 << 18) -> list[Loss
         if start:
             # Its first line is cut (with no line end at all, the chunk is one cut line: parsed as torn).
             data = data[data.find(b"\n") + 1 :]
-        entries = parse_entries(data)[0]
-        if entries:
-            last = entries[-1]
-            newest = [e for e in entries if e.segment == last.segment]
-            since = last.time - window_s
-            if not start or len(newest) < len(entries) or newest[0].time < since:
-                return [e for e in newest if e.time >= since]
-        elif not start:
-            return []
+        window, whole = recent_window(parse_entries(data)[0], window_s)
+        if whole or not start:
+            return window
         if chunk >= most:  # not even the bound reaches back far enough (a whole read refuses it too)
             what = f"{run.path(LOSS_LOG)}: the last {window_s:g}s of its newest segment take"
             check_limit(most + 1, "ANDREA_MAX_LOSS_LOG_BYTES", what)
