@@ -30,8 +30,8 @@ def test_canonical_history_takes_the_newest_segment_and_drops_abandoned_tails():
 def test_the_canonical_history_of_many_segments_is_the_per_step_newest_segments():
     """newest_segments against its definition (a dict of every step, cut at each segment's start) on
     random logs of many segments: resumes below, at and above the newest step, steps logged twice or out
-    of order within a segment (a forged log). Its cost, linear where the definition is quadratic in
-    the segments, is bench/dashboard.py's."""
+    of order within a segment, a segment number met before (a forged log). Its cost, linear where the
+    definition is quadratic in the segments, is bench/dashboard.py's."""
     import random
 
     from andrea_core.run.loss_log import LossEntry, newest_segments
@@ -50,7 +50,8 @@ def test_the_canonical_history_of_many_segments_is_the_per_step_newest_segments(
     rng = random.Random(3)
     for _ in range(300):
         entries, step, i = [], 0, 0
-        for segment in range(1, rng.randint(1, 12) + 1):
+        for k in range(1, rng.randint(1, 12) + 1):
+            segment = k if rng.random() < 0.8 else rng.randint(1, k)  # a number met before: forged
             step = max(0, step + rng.randint(-40, 5))
             for _ in range(rng.randint(0, 60)):
                 step = step + 1 if rng.random() < 0.85 else max(0, step - rng.randint(0, 20))

@@ -10,7 +10,6 @@ tail (steps past a later resume point) dropped.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import json
@@ -152,30 +151,24 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
 def newest_segments(entries: Iterable[LossEntry]) -> list[LossEntry]:
     """The history the run actually has: for each step, the newest segment's entry (file order in).
 
-    Kept as a step-sorted list: a new segment cuts it at its first step (bisect) and a segment's steps,
-    which rise, are appended. Linear in the log, whatever the number of segments (a run of weeks has
-    one a restart; copying a dict of every step at each of them made a read quadratic)."""
-    history: list[LossEntry] = []
-    steps: list[int] = []  # history's steps, for bisect
-    segment = None
+    A segment starts right after its resume point, so whatever the older timelines logged from its
+    first step on was lost with them: an entry stands if no later segment starts at or below its step
+    and no later line logs its step again. Read from the end, that is one pass and a dict, whatever the
+    number of segments (a run of weeks has one a restart; copying the dict of every step at each of them
+    made a read quadratic) and whatever order a forged log's steps come in."""
+    segments: list[list[LossEntry]] = []  # runs of consecutive lines of one segment, in file order
     for e in entries:
-        if e.segment != segment:
-            # A new segment starts right after its resume point: whatever the older timelines
-            # logged from that step on was lost with them.
-            segment = e.segment
-            cut = bisect.bisect_left(steps, e.step)
-            del history[cut:], steps[cut:]
-        if not steps or e.step > steps[-1]:
-            history.append(e)
-            steps.append(e.step)
-            continue
-        i = bisect.bisect_left(steps, e.step)  # a step logged again, or out of order (a forged log)
-        if steps[i] == e.step:
-            history[i] = e
-        else:
-            history.insert(i, e)
-            steps.insert(i, e.step)
-    return history
+        if not segments or e.segment != segments[-1][-1].segment:
+            segments.append([])
+        segments[-1].append(e)
+    history: dict[int, LossEntry] = {}
+    below: float = math.inf  # the lowest first step of the segments after this one
+    for lines in reversed(segments):
+        for e in reversed(lines):
+            if e.step < below and e.step not in history:
+                history[e.step] = e
+        below = min(below, lines[0].step)
+    return [history[s] for s in sorted(history)]
 
 
 def canonical(entries: list[dict]) -> list[LossEntry]:
