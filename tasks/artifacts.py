@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import time
 from uuid import UUID
@@ -35,6 +36,15 @@ def artifact_key(*parts: str) -> str:
 
 def run_name(run_dir: str) -> str:
     return RunDir(run_dir).url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def run_key(kind: str, run_dir: str) -> str:
+    """The key of one run's artifact of `kind` ("run", "trainer", "audit-fork"): `<kind>-<name>-<digest>`,
+    the name for the UI's eye, the digest (8 hex of the SHA-256 of the run's canonical URL) so that two
+    runs of one name (two folders called `run`, a local one and an S3 one, `A_1` and `a-1`) never show
+    in, or prune, each other's history: a key is all Prefect groups an artifact's versions by."""
+    digest = hashlib.sha256(RunDir(run_dir).url.encode()).hexdigest()[:8]
+    return f"{artifact_key(kind, run_name(run_dir))[:106].rstrip('-')}-{digest}"  # "-plot" fits in 120
 
 
 class TrainingProgress:
@@ -96,13 +106,13 @@ def _duration(seconds: float) -> str:
 
 
 def publish_dashboard(run_dir: str) -> dict:
-    """The run's dashboard (andrea_core.ops.dashboard) as the keyed markdown artifact `run-<name>`:
+    """The run's dashboard (andrea_core.ops.dashboard) as the markdown artifact `run-<name>-<digest>`:
     the UI's Artifacts page shows its newest version, its history one per checkpoint (the newest
     ANDREA_DASHBOARD_VERSIONS, 48 unless set)."""
     from andrea_core.ops.dashboard import dashboard
 
     markdown, facts = dashboard(run_dir)
-    key = artifact_key("run", run_name(run_dir))
+    key = run_key("run", run_dir)
     create_markdown_artifact(
         markdown=markdown,
         key=key,
@@ -144,7 +154,7 @@ def publish_status(run_dir: str, title: str, rows: dict[str, object]) -> None:
     """A small markdown table keyed by the run: the UI's Artifacts page shows its latest version."""
     create_markdown_artifact(
         markdown=status_markdown(title, rows),
-        key=artifact_key("trainer", run_name(run_dir)),
+        key=run_key("trainer", run_dir),
         description=markdown_text(f"trainer status of {run_dir}"),
     )
 
@@ -156,7 +166,7 @@ def publish_fork_report(comparison: Comparison, report_dir: str) -> dict[str, st
     logger = get_run_logger()
     png = plot_comparison(comparison)
     uri = png_data_uri(png)
-    key = artifact_key("audit-fork", run_name(comparison.parent))
+    key = run_key("audit-fork", comparison.parent)
     create_markdown_artifact(
         markdown=report_markdown(comparison, uri),
         key=key,

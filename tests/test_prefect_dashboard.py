@@ -26,6 +26,7 @@ from andrea_core.checkpoint import checkpoint_name
 from andrea_core.run.lock import live_trainer
 from andrea_core.run.rundir import RunDir
 from flows.train import train_run_name
+from tasks.artifacts import run_key
 from tests.browser import Chromium, chromium_path
 from tests.conftest import wait_for
 from tests.tiny import tiny_config
@@ -62,7 +63,7 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
 
     # Two checkpoints later: the dashboard's newest version names the second one.
     def dashboard_at_second_checkpoint():
-        versions = artifact_versions("run-dash")
+        versions = artifact_versions(run_key("run", run.url))
         return versions and f"step\\_{2 * EVERY:06d}.bin" in versions[-1].data and versions
 
     versions = wait_for(dashboard_at_second_checkpoint, timeout=300, what="the dashboard after 2 checkpoints")
@@ -105,7 +106,8 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
         )
         browser.screenshot(OUT / "dashboard.png")
         assert "held-out loss" in text and "newest valid checkpoint" in text
-        browser.open(f"{stack.ui}/artifacts/key/run-dash", ["run-dash"])
+        key = run_key("run", run.url)
+        browser.open(f"{stack.ui}/artifacts/key/{key}", [key])
         browser.screenshot(OUT / "dashboard-key.png")
 
     # A clean cancel: Cancelled, and no ERROR line of ours (Prefect's task engine logs its own).
@@ -119,7 +121,7 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
     errors = [(e.name, e.message) for e in logs if e.level >= 40]
     ours = [(n, m) for n, m in errors if not m.startswith(("Crash detected!", "Finished in state Crashed"))]
     assert ours == [], ours
-    table = artifact("trainer-dash").data
+    table = artifact(run_key("trainer", run.url)).data
     assert re.search(r"\| loss \| \d\.\d{4} \|", table) and "| reason | SIGTERM |" in table
 
 
@@ -136,6 +138,25 @@ def test_a_dashboard_keeps_only_its_newest_versions(stack):  # noqa: F811
     assert [a.data for a in artifact_versions("run-prune")] == ["version 3", "version 4"]
     assert keep_newest_versions("run-prune", 2) == 0
     assert artifact("run-prune").data == "version 4"  # the newest, as the UI's key page shows it
+
+
+def test_two_runs_of_one_name_keep_their_own_dashboards(stack, tmp_path, monkeypatch):  # noqa: F811
+    """Two run folders both called `run` (two experiments' folders): each dashboard is its own key's, so
+    neither shows in, or prunes, the other's history (one key `run-run` for both, before 2026-12-05)."""
+    from tasks.artifacts import publish_dashboard
+
+    monkeypatch.setenv("ANDREA_DASHBOARD_VERSIONS", "1")
+    a, b = (RunDir(str(tmp_path / exp / "run")) for exp in ("exp-a", "exp-b"))
+    for run in (a, b):
+        run.makedirs()
+    publish_dashboard(a.url)
+    publish_dashboard(a.url)
+    publish_dashboard(b.url)
+    key_a, key_b = run_key("run", a.url), run_key("run", b.url)
+    assert key_a != key_b and key_a.startswith("run-run-") and re.fullmatch(r"run-run-[0-9a-f]{8}", key_b)
+    (page_a,), (page_b,) = artifact_versions(key_a), artifact_versions(key_b)
+    assert "STARTING" in page_a.data and "exp-a" in page_a.data and "exp-b" in page_b.data
+    assert len(run_key("audit-fork", str(tmp_path / ("x" * 300))) + "-plot") <= 120
 
 
 def test_a_train_flow_run_is_named_after_its_phase(tmp_path):

@@ -41,6 +41,7 @@ from andrea_core.run.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLE
 from andrea_core.run.samples import read_audits
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.trainer import step_seed
+from tasks.artifacts import run_key
 from tests.browser import Chromium, chromium_path
 from tests.conftest import REPO, last_logged_step, wait_for
 from tests.tiny import tiny_config
@@ -394,11 +395,11 @@ def test_audit_fork_of_a_live_run(stack, live_run):
     assert read_run(RunDir(record["branches"][1])).config.train.lr == 1e-9
 
     # The report and the plot, as artifacts and as files.
-    report = artifact("audit-fork-live")
+    report = artifact(run_key("audit-fork", live_run.url))
     assert report.type == "markdown"
     assert "**Winner: `base`**" in report.data and "base converges best" in report.data
     assert "](data:image/png;base64,iVBORw0KGgo" in report.data
-    plot = artifact("audit-fork-live-plot")
+    plot = artifact(run_key("audit-fork", live_run.url) + "-plot")
     assert plot.type == "image" and plot.data.startswith("data:image/png;base64,")
     folder = Path(f"{live_run.url}-fork{step}-report")
     assert (folder / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -716,7 +717,7 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
             timeout=30,
             what="the GPU slot to be released",
         )
-    status = artifact("trainer-live")
+    status = artifact(run_key("trainer", live_run.url))
     assert f"| step | {stopped_at} |" in status.data and "| reason | SIGTERM |" in status.data
     # When and by which flow run: a later SIGKILL of a flow-run process would leave this one stale.
     # The flow run's name and id, escaped as every input in an artifact is: train-live \(ID\).
@@ -727,7 +728,7 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
 def test_the_ui_shows_the_flow_runs_and_the_fork_report(stack, live_run):
     exe = chromium_path()
     assert exe, "chromium is not installed (scripts/test.sh installs it)"
-    report = artifact("audit-fork-live")
+    report = artifact(run_key("audit-fork", live_run.url))
     t0 = time.monotonic()
     with Chromium(exe) as browser:
         text = browser.open(f"{stack.ui}/runs", ["train-live", "pivot-live", "audit-fork-live"], timeout=120)

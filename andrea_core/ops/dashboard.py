@@ -1,7 +1,8 @@
 """A run's dashboard: one markdown page with where the run stands (`andrea status`), its loss (EMA and
 held-out per arm), speed and ETA, checkpoints, phase and policy with the bandit's current mix, the newest
 samples and the loss plot embedded. The Prefect train flow publishes it as the keyed artifact
-`run-<name>` at the start and at every checkpoint (tasks/artifacts.py); any tool can write it to a file.
+`run-<name>-<digest>` at the start and at every checkpoint (tasks/artifacts.py); any tool can write it to
+a file.
 Every input-derived string is escaped (compare.markdown_text / markdown_code): shown, never rendered.
 """
 
