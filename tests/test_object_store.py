@@ -220,6 +220,26 @@ def test_an_s3_run_file_is_read_in_one_bounded_get_and_one_over_its_bound_is_ref
         link.close()
 
 
+def test_the_tail_of_an_s3_log_is_one_suffix_range_get(s3_bucket):
+    """`andrea status` reads the loss log's end (loss_log.read_recent over RunDir.read_tail): on S3 one
+    GET of a suffix range, whose Content-Range says where the bytes start (no HEAD for the size)."""
+    from andrea_core.run.loss_log import read_recent
+
+    run = RunDir(f"{s3_bucket}/run")
+    lines = [json.dumps({"step": s, "loss": 3.0, "segment": 1 + s // 50, "time": 1000.0 + s, "tokens": 64})
+             for s in range(1, 121)]  # fmt: skip
+    data = "".join(line + "\n" for line in lines).encode()
+    run.write_atomic(LOSS_LOG, data)
+    run.write_atomic("empty.json", b"")
+    assert run.read_tail(LOSS_LOG, 100) == (data[-100:], len(data) - 100)
+    assert run.read_tail(LOSS_LOG, len(data) + 5) == (data, 0)
+    assert run.read_tail("empty.json", 10) == (b"", 0)
+    with pytest.raises(FileNotFoundError):
+        run.read_tail("missing.json", 10)
+    recent = read_recent(run, 5.0, chunk=64)
+    assert [(e.step, e.segment) for e in recent] == [(s, 3) for s in range(115, 121)]
+
+
 @pytest.mark.parametrize("kind", ["memory", "s3"])
 def test_loss_log_without_append_is_mirrored_and_published_at_durable_flushes(
     kind, tmp_path, s3_bucket, monkeypatch

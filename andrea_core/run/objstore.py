@@ -302,6 +302,25 @@ async def s3_get(fs, path: str, most: int) -> tuple[bytes, str | None, int]:
         return await body.read(), r.get("ETag"), size
 
 
+async def s3_tail(fs, path: str, most: int) -> tuple[bytes, int]:
+    """(the last `most` bytes of `path`, the offset they start at) in one GET of a suffix range: its
+    answer's Content-Range names where the bytes start, so no HEAD for the size first."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        r = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=-{most}")
+    except OSError as e:
+        if _error_code(e) == "InvalidRange":  # any range of an empty object (416)
+            return b"", 0
+        raise
+    content_range = r.get("ContentRange") or ""  # "bytes START-END/SIZE"; none: the whole object
+    if not content_range and int(r["ContentLength"]) > most:
+        r["Body"].close()  # a store that ignored the range: not read whole past the bound
+        raise OSError(f"s3://{bucket}/{key}: the store answered a suffix range with the whole object")
+    start = int(content_range.split(" ", 1)[1].split("-", 1)[0]) if content_range else 0
+    async with r["Body"] as body:
+        return await body.read(), start
+
+
 async def s3_abort_uploads(
     fs, root: str, log: Callable[[str], None], whose: str = "its writer died"
 ) -> list[str]:

@@ -355,6 +355,8 @@ class RunDir:
             finally:
                 os.close(fd)
         path = self.path(name)
+        if self.is_s3:
+            return fsspec.asyn.sync(self.fs.loop, objstore.s3_tail, self.fs, path, most)
         size = self.fs.size(path) or 0
         start = max(0, size - most)
         return (self.fs.cat_file(path, start=start, end=size) if size else b""), start
