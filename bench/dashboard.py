@@ -51,16 +51,6 @@ def make_run(folder: Path, steps: int, segments: int) -> str:
     return str(run)
 
 
-def quadratic_newest_segments(entries):
-    """The canonical history as loss_log.newest_segments made it before 2026-12-05."""
-    history, segment = {}, None
-    for e in entries:
-        if e.segment != segment:
-            segment, history = e.segment, {s: v for s, v in history.items() if s < e.step}
-        history[e.step] = e
-    return [history[s] for s in sorted(history)]
-
-
 def every_mark_labelled(ax, marks) -> None:
     """The marks as plot_view drew them before 2026-12-05: a line and a label each."""
     from andrea_core.ops.loss_view import MARK_STYLE
@@ -75,6 +65,8 @@ def every_mark_labelled(ax, marks) -> None:
 
 def before(url: str) -> str:
     """The page as it was made before: status and view each read the history; every point drawn."""
+    from test_loss_log import newest_segments_by_definition  # the old canonical history
+
     from andrea_core.ops import dashboard, loss_view, status
     from andrea_core.run import loss_log
     from andrea_core.run.loss_log import read_history
@@ -89,7 +81,7 @@ def before(url: str) -> str:
     dashboard.read_history = lambda run: None  # run_status and loss_view then read it themselves
     status.read_recent = lambda run, window_s: read_history(run)  # the whole of it, as before
     loss_view.PLOT_BUCKETS = 10**12
-    loss_log.newest_segments = quadratic_newest_segments
+    loss_log.newest_segments = newest_segments_by_definition
     loss_view.draw_marks = every_mark_labelled
     try:
         return dashboard.dashboard(url)[0]

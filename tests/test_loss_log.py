@@ -27,6 +27,18 @@ def test_canonical_history_takes_the_newest_segment_and_drops_abandoned_tails():
     ]  # fmt: skip
 
 
+def newest_segments_by_definition(entries):
+    """The canonical history as its definition reads (and loss_log computed it before 2026-12-05): a
+    dict of every step, cut at each segment's first step. Quadratic in the segments (bench/dashboard.py
+    measures it as the baseline)."""
+    history, segment = {}, None
+    for e in entries:
+        if e.segment != segment:
+            segment, history = e.segment, {s: v for s, v in history.items() if s < e.step}
+        history[e.step] = e
+    return [history[s] for s in sorted(history)]
+
+
 def test_the_canonical_history_of_many_segments_is_the_per_step_newest_segments():
     """newest_segments against its definition (a dict of every step, cut at each segment's start) on
     random logs of many segments: resumes below, at and above the newest step, steps logged twice or out
@@ -35,14 +47,6 @@ def test_the_canonical_history_of_many_segments_is_the_per_step_newest_segments(
     import random
 
     from andrea_core.run.loss_log import LossEntry, newest_segments
-
-    def definition(entries):
-        history, segment = {}, None
-        for e in entries:
-            if e.segment != segment:
-                segment, history = e.segment, {s: v for s, v in history.items() if s < e.step}
-            history[e.step] = e
-        return [history[s] for s in sorted(history)]
 
     def entry(step, segment, i):
         return LossEntry(step, float(i), 0.1, None, 1, segment, float(i))
@@ -57,7 +61,7 @@ def test_the_canonical_history_of_many_segments_is_the_per_step_newest_segments(
                 step = step + 1 if rng.random() < 0.85 else max(0, step - rng.randint(0, 20))
                 i += 1
                 entries.append(entry(step, segment, i))
-        assert newest_segments(entries) == definition(entries)
+        assert newest_segments(entries) == newest_segments_by_definition(entries)
 
 
 def test_torn_last_line_is_skipped_and_the_next_segment_starts_on_a_new_line(tmp_path):
