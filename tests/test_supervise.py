@@ -50,6 +50,45 @@ def test_trainer_process_follows_and_stops_with_a_checkpoint_of_the_step_in_flig
     assert "stopped at step" in outcome.describe()
 
 
+def test_a_trainer_stopped_by_a_pivot_reports_its_checkpoint_where_the_pivot_archived_it(tmp_path):
+    """A pivot stops the trainer (SIGTERM: it checkpoints the step in flight, past the boundary) and
+    archives that checkpoint with the closed phase as soon as the trainer has exited: the trainer's
+    supervisor (the train flow run) may look only after that. It reports the checkpoint where it is
+    now, validated there, and the stop as the success it is (it said "not usable: no such file", and the
+    train flow run of a pivoted run ended Failed). A trainer the SIGTERM finds between steps, right at
+    the boundary, leaves nothing to archive: then the pivot is run again on a fresh run (up to 3)."""
+    for attempt in range(3):
+        run = RunDir(tmp_path / f"run{attempt}")
+        (tmp_path / f"cfg{attempt}").mkdir()
+        cfg = tiny_config(tmp_path / f"cfg{attempt}", train__checkpoint_every=10, train__sample_every=10**6)
+        trainer = TrainerProcess(run.url, config=cfg, max_steps=100_000).start()
+        for _ in trainer.lines():
+            if trainer.step is not None and trainer.step >= 12:
+                break
+        log = tmp_path / f"pivot{attempt}.log"
+        pivot = subprocess.Popen(  # its output to a file: this test reads the trainer's pipe meanwhile
+            [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
+            cwd=REPO, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for _ in trainer.lines():  # to its end: the pivot has stopped it
+            pass
+        assert pivot.wait(timeout=300) == 0, log.read_text()
+        outcome = trainer.finish(timeout=60)  # only now, with the pivot done, does the supervisor look
+        (folder,) = run.listdir("archive")
+        boundary = int(folder.rsplit("_", 1)[1])
+        assert outcome.reason == "SIGTERM" and outcome.ok and boundary % 10 == 0
+        if outcome.step == boundary:  # stopped between steps: its checkpoint is the pivot point, in place
+            assert outcome.checkpoint == checkpoint_name(boundary) and outcome.detail == ""
+            continue
+        assert outcome.step > boundary
+        assert outcome.checkpoint == f"archive/{folder}/{checkpoint_name(outcome.step)}"
+        assert not run.exists(checkpoint_name(outcome.step))
+        assert run.read_checkpoint(outcome.step, folder=f"archive/{folder}").step == outcome.step
+        assert "archived since with the phase a pivot closed" in outcome.describe()
+        return
+    pytest.fail("3 pivots stopped their trainer right at the boundary: nothing was archived")
+
+
 def test_trainer_process_reports_a_refused_start(tmp_path):
     run = RunDir(tmp_path / "run")
     andrea("train", "--config", tiny_config(tmp_path), "--run-dir", run.url, "--max-steps", "10")

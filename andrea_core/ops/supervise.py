@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
+from andrea_core.run.lineage import phase_folder, phases
 from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
@@ -227,9 +228,30 @@ class TrainerProcess:
         try:
             self.run.read_checkpoint(result.step)
         except CheckpointError as e:
-            result.detail = f"but its checkpoint is not usable: {e}"
-            result.checkpoint = None
+            archived = archived_checkpoint(self.run, result.step) if e.problem == "no such file" else None
+            if archived is None:
+                result.detail = f"but its checkpoint is not usable: {e}"
+                result.checkpoint = None
+            else:  # a pivot stopped it and has closed the phase since: its tail went to the archive
+                result.checkpoint = archived
+                result.detail = "archived since with the phase a pivot closed"
         return result
+
+
+def archived_checkpoint(run: RunDir, step: int) -> str | None:
+    """Where checkpoint `step` is now if a pivot has moved it (run-relative, validated there): the
+    phase folder of the newest boundary below it. A trainer stopped by a pivot writes a checkpoint past
+    the boundary, which the pivot archives as soon as the trainer has exited, maybe before the
+    trainer's flow run looked at it."""
+    for number, boundary in reversed(phases(run)):
+        if boundary < step:
+            folder = phase_folder(number, boundary)
+            try:
+                run.read_checkpoint(step, folder=folder)
+            except CheckpointError:
+                return None
+            return f"{folder}/{checkpoint_name(step)}"
+    return None
 
 
 # --- waiting on a trainer we did not start (found through .trainer.json) --------------------------

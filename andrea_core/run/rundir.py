@@ -789,8 +789,10 @@ class RunDir:
                 )
         return sorted(steps)
 
-    def read_checkpoint(self, step: int, n_params: int | None = None) -> Checkpoint:
-        name = checkpoint_name(step)
+    def read_checkpoint(self, step: int, n_params: int | None = None, folder: str = "") -> Checkpoint:
+        """Checkpoint `step` of the run (or of its subfolder `folder`: a closed phase's archive), whole
+        and validated; CheckpointError names the file and what is wrong with it."""
+        name = f"{folder}/{checkpoint_name(step)}" if folder else checkpoint_name(step)
         path = self.path(name)
         try:
             if self.is_local:
