@@ -463,7 +463,10 @@ class Soak:
         self.events: list[tuple] = []  # ("pivot", boundary, policy) / ("fork", step, branches), in order
         self.policy = "tiny-mix"
         self.generations: list[tuple[float, int]] = []
-        self.lost_leases: list[tuple[Proc, float]] = []  # a trainer taken over, and when
+        # A trainer taken over, when, and the run's checkpoints in the store before the takeover (its
+        # line "checkpoint step_N.bin (...)" may come after it: a write the store committed before the
+        # takeover, reported once the paused holder runs again, is not a publish after it).
+        self.lost_leases: list[tuple[Proc, float, set[int]]] = []
         self.fault_i = -1
         self.forks = 0
         self.settled = 0  # the run's newest checkpoint when the fault in progress began (reference())
@@ -724,16 +727,21 @@ class Soak:
 
     def f_sigstop_long(self, f: dict) -> None:
         holder = self.trainer
+        g0 = (self.lock() or {}).get("generation")
         w = self._waiter(4 * TTL_S + f["stop_s"] + 30)
         stopped = time.time()
         holder.signal(signal.SIGSTOP)
         holder.expect_exit = True
         deadline = time.monotonic() + max(f["stop_s"], TAKEOVER_BOUND)
         took = None
+        present: set[int] = set()  # the checkpoints of the newest listing made before the takeover
         while time.monotonic() < deadline:
             took = w.first(r"taking over the stale lock")
             if took or w.popen.poll() is not None:
                 break
+            listed = set(self.checkpoints())
+            if (self.lock() or {}).get("generation") == g0:  # read after the listing: it came first
+                present = listed
             time.sleep(0.02)
         wait_more = f["stop_s"] - (time.time() - stopped)
         if wait_more > 0:
@@ -756,7 +764,7 @@ class Soak:
         if took - stopped > TAKEOVER_BOUND:
             self.violate("7", f"takeover of a paused holder took {took - stopped:.1f}s > {TAKEOVER_BOUND:g}s")
         rc = holder.wait(TERM_BOUND)
-        self.lost_leases.append((holder, took))
+        self.lost_leases.append((holder, took, present))
         if rc != 2:
             self.violate(
                 "5", f"a taken-over trainer, resumed, exited {rc}, not 2 (lost its lease):\n{holder.tail()}"
@@ -1291,11 +1299,13 @@ class Soak:
                 )
                 break
             high = e.segment
-        for p, took in self.lost_leases:
+        for p, took, present in self.lost_leases:
             late = [
                 line
                 for t, line in p.lines
-                if t > took + 0.5 and re.search(r"checkpoint step_\d+\.bin \(", line)
+                if t > took + 0.5
+                and (m := re.search(r"checkpoint step_(\d+)\.bin \(", line))
+                and int(m.group(1)) not in present
             ]
             if late:
                 self.violate("5", f"trainer pid {p.pid} published after its lease was taken over: {late}")
