@@ -24,7 +24,7 @@ from andrea_core.config import REPO_ROOT
 from andrea_core.run.lineage import phase_folder, phases
 from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
-from andrea_core.run.rundir import LOSS_LOG, RunDir
+from andrea_core.run.rundir import LOSS_LOG, NO_SUCH_CHECKPOINT, RunDir
 from andrea_core.train.progress import TIMESTAMP_RE
 
 # The trainer's plain log lines (train/trainer.py, train/progress.py) that say where it is and how it ended.
@@ -228,7 +228,7 @@ class TrainerProcess:
         try:
             self.run.read_checkpoint(result.step)
         except CheckpointError as e:
-            archived = archived_checkpoint(self.run, result.step) if e.problem == "no such file" else None
+            archived = archived_checkpoint(self.run, result.step) if e.problem == NO_SUCH_CHECKPOINT else None
             if archived is None:
                 result.detail = f"but its checkpoint is not usable: {e}"
                 result.checkpoint = None

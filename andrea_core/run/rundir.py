@@ -171,6 +171,10 @@ def _byte_views(parts: Buffer | Iterable[Buffer]) -> Iterable[memoryview]:
     return (memoryview(p).cast("B") for p in parts)
 
 
+# The problem of a CheckpointError for a checkpoint that is not there (a reader may look elsewhere).
+NO_SUCH_CHECKPOINT = "no such file"
+
+
 class RunDir:
     def __init__(self, url: str | os.PathLike):
         # Other processes (the trainer, the flows, the CLI) change a run directory under our feet: a
@@ -803,7 +807,7 @@ class RunDir:
                 _check_checkpoint_header(path, header, size)
                 data = header if size <= HEADER.size else self.fs.cat_file(path, start=0, end=size)
         except FileNotFoundError:
-            raise CheckpointError(path, "no such file") from None
+            raise CheckpointError(path, NO_SUCH_CHECKPOINT) from None
         except UnsafeRunPath as e:
             raise CheckpointError(path, str(e).removeprefix(f"{path}: ")) from None
         try:
