@@ -177,9 +177,11 @@ def canonical(entries: list[dict]) -> list[LossEntry]:
 
 
 def read_history(run: RunDir) -> list[LossEntry]:
-    if not run.exists(LOSS_LOG):
+    try:  # read, not exists() then read: on an object store that is a request less
+        data = run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES")
+    except FileNotFoundError:
         return []
-    return newest_segments(parse_entries(run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES"))[0])
+    return newest_segments(parse_entries(data)[0])
 
 
 def recent_window(entries: list[LossEntry], window_s: float) -> tuple[list[LossEntry], bool]:
