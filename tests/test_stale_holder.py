@@ -56,6 +56,8 @@ HOLDER = textwrap.dedent(
         print("published", flush=True)
     except Exception as e:
         print(f"refused: {type(e).__name__}: {e}", flush=True)
+    finally:
+        lease.release()  # as the trainer does: no renewal frozen mid-write at exit
     """
 )
 
@@ -157,6 +159,9 @@ def test_a_holder_stopped_mid_write_on_local_disk_publishes_nothing_after_the_ta
         if holder.poll() is None:
             holder.send_signal(signal.SIGCONT)
             holder.kill()
+    # host-b stops renewing first: a renewal of its own is a temporary file beside the lock while it runs
+    # (CI listed one, `..trainer.json.tmp.PID.RANDOM`, between its write and its rename).
+    b.release()
     run = RunDir(url)
     assert sorted(run.listdir()) == [".trainer.json"], "no file of host-a's, not even its temporary one"
     assert "published" not in out.splitlines(), out
@@ -165,7 +170,6 @@ def test_a_holder_stopped_mid_write_on_local_disk_publishes_nothing_after_the_ta
     )
     removed = [m for m in logged if f"a write in flight of trainer pid {holder.pid}" in m]
     assert len(removed) == 1 and f"/.{name}.tmp.{holder.pid}." in removed[0], logged
-    b.release()
 
 
 @pytest.mark.parametrize("size", [0, 100, 6 * MiB], ids=["empty", "small", "over-a-minimum-part"])
