@@ -35,7 +35,11 @@ def artifact_key(*parts: str) -> str:
 
 
 def run_name(run_dir: str) -> str:
-    return RunDir(run_dir).url.rstrip("/").rsplit("/", 1)[-1]
+    return _last_part(RunDir(run_dir).url)
+
+
+def _last_part(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
 
 
 def run_key(kind: str, run_dir: str) -> str:
@@ -43,8 +47,9 @@ def run_key(kind: str, run_dir: str) -> str:
     the name for the UI's eye, the digest (8 hex of the SHA-256 of the run's canonical URL) so that two
     runs of one name (two folders called `run`, a local one and an S3 one, `A_1` and `a-1`) never show
     in, or prune, each other's history: a key is all Prefect groups an artifact's versions by."""
-    digest = hashlib.sha256(RunDir(run_dir).url.encode()).hexdigest()[:8]
-    return f"{artifact_key(kind, run_name(run_dir))[:106].rstrip('-')}-{digest}"  # "-plot" fits in 120
+    url = RunDir(run_dir).url  # canonical: the digest and the name are of the same URL
+    digest = hashlib.sha256(url.encode()).hexdigest()[:8]
+    return f"{artifact_key(kind, _last_part(url))[:106].rstrip('-')}-{digest}"  # "-plot" fits in 120
 
 
 class TrainingProgress:
