@@ -146,7 +146,7 @@ class DataPipeline:
         """The pipeline of a run directory: its policy in force, its frozen tokenizer, its bandit store."""
         pipeline = cls(cfg, read_policy(run), warn, run_tokenizer(run, cfg))
         pipeline.store = BanditStore(
-            run, pipeline.policy, cfg.train.checkpoint_every, pipeline.unavailable, warn
+            run, pipeline.policy, cfg.train.checkpoint_every, pipeline.unavailable, warn, cfg.retention
         )
         return pipeline
 

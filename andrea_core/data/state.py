@@ -57,10 +57,14 @@ class BanditStore:
         checkpoint_every: int,
         unavailable: dict[str, str] | None = None,
         warn: Callable[[str], None] = print,
+        retention: RetentionConfig | None = None,
     ):
         self.run = run
         self.policy = policy
         self.every = checkpoint_every
+        # The retention the trainer applies after each checkpoint (its frozen run.yaml's, read once at
+        # its start); None reads the run's own at each save (a bare directory: the defaults).
+        self.retention = retention
         self.unavailable = unavailable or {}  # arm -> why its source is unavailable here
         self.warn = warn
         self.phase = Phase(1, 0)
@@ -204,8 +208,11 @@ class BanditStore:
     def kept_checkpoints(self, step: int, on_disk: set[int]) -> set[int]:
         """The checkpoints on disk (`on_disk`: listed by the caller) that retention keeps once
         checkpoint `step` is written: the states to keep with them."""
-        retention = read_run_retention(self.run)
+        retention = self.retention or read_run_retention(self.run)
         steps = sorted({*on_disk, step})
+        rules = plan_retention(steps, retention, {}, newest=step)
+        if not rules.delete:  # the rules alone keep them all: no protection to read (as apply_retention)
+            return set(rules.keep)
         return set(plan_retention(steps, retention, protected_steps(self.run), newest=step).keep)
 
 
