@@ -220,6 +220,64 @@ def test_an_s3_run_file_is_read_in_one_bounded_get_and_one_over_its_bound_is_ref
         link.close()
 
 
+def test_an_s3_checkpoint_is_read_in_two_gets_and_the_vectors_get_the_readers_verdicts(
+    s3_bucket, monkeypatch
+):
+    """The hand-made vectors (tests/test_checkpoint.py's EXPECTED), each in a run folder on moto: the
+    reader gives each the verdict it gives the bytes. A checkpoint is two GETs (its header, whose
+    answer names the size, then the rest pinned to the header's ETag), no HEAD; one whose size is not
+    the one its header promises (3 MiB claiming 10 parameters here) is refused after the header alone;
+    one replaced between the two GETs is refused as not one version."""
+    from test_checkpoint import EXPECTED, VECTORS
+
+    from andrea_core.checkpoint import CheckpointError, step_from_name
+
+    run = RunDir(f"{s3_bucket}/vectors")
+    calls: list[str] = []
+    call_s3 = run.fs._call_s3
+
+    async def recorded(method, *args, **kwargs):
+        calls.append(f"{method} {kwargs.get('Range', '')}".strip())
+        return await call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(run.fs, "_call_s3", recorded)  # s3fs shares its instance: undone after the test
+    for rel, problem in EXPECTED.items():
+        data = (VECTORS / rel).read_bytes()
+        folder, _, name = rel.rpartition("/")
+        run.write_atomic(rel, data)
+        calls.clear()
+        if problem is None:
+            ckpt = run.read_checkpoint(step_from_name(name), folder=folder)
+            assert (ckpt.step, ckpt.weights.tobytes()) == (42, decode(data, name).weights.tobytes())
+        else:
+            with pytest.raises(CheckpointError) as err:
+                run.read_checkpoint(step_from_name(name), folder=folder)
+            assert problem in str(err.value) and err.value.name == run.path(rel), (rel, err.value)
+        whole = "required" in (problem or "") or len(data) <= 8  # refused by its header, or all header
+        rest = [] if whole else [f"get_object bytes=8-{len(data) - 1}"]
+        assert calls == ["get_object bytes=0-7", *rest], (rel, calls)
+
+    huge = (VECTORS / "step_000042.bin").read_bytes()[:8] + b"\0" * (3 * MiB)
+    run.write_atomic("step_000042.bin", huge)
+    calls.clear()
+    with pytest.raises(CheckpointError, match=rf"{3 * MiB + 8} bytes where 8 \+ 12\*10 = 128 are required"):
+        run.read_checkpoint(42)
+    assert calls == ["get_object bytes=0-7"]
+
+    good = (VECTORS / "step_000042.bin").read_bytes()
+    run.write_atomic("step_000042.bin", good)
+
+    async def replaced_after_the_header(method, *args, **kwargs):
+        if kwargs.get("Range") != "bytes=0-7":  # another writer's put, between the two GETs
+            again = good[:8] + bytes(reversed(good[8:]))
+            await call_s3("put_object", Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=again)
+        return await call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(run.fs, "_call_s3", replaced_after_the_header)
+    with pytest.raises(CheckpointError, match="step_000042.bin: replaced while it was read"):
+        run.read_checkpoint(42)
+
+
 def test_the_tail_of_an_s3_log_is_one_suffix_range_get(s3_bucket):
     """`andrea status` reads the loss log's end (loss_log.read_recent over RunDir.read_tail): on S3 one
     GET of a suffix range, whose Content-Range says where the bytes start (no HEAD for the size)."""

@@ -302,6 +302,42 @@ async def s3_get(fs, path: str, most: int) -> tuple[bytes, str | None, int]:
         return await body.read(), r.get("ETag"), size
 
 
+async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
+    """`path` whole in two GETs, the second only if `check` lets it be read: the first `head` bytes,
+    whose answer names the object's size (Content-Range), go to `check(first, size)`, which raises to
+    refuse it unread (a checkpoint whose header promises another size); then the rest, pinned to the
+    first answer's ETag (If-Match), so the two halves are one version of the object. A HEAD for the size
+    first cost a third request and the header twice."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        r = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{head - 1}")
+    except OSError as e:
+        if _error_code(e) == "InvalidRange":  # any range of an empty object (416)
+            check(b"", 0)
+            return b""
+        raise
+    content_range = r.get("ContentRange") or ""  # "bytes 0-END/SIZE"; none: the whole object
+    if not content_range and int(r["ContentLength"]) > head:
+        r["Body"].close()  # a store that ignored the range: not read whole before the check
+        raise OSError(f"s3://{bucket}/{key}: the store answered a range with the whole object")
+    size = int(content_range.rsplit("/", 1)[1]) if content_range else int(r["ContentLength"])
+    async with r["Body"] as body:
+        first = await body.read()
+    check(first, size)
+    if size <= len(first):
+        return first
+    try:
+        r = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={len(first)}-{size - 1}", IfMatch=r["ETag"]
+        )
+    except OSError as e:
+        if _is_precondition_failure(e):
+            raise ConcurrentWriteError(f"s3://{bucket}/{key}: replaced while it was read") from e
+        raise
+    async with r["Body"] as body:
+        return first + await body.read()
+
+
 async def s3_tail(fs, path: str, most: int) -> tuple[bytes, int]:
     """(the last `most` bytes of `path`, the offset they start at) in one GET of a suffix range: its
     answer's Content-Range names where the bytes start, so no HEAD for the size first."""

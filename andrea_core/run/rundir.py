@@ -801,6 +801,10 @@ class RunDir:
         try:
             if self.is_local:
                 data = self._read_checkpoint_local(name)
+            elif self.is_s3:
+                check = functools.partial(_check_checkpoint_header, path)
+                get = objstore.s3_get_checked
+                data = fsspec.asyn.sync(self.fs.loop, get, self.fs, path, HEADER.size, check)
             else:
                 size = self.fs.size(path)
                 header = self.fs.cat_file(path, start=0, end=HEADER.size) if size else b""
@@ -808,6 +812,8 @@ class RunDir:
                 data = header if size <= HEADER.size else self.fs.cat_file(path, start=0, end=size)
         except FileNotFoundError:
             raise CheckpointError(path, NO_SUCH_CHECKPOINT) from None
+        except ConcurrentWriteError as e:  # written again as it was read (S3): not one version, refused
+            raise CheckpointError(path, str(e).removeprefix(f"{path}: ")) from None
         except UnsafeRunPath as e:
             raise CheckpointError(path, str(e).removeprefix(f"{path}: ")) from None
         try:
