@@ -213,7 +213,7 @@ class BanditStore:
         rules = plan_retention(steps, retention, {}, newest=step)
         if not rules.delete:  # the rules alone keep them all: no protection to read (as apply_retention)
             return set(rules.keep)
-        return set(plan_retention(steps, retention, protected_steps(self.run), newest=step).keep)
+        return set(plan_retention(steps, retention, protected_steps(self.run, steps), newest=step).keep)
 
 
 def read_run_retention(run: RunDir) -> RetentionConfig:

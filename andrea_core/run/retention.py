@@ -35,14 +35,17 @@ class RetentionPlan:
     deleted: list[int] = field(default_factory=list)  # what was actually removed
 
 
-def protected_steps(run: RunDir) -> dict[int, list[str]]:
-    """Checkpoints that retention never deletes, with the reason: pivot boundaries and fork points."""
+def protected_steps(run: RunDir, steps: list[int] | None = None) -> dict[int, list[str]]:
+    """Checkpoints that retention never deletes, with the reason: pivot boundaries and fork points.
+    `steps`: the checkpoints the caller listed and plans over (a pass deletes only among those), else
+    listed here."""
     protected: dict[int, list[str]] = defaultdict(list)
     for number, boundary in phases(run):
         protected[boundary].append(f"pivot boundary (phase {number})")
     for record in fork_records(run):
         protected[int(record["step"])].append(f"fork point ({', '.join(record.get('names', []))})")
-    for step, why in pivot_protected_steps(run, run.checkpoint_steps()).items():
+    listed = run.checkpoint_steps() if steps is None else steps
+    for step, why in pivot_protected_steps(run, listed).items():
         protected[step].append(why)
     try:
         lineage = read_run(run).lineage
@@ -110,7 +113,7 @@ def apply_retention(
             log(f"warning: retention deletes nothing: the newest checkpoint does not read back valid ({e})")
             why = ["kept: the newest checkpoint does not read back valid"]
             return RetentionPlan(newest, {s: rules.keep.get(s, why) for s in steps}, [])
-    plan = plan_retention(steps, cfg, protected_steps(run), newest)
+    plan = plan_retention(steps, cfg, protected_steps(run, steps), newest)
     if dry_run or not plan.delete:
         return plan
     for step in plan.delete:
