@@ -278,6 +278,36 @@ def test_an_s3_checkpoint_is_read_in_two_gets_and_the_vectors_get_the_readers_ve
         run.read_checkpoint(42)
 
 
+def test_an_s3_listing_is_one_request_a_thousand_names_and_a_missing_folder_one_request(
+    s3_bucket, monkeypatch
+):
+    """RunDir.listdir on S3 (objstore.s3_list): a folder's objects and subfolders by name, a thousand a
+    request (1,003 here: two pages); a folder not there yet (the archive of a run never pivoted, listed
+    at every checkpoint) is [] in one request, where s3fs's ls listed the parent as well."""
+    run = RunDir(f"{s3_bucket}/run")
+    names = [f"f{i:04d}" for i in range(1001)]
+    run.fs.pipe({run.path(n): b"x" for n in names} | {run.path("archive/phase_001_step_000100/a"): b"y"})
+    run.write_text("archive/note.txt", "z")
+    calls: list[str] = []
+    call_s3 = run.fs._call_s3
+
+    async def recorded(method, *args, **kwargs):
+        calls.append(f"{method} {kwargs.get('Prefix')}")
+        return await call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(run.fs, "_call_s3", recorded)  # s3fs shares its instance: undone after the test
+    assert run.listdir() == sorted([*names, "archive"])
+    assert calls == ["list_objects_v2 run/"] * 2
+    calls.clear()
+    assert run.listdir("archive") == ["note.txt", "phase_001_step_000100"]
+    assert run.listdir("archive/none") == [] and run.listdir("f0001/x") == []
+    assert calls == [
+        "list_objects_v2 run/archive/",
+        "list_objects_v2 run/archive/none/",
+        "list_objects_v2 run/f0001/x/",
+    ]
+
+
 def test_the_tail_of_an_s3_log_is_one_suffix_range_get(s3_bucket):
     """`andrea status` reads the loss log's end (loss_log.read_recent over RunDir.read_tail): on S3 one
     GET of a suffix range, whose Content-Range says where the bytes start (no HEAD for the size)."""

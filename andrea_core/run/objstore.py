@@ -338,6 +338,23 @@ async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int],
         return first + await body.read()
 
 
+async def s3_list(fs, path: str) -> list[str]:
+    """The names in folder `path` (its objects' and its subfolders'), one request a thousand names.
+    A folder with nothing in it is not there: []. (s3fs's ls lists the parent as well then, to tell a
+    file of that name: a second request at every listing of a folder a run does not have yet.)"""
+    bucket, key, _ = fs.split_path(path)
+    prefix = key.rstrip("/") + "/" if key else ""
+    names: list[str] = []
+    more: dict[str, str] = {}
+    while True:
+        r = await fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **more)
+        names += [p["Prefix"][len(prefix) :].rstrip("/") for p in r.get("CommonPrefixes", [])]
+        names += [o["Key"][len(prefix) :] for o in r.get("Contents", []) if o["Key"] != prefix]
+        if not r.get("IsTruncated"):
+            return names
+        more = {"ContinuationToken": r["NextContinuationToken"]}
+
+
 async def s3_tail(fs, path: str, most: int) -> tuple[bytes, int]:
     """(the last `most` bytes of `path`, the offset they start at) in one GET of a suffix range: its
     answer's Content-Range names where the bytes start, so no HEAD for the size first."""

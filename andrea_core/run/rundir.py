@@ -395,6 +395,8 @@ class RunDir:
                 return sorted(os.listdir(fd))
             finally:
                 os.close(fd)
+        if self.is_s3:
+            return sorted(fsspec.asyn.sync(self.fs.loop, objstore.s3_list, self.fs, where))
         try:  # no exists() first: on an object store that is a request more at every listing
             found = self.fs.ls(where, detail=False)
         except FileNotFoundError:  # nothing there
