@@ -351,7 +351,7 @@ async def s3_list(fs, path: str) -> list[str]:
         names += [p["Prefix"][len(prefix) :].rstrip("/") for p in r.get("CommonPrefixes", [])]
         names += [o["Key"][len(prefix) :] for o in r.get("Contents", []) if o["Key"] != prefix]
         if not r.get("IsTruncated"):
-            return names
+            return [n for n in names if n]  # "run//x" is no name of the run's
         more = {"ContinuationToken": r["NextContinuationToken"]}
 
 
