@@ -429,7 +429,8 @@ def comparison_figure(c: Comparison):
                         xytext=(2, -10), textcoords="offset points")  # fmt: skip
     ax.set(xlabel="step", ylabel="training loss (EMA 0.05; raw faint)", title=f"fork at step {c.fork_step}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # none before any branch (or the parent's lead-in) has a step
+        ax.legend(fontsize=8)
 
     scored = [b for b in c.branches if b.val_loss]
     width = 0.8 / max(len(scored), 1)
@@ -456,7 +457,8 @@ def comparison_figure(c: Comparison):
     if lows:
         bx.set_ylim(min(lows) * 0.97, max(highs) * 1.02)
     bx.grid(axis="y", alpha=0.3)
-    bx.legend(fontsize=8)
+    if scored:  # no bars before a branch was audited
+        bx.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
