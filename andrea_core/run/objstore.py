@@ -281,6 +281,13 @@ async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | N
     return r["ETag"] if held.digest() == sha256 else None
 
 
+def _whole_size(r: dict) -> int:
+    """The whole object's size from a ranged GET's answer: its Content-Range, "bytes A-B/SIZE" (none:
+    the answer is the whole object)."""
+    content_range = r.get("ContentRange") or ""
+    return int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(r["ContentLength"])
+
+
 async def s3_get(fs, path: str, most: int) -> tuple[bytes, str | None, int]:
     """(bytes, ETag, size) of `path` in one GET of at most `most` + 1 bytes; an object over `most`
     bytes is not read at all (its size says so: b"" is returned with it). The range's answer names the
@@ -293,8 +300,7 @@ async def s3_get(fs, path: str, most: int) -> tuple[bytes, str | None, int]:
             head = await fs._call_s3("head_object", Bucket=bucket, Key=key)
             return b"", head.get("ETag"), 0
         raise
-    content_range = r.get("ContentRange") or ""
-    size = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(r["ContentLength"])
+    size = _whole_size(r)
     if size > most:
         r["Body"].close()
         return b"", r.get("ETag"), size
@@ -316,11 +322,10 @@ async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int],
             check(b"", 0)
             return b""
         raise
-    content_range = r.get("ContentRange") or ""  # "bytes 0-END/SIZE"; none: the whole object
-    if not content_range and int(r["ContentLength"]) > head:
+    if not r.get("ContentRange") and int(r["ContentLength"]) > head:
         r["Body"].close()  # a store that ignored the range: not read whole before the check
         raise OSError(f"s3://{bucket}/{key}: the store answered a range with the whole object")
-    size = int(content_range.rsplit("/", 1)[1]) if content_range else int(r["ContentLength"])
+    size = _whole_size(r)
     async with r["Body"] as body:
         first = await body.read()
     check(first, size)
@@ -332,7 +337,7 @@ async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int],
         )
     except OSError as e:
         if _is_precondition_failure(e):
-            raise ConcurrentWriteError(f"s3://{bucket}/{key}: replaced while it was read") from e
+            raise ConcurrentWriteError(f"{path}: replaced while it was read") from e
         raise
     async with r["Body"] as body:
         return first + await body.read()
