@@ -24,7 +24,10 @@ fi
 .venv/bin/ruff format --check .
 # Two workers, each running whole modules (a module's server and fixtures stay in one process): the
 # tests' trainers use one thread each, so one process alone leaves a core idle. Modules go out in
-# collection order, slowest first (tests/conftest.py's SLOWEST_FIRST), not by their count of tests.
+# collection order, slowest first (tests/module_times.txt), not by their count of tests.
 # ANDREA_TEST_WORKERS=0 runs them in this process, one after another.
+# At the end each module's seconds are printed, slowest first, and merged into tests/module_times.txt,
+# from which the next run's order is taken.
 workers="${ANDREA_TEST_WORKERS:-2}"
+export ANDREA_MODULE_TIMES="${ANDREA_MODULE_TIMES:-$PWD/tests/module_times.txt}"
 .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -213,9 +213,11 @@ def s3_bucket(s3_server, request) -> str:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """A skip is never silent: every skipped test, and why, in a banner at the end of the run (before
-    pytest's own short summary and closing line), so that CI output shows what this machine did not
-    check (a missing systemd-analyze, no CAP_SYS_ADMIN for a tmpfs, no unshare)."""
+    """Each module's time, slowest first (_report_module_times). A skip is never silent: every skipped
+    test, and why, in a banner at the end of the run (before pytest's own short summary and closing
+    line), so that CI output shows what this machine did not check (a missing systemd-analyze, no
+    CAP_SYS_ADMIN for a tmpfs, no unshare)."""
+    _report_module_times(terminalreporter)
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return
@@ -227,26 +229,55 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason.removeprefix('Skipped: ')}", red=True)
 
 
-# The suite's modules, slowest first (seconds of tests each, measured on this 2-core machine, 2026-12-01).
-# Two workers take whole modules in collection order (scripts/test.sh: --dist loadfile
-# --no-loadscope-reorder), so the longest go first and the last to start are short: a long module
-# started last would keep one worker busy while the other idles (longest-processing-time first). An
-# order only: a module missing here runs after these, in its usual place, and a stale entry costs time,
-# never a result. The runs built_once shares are built by their first consumer here (test_object_store
-# the tiny reference, test_data_resume the mix runs); test_audit, which reads both, goes late, where
-# they are built (its figure an estimate of its tests without them).
-SLOWEST_FIRST = """
-    test_distributed 307  test_prefect_flows 267  test_soak_s3 230  test_cli_pivot_fork 208
-    test_soak 180  test_guard 170  test_object_store 142  test_bench_smoke 122  test_export_sample 110
-    test_fuzz_rundir 104  test_async_checkpoint 104  test_lease_outage 99  test_data_tokenizer 88
-    test_resume 87  test_demo 85  test_lock_identity 83  test_run_target 77  test_data_resume 76
-    test_prefect_dashboard 67  test_data_corpora_s3 65  test_audit_fork_flow 63
-    test_retention 60  test_promises 58  test_checkpoint 57  test_gpu_path 56  test_full_disk 53
-    test_lease 49  test_supervise 44  test_pivot_elsewhere 43  test_pivot_checks 43
-    test_security_paths 42  test_security_inputs 40  test_pivot_restart 39  test_stale_holder 35
-    test_pivot_abandon 34  test_tensorboard 33  test_lock_and_config 33  test_compare 30  test_audit 30
-    test_corpus_memory 29
-""".split()[::2]
+# The suite's modules, slowest first, from tests/module_times.txt: each module's seconds (its tests'
+# setup, call and teardown, module fixtures included) as the last whole run on this 2-core machine
+# measured them; scripts/test.sh rewrites the file at the end of every run (ANDREA_MODULE_TIMES) and
+# prints it, so the order is derived, never kept by hand. Two workers take whole modules in collection
+# order (scripts/test.sh: --dist loadfile --no-loadscope-reorder), so the longest go first and the last
+# to start are short: a long module started last would keep one worker busy while the other idles
+# (longest-processing-time first). An order only: a module missing there runs after these, in its usual
+# place, and a stale entry costs time, never a result.
+MODULE_TIMES = REPO / "tests" / "module_times.txt"
+
+
+def read_module_times(path: Path = MODULE_TIMES) -> dict[str, float]:
+    """`{module stem: seconds}` from a module-times file (`stem seconds` a line, `#` comments)."""
+    times: dict[str, float] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text().splitlines():
+            fields = line.split("#", 1)[0].split()
+            if len(fields) == 2:
+                times[fields[0]] = float(fields[1])
+    return times
+
+
+_last_times = read_module_times()
+SLOWEST_FIRST = sorted(_last_times, key=_last_times.__getitem__, reverse=True)
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's duration to its module's total (under xdist the controller sees every report)."""
+    stem = Path(report.nodeid.split("::", 1)[0]).stem
+    _module_seconds[stem] = _module_seconds.get(stem, 0.0) + report.duration
+
+
+def _report_module_times(terminalreporter) -> None:
+    """Print each module's seconds, slowest first; where ANDREA_MODULE_TIMES names a file, merge them
+    into it (the modules that did not run keep their last figure)."""
+    if not _module_seconds or hasattr(terminalreporter.config, "workerinput"):
+        return
+    terminalreporter.write_sep("-", "seconds a module (setup, tests, teardown), slowest first")
+    ranked = sorted(_module_seconds.items(), key=lambda kv: -kv[1])
+    for stem, seconds in ranked:
+        terminalreporter.write_line(f"{seconds:8.1f}  {stem}")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  in all (both workers together)")
+    target = os.environ.get("ANDREA_MODULE_TIMES")
+    if target:
+        merged = read_module_times(Path(target)) | {k: round(v, 1) for k, v in _module_seconds.items()}
+        lines = [f"{stem} {merged[stem]}" for stem in sorted(merged, key=lambda k: -merged[k])]
+        header = "# seconds a test module, slowest first: written by scripts/test.sh (tests/conftest.py)\n"
+        Path(target).write_text(header + "\n".join(lines) + "\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
