@@ -51,6 +51,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config) if args.config else None
     if flags.stop is None:
+        # A pivot left half done refuses the trainer before it touches anything: no lock taken with
+        # this command's arguments, no --max-steps appended to target.jsonl (the trainer checks again
+        # under its lock, for a pivot that gets there meanwhile).
+        from andrea_core.run.pivot_journal import require_no_half_pivot
+        from andrea_core.run.rundir import RunDir
+
+        require_no_half_pivot(RunDir(args.run_dir))
         from andrea_core.train.trainer import Trainer  # torch: a second or more
 
     if flags.stop is not None:
@@ -326,7 +333,7 @@ def cmd_pivot(args: argparse.Namespace) -> int:
             run,
             checked,
             at=args.at,
-            restart=args.restart,
+            restart=pivot.detached_restart(log) if args.restart else None,
             timeout_s=args.timeout,
             log=log,
         )

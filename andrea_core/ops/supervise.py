@@ -25,7 +25,15 @@ from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
 from andrea_core.run.lineage import phase_folder, phases
-from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
+from andrea_core.run.lock import (
+    ALIVE,
+    UNKNOWN,
+    TrainerIdentity,
+    live_trainer,
+    read_lock,
+    require_not_elsewhere,
+    still_holds,
+)
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, NO_SUCH_CHECKPOINT, RunDir
 from andrea_core.train.events import EVENTS_ENV, EventReader
@@ -316,6 +324,45 @@ def require_live_trainer(run: RunDir) -> TrainerIdentity:
     return verdict.holder
 
 
+class TrainerGone(SupervisionError):
+    """A trainer that cannot be checked from here stopped renewing its lease: dead, as far as anyone
+    here can tell. Waiting for it any longer would only wait out the timeout."""
+
+
+class LeaseWatch:
+    """Whether a trainer elsewhere (lock: UNKNOWN from here) still renews its lease, watched on this
+    machine's monotonic clock (no other machine's clock is trusted): a lock unchanged (generation,
+    renewals) for twice its ttl is a dead trainer's, and `check` raises TrainerGone saying what to do.
+    A trainer checked here by its pid is left to still_holds."""
+
+    def __init__(self, run: RunDir, trainer: TrainerIdentity | None):
+        self.run, self.trainer = run, trainer
+        self.remote = trainer is not None and trainer.liveness()[0] == UNKNOWN
+        self.seen: tuple | None = None
+        self.since = self.looked = time.monotonic()
+
+    def check(self) -> None:
+        ttl = self.trainer.lease_ttl_s if self.remote else None
+        if ttl is None or time.monotonic() - self.looked < min(1.0, ttl / 4):
+            return
+        self.looked = time.monotonic()
+        now = read_lock(self.run)
+        mark = (now.generation, now.renewals, now.released) if now is not None else None
+        if mark != self.seen:
+            self.seen, self.since = mark, time.monotonic()
+            return
+        quiet = time.monotonic() - self.since
+        if quiet > 2 * ttl:
+            t = self.trainer
+            raise TrainerGone(
+                f"{self.run.url}: trainer pid {t.pid} on host {t.host} has not renewed its lease for "
+                f"{quiet:.0f}s, twice its ttl of {ttl:g}s: it looks dead, so nothing will answer; stopped "
+                f"waiting. The way forward: start a trainer for the run here or anywhere (andrea train "
+                f"--run-dir {self.run.url} takes over the expired lease), then run this again; if that "
+                f"host is only cut off, let it come back first"
+            )
+
+
 def logged_step(run: RunDir) -> int | None:
     """Where the run's trainer is, give or take a step: the newest step of the canonical loss history,
     as long as the live trainer (if any) has logged there. A trainer that has just resumed and not yet
@@ -346,6 +393,7 @@ def wait_for_checkpoint(
     published without it: the trainer writes its checkpoints in step order, one at a time."""
     name = checkpoint_name(step)
     deadline = time.monotonic() + timeout
+    lease = LeaseWatch(run, trainer)
     while True:
         if run.exists(name):
             return run.read_checkpoint(step)
@@ -362,6 +410,7 @@ def wait_for_checkpoint(
                 f"{run.url}: trainer pid {trainer.pid} exited before writing {name} "
                 f"(newest checkpoint: {_newest_name(run)})"
             )
+        lease.check()
         if time.monotonic() > deadline:
             raise SupervisionError(
                 f"{run.url}: {name} did not appear within {timeout:.0f}s "
@@ -381,12 +430,14 @@ def wait_for_new_checkpoint(
     """The first checkpoint at a step >= `not_before` that was not in `existing`: the one a SIGUSR1
     asked for (written at the end of the step in flight)."""
     deadline = time.monotonic() + timeout
+    lease = LeaseWatch(run, trainer)
     while True:
         new = [s for s in run.checkpoint_steps() if s >= not_before and s not in existing]
         if new:
             return run.read_checkpoint(min(new))
         if trainer is not None and not still_holds(run, trainer):
             raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} exited before checkpointing")
+        lease.check()
         if time.monotonic() > deadline:
             raise SupervisionError(f"{run.url}: no new checkpoint within {timeout:.0f}s of the request")
         time.sleep(poll)
@@ -396,10 +447,13 @@ def wait_for_exit(
     trainer: TrainerIdentity, timeout: float, poll: float = 0.05, run: RunDir | None = None
 ) -> float:
     """Block until the trainer process is gone (one that cannot be checked from here: until its lease
-    is released or taken over, lock.still_holds); returns the seconds waited."""
+    is released or taken over, lock.still_holds; TrainerGone once it is unrenewed for twice its ttl);
+    returns the seconds waited."""
     run = run or RunDir(trainer.run_dir)
     t0 = time.monotonic()
+    lease = LeaseWatch(run, trainer)
     while still_holds(run, trainer):
+        lease.check()
         if time.monotonic() - t0 > timeout:
             raise SupervisionError(
                 f"{trainer.run_dir}: trainer pid {trainer.pid} still runs {timeout:.0f}s after SIGTERM"

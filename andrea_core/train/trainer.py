@@ -587,6 +587,7 @@ class Trainer:
             self._release(clean=True)
             return TrainResult(0, flags.stop, None)
         try:
+            require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             if self._new_target is not None and self.world.is_main:
                 steps = self.run.checkpoint_steps()
                 set_target(
@@ -597,7 +598,6 @@ class Trainer:
                     by="andrea train --max-steps",
                     warn=self.log,
                 )
-            require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
             self._build()
             while True:
