@@ -91,10 +91,10 @@ def test_abandon_brings_back_the_old_phase_target(trained, tmp_path):
     assert target_of(run) == before and not run.exists(PIVOT_JSON)
 
 
-def test_abandon_refuses_while_the_pivot_process_still_runs(trained, tmp_path):
+def test_abandon_refuses_while_the_pivot_process_still_runs(tmp_path):
     """43.2: `--abandon` while another `andrea pivot` waited for its boundary said "abandoned ...
     restored nothing" (exit 0); that pivot then stopped the trainer and installed its policy anyway."""
-    run = copy(trained, tmp_path)
+    run = RunDir(str(tmp_path / "live"))  # its boundary (step 1000) far ahead: the pivot waits for it
     config = tiny_config(tmp_path, train__checkpoint_every=1000)
     trainer = start_trainer(
         "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
