@@ -14,8 +14,9 @@ max_steps not beyond the pivot point or a train deployment that does not exist a
 nothing is touched. From step 1 until the new policy is installed, pivot.json records the pivot under
 way, so that retention never deletes its checkpoint; it is also the pivot's journal (andrea_core.ops.pivot):
 rerunning the same pivot after a crash at any step completes it exactly once. A resumed trainer that
-dies before its first step is reported at once, with its error. The steps are andrea_core.ops.pivot's,
-the same ones `andrea pivot` runs in a shell."""
+dies before its first step is reported at once, with its error. The driver is andrea_core.ops.pivot's
+run_pivot, the one `andrea pivot` runs in a shell: this flow gives it its tasks (tasks/pivot.as_task)
+and its way of restarting the trainer (a `train` deployment run or subflow)."""
 
 from __future__ import annotations
 

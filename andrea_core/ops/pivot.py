@@ -1,12 +1,14 @@
-"""The pivot's six steps, journaled (docs/design.md "Pivot sequence"), for every front end: the Prefect
-`pivot` flow wraps each step in a task, and `andrea pivot` calls them in a plain shell.
+"""The pivot's six steps, journaled (docs/design.md "Pivot sequence"), and their one driver, run_pivot,
+for every front end: `andrea pivot` calls it in a plain shell with a detached restart; the Prefect
+`pivot` flow with each step as a task (its StepRunner) and a deployment or subflow restart.
 
   1. take the pivot checkpoint (take_pivot_checkpoint)     4. check .loss.json byte for byte (keep_loss_log)
   2. stop the trainer (stop_trainer)                        5. install the new policy (install)
   3. archive the closed phase (archive)                     6. restart and confirm (confirm_resumed)
 
-The journal is pivot.json (run/pivot_journal.py): the pivot's intent (policy hash, text and
-source, at, restart, boundary) and the last step completed, rewritten atomically after each step. Each
+The journal is pivot.json (run/pivot_journal.py), held here as a PivotJournal: the pivot's intent
+(policy hash, text and source, at, restart, target, boundary), its owner process and the last step
+completed, rewritten atomically after each step. Each
 step reads it first and skips itself if it is done, so rerunning the same pivot after a crash at any
 point completes it exactly once: no second archive folder, no sidecar lost, .loss.json untouched. While
 the trainer is stopped and the new policy not yet installed (pivot_journal.HALF_DONE_STEPS) a trainer refuses
