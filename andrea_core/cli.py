@@ -51,11 +51,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config) if args.config else None
     if flags.stop is None:
+        # A pivot left half done refuses the trainer before it touches anything: no lock taken with
+        # this command's arguments, no --max-steps appended to target.jsonl (the trainer checks again
+        # under its lock, for a pivot that gets there meanwhile).
+        from andrea_core.run.pivot_journal import require_no_half_pivot
+        from andrea_core.run.rundir import RunDir
+
+        require_no_half_pivot(RunDir(args.run_dir))
         from andrea_core.train.trainer import Trainer  # torch: a second or more
 
     if flags.stop is not None:
         # Nothing trained yet, nothing to checkpoint: the stop is honoured before any work.
         print(f"andrea: {flags.stop} before the first step (during start-up): nothing to checkpoint, exiting")
+        _emit_train_event("result", step=None, reason=flags.stop, checkpoint=None)
         return 0
     trainer = Trainer(
         args.run_dir,
@@ -75,11 +83,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         # The guard's bound: one line naming the steps, the events and what to try; a status of its own
         # that systemd's unit does not restart on (RestartPreventExitStatus).
         print(f"andrea: {e}", file=sys.stderr)
+        if trainer.world.is_main:
+            _emit_train_event("error", message=str(e))
         exit_follower(trainer.world, EXIT_DIVERGED)
         return EXIT_DIVERGED
+    if trainer.world.is_main:  # the supervisor's record of how it ended (train/events.py)
+        _emit_train_event("result", step=result.step, reason=result.reason, checkpoint=result.checkpoint)
     code = 0 if result.reason in ("completed", "already-complete", "SIGTERM", "SIGINT") else 1
     exit_follower(trainer.world, code)  # a rank > 0 ends here (under torchrun)
     return code
+
+
+def _emit_train_event(event: str, **fields: object) -> None:
+    """One structured record for the trainer's supervisor (train/events.py; stdlib, no torch)."""
+    from andrea_core.train.events import emit
+
+    emit(event, **fields)
 
 
 def format_inspect(report: dict) -> str:
@@ -314,7 +333,7 @@ def cmd_pivot(args: argparse.Namespace) -> int:
             run,
             checked,
             at=args.at,
-            restart=args.restart,
+            restart=pivot.detached_restart(log) if args.restart else None,
             timeout_s=args.timeout,
             log=log,
         )
@@ -569,11 +588,20 @@ def main(argv: list[str] | None = None) -> int:
             # and exit 1, a failure to retry once there is room (systemd's Restart=on-failure starts it
             # again). Every run file is written whole or not at all: nothing it wrote is half there.
             print(f"andrea: error: {e}: free space there, then run the command again", file=sys.stderr)
+            _train_error(args, f"{e}: free space there, then run the command again")
             return 1
         if not isinstance(e, _operator_errors()):
+            _train_error(args, f"{type(e).__name__}: {e}")
             raise
         print(f"andrea: error: {e}", file=sys.stderr)
+        _train_error(args, str(e))
         return 2
+
+
+def _train_error(args: argparse.Namespace, message: str) -> None:
+    """The error a trainer (rank 0) exits with, as its supervisor's record (train/events.py)."""
+    if args.command == "train" and os.environ.get("RANK", "0") == "0":
+        _emit_train_event("error", message=message)
 
 
 def _reader_gone() -> int:

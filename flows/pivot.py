@@ -14,8 +14,9 @@ max_steps not beyond the pivot point or a train deployment that does not exist a
 nothing is touched. From step 1 until the new policy is installed, pivot.json records the pivot under
 way, so that retention never deletes its checkpoint; it is also the pivot's journal (andrea_core.ops.pivot):
 rerunning the same pivot after a crash at any step completes it exactly once. A resumed trainer that
-dies before its first step is reported at once, with its error. The steps are andrea_core.ops.pivot's,
-the same ones `andrea pivot` runs in a shell."""
+dies before its first step is reported at once, with its error. The driver is andrea_core.ops.pivot's
+run_pivot, the one `andrea pivot` runs in a shell: this flow gives it its tasks (tasks/pivot.as_task)
+and its way of restarting the trainer (a `train` deployment run or subflow)."""
 
 from __future__ import annotations
 
@@ -26,25 +27,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 from prefect.states import Completed, State
 
-from andrea_core.run.lock import live_trainer
+from andrea_core.ops import pivot as driver
 from andrea_core.run.rundir import RunDir
 from flows._background import start_subflow
 from flows.train import train
 from tasks.artifacts import run_name
-from tasks.pivot import (
-    already_pivoted,
-    archive_phase,
-    begin_pivot,
-    check_new_policy,
-    confirm_resumed_trainer,
-    finish_pivot,
-    flow_run_ended,
-    install_policy,
-    keep_loss_log,
-    stop_trainer,
-    subflow_ended,
-    take_pivot_checkpoint,
-)
+from tasks.pivot import as_task, check_new_policy, flow_run_ended, subflow_ended
 
 
 @task(name="restart-trainer", cache_policy=NO_CACHE)
@@ -54,6 +42,30 @@ def restart_trainer(deployment: str, parameters: dict) -> dict:
     started = run_deployment(name=deployment, parameters=parameters, timeout=0)
     get_run_logger().info(f"resumed trainer: flow run {started.name!r} ({started.id}) of {deployment}")
     return {"flow_run_id": str(started.id), "flow_run_name": started.name}
+
+
+def _restart(how: str, train_deployment: str, pace: float, gpu_slot: str | None) -> driver.Restart | None:
+    """The flow's way of starting the resumed trainer, with the options the driver gives it."""
+    if how == "none":
+        return None
+
+    def start(run: RunDir, options: dict) -> driver.Resumed:
+        params = {
+            "run_dir": run.url,
+            "max_steps": options["max_steps"],
+            "device": options["device"],
+            "pace": pace,
+            "gpu_slot": gpu_slot,
+            # A torchrun job resumes at the world size it was stopped at.
+            "nproc_per_node": options.get("nproc_per_node", 1),
+        }
+        if how == "deployment":
+            started = restart_trainer(train_deployment, params)
+            return driver.Resumed(started, flow_run_ended(started["flow_run_id"]))
+        background = start_subflow(train, **params)
+        return driver.Resumed({"subflow": "train"}, subflow_ended(background), background.result)
+
+    return driver.Restart(how, start)
 
 
 def _flow_run_name() -> str:
@@ -80,65 +92,35 @@ def pivot(
     restart: "deployment" starts the resumed trainer as a run of `train_deployment` (needs a worker);
         "subflow" runs it as a `train` subflow in this process until it ends (the embedded demo);
         "none" leaves the run stopped under its new policy.
-    max_steps, device, pace, gpu_slot: passed to the resumed `train` run.
+    max_steps: the new phase's target (default: the run's newest target); device, pace, gpu_slot:
+        passed to the resumed `train` run.
     """
     run = RunDir(run_dir)
     # Every parameter, the policy and its data are checked here, before anything is touched.
-    new_policy = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)
-    # A rerun of this same pivot after it completed (nothing trained since): nothing to do again.
-    done = already_pivoted(run.url, policy, new_policy, restart)
-    if done is not None:
-        message = f"{run.url}: policy {new_policy['name']!r} already in force since step {done['boundary']}"
-        return Completed(message=message + "; nothing to do", data=done)
-    # The journal (pivot.json): a rerun of this same pivot after a crash resumes it from its last step.
-    journal = begin_pivot(run.url, policy, new_policy, at, restart)
-    # 1. the pivot checkpoint, protected (pivot.json) from retention before the trainer is stopped
-    journal = take_pivot_checkpoint(run.url, journal, timeout_s)
-    boundary = journal["boundary"]
-    # 2. stop the trainer
-    stopped = stop_trainer(run.url, journal)
-    # 3.-5. the run directory
-    archived = archive_phase(run.url, stopped["journal"])
-    journal = keep_loss_log(run.url, archived["journal"])
-    journal = install_policy(run.url, journal)
-    message = (
-        f"pivoted {run.url} at step_{boundary:06d}.bin to policy {new_policy['name']!r}; "
-        f"closed phase in {archived['archived']['folder']}"
+    checked = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)
+    result = driver.run_pivot(
+        run,
+        checked,
+        at=at,
+        restart=_restart(restart, train_deployment, pace, gpu_slot),
+        timeout_s=timeout_s,
+        log=get_run_logger().info,
+        step=as_task,
     )
-    result = {
-        "boundary": boundary,
-        "policy": new_policy["name"],
-        "archive": archived["archived"],
-        "stopped": stopped["stopped"],
-    }
-    # 6. restart from the pivot checkpoint
+    if result.get("already"):
+        message = (
+            f"{run.url}: policy {checked.policy.name!r} already in force since step {result['boundary']}"
+        )
+        return Completed(message=message + "; nothing to do", data=result)
+    message = (
+        f"pivoted {run.url} at step_{result['boundary']:06d}.bin to policy {result['policy']!r}; "
+        f"closed phase in {result['archive']['folder']}"
+    )
     if restart == "none":
-        finish_pivot(run.url)
         return Completed(message=message + "; trainer left stopped (restart='none')", data=result)
-    params = {
-        "run_dir": run.url,
-        "max_steps": max_steps,
-        "device": device,
-        "pace": pace,
-        "gpu_slot": gpu_slot,
-        # A torchrun job resumes at the world size it was stopped at (its lock records it).
-        "nproc_per_node": stopped["stopped"].get("world_size", 1),
-    }
-    background = None
-    if live_trainer(run) is not None or journal.get("step") == "restarted":
-        ended = None  # a rerun: the resumed trainer was started (and confirmed) before the crash
-    elif restart == "deployment":
-        result["resumed_by"] = restart_trainer(train_deployment, params)
-        ended = flow_run_ended(result["resumed_by"]["flow_run_id"])
-    else:
-        background = start_subflow(train, **params)
-        result["resumed_by"] = {"subflow": "train"}
-        ended = subflow_ended(background)
-    confirmed = confirm_resumed_trainer(run.url, journal, timeout_s, ended)
-    finish_pivot(run.url)
-    result["resumed"] = confirmed
-    message += f"; resumed at step {confirmed['first_step']} with loss {confirmed['first_loss']:.4f}"
-    if background is not None:
-        result["resumed_outcome"] = background.result()
+    confirmed = result["resumed"]
+    if "first_loss" in confirmed:
+        message += f"; resumed at step {confirmed['first_step']} with loss {confirmed['first_loss']:.4f}"
+    if "resumed_outcome" in result:
         message += f"; then {result['resumed_outcome']['summary']}"
     return Completed(message=message, data=result)

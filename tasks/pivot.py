@@ -1,12 +1,14 @@
-"""The pivot's steps as tasks (docs/design.md "Pivot sequence"): thin wrappers over andrea_core.ops.pivot, the
-journaled steps `andrea pivot` runs too. Starting the resumed trainer as a deployment run or a subflow
-is Prefect's own, in flows/pivot.py."""
+"""The pivot's steps as Prefect tasks, for the UI (docs/design.md "Pivot sequence"): the driver is
+andrea_core.ops.pivot.run_pivot, the one `andrea pivot` runs too; `as_task` runs each of its named
+steps as a task of that name. Also here what only Prefect has: the check that the train deployment
+exists, and how a resumed `train` deployment run or subflow is seen to end."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -15,6 +17,14 @@ from andrea_core.config import ConfigError
 from andrea_core.data.policy import read_policy
 from andrea_core.ops import pivot
 from andrea_core.run.rundir import RunDir
+
+T = TypeVar("T")
+
+
+def as_task(name: str, fn: Callable[[], T]) -> T:
+    """One step of the driver (pivot.PIVOT_STEP_NAMES) as a task run named `name`: its arguments stay
+    the driver's (nothing is converted), its log is the flow run's."""
+    return task(name=name, cache_policy=NO_CACHE)(fn)()
 
 
 @task(name="check-new-policy", cache_policy=NO_CACHE)
@@ -25,12 +35,9 @@ def check_new_policy(
     max_steps: int | None = None,
     device: str = "auto",
     train_deployment: str | None = None,
-) -> dict:
-    """Refuse a pivot before anything is touched (pivot.check_pivot): the run must exist; the new policy
-    must parse, be feasible and pass the trainer's own data check on this machine; for a restart, the
-    device must exist here, max_steps must lie beyond the run's newest checkpoint and, with
-    restart="deployment", `train_deployment` must exist. Returns the policy's exact YAML text,
-    installed verbatim."""
+) -> pivot.PivotCheck:
+    """Refuse a pivot before anything is touched (pivot.check_pivot) and, with restart="deployment",
+    one whose `train_deployment` does not exist."""
     logger = get_run_logger()
     run = RunDir(run_dir)
     checked = pivot.check_pivot(
@@ -44,13 +51,7 @@ def check_new_policy(
     logger.info(
         f"new policy {parsed.name!r} (hash {parsed.hash}): arms {', '.join(a.name for a in parsed.arms)}"
     )
-    return {
-        "name": parsed.name,
-        "hash": parsed.hash,
-        "text": checked.text,
-        "source": policy,
-        "max_steps": checked.max_steps,
-    }
+    return checked
 
 
 def _require_deployment(name: str | None) -> None:
@@ -69,89 +70,8 @@ def _require_deployment(name: str | None) -> None:
         ) from None
 
 
-@task(name="check-not-already-pivoted", cache_policy=NO_CACHE)
-def already_pivoted(run_dir: str, policy: str, checked: dict, restart: str) -> dict | None:
-    """A completed pivot to this policy that nothing has trained after (a rerun of it): its result, and
-    nothing is done again (pivot.already_pivoted)."""
-    check = _pivot_check(policy, checked)
-    return pivot.already_pivoted(RunDir(run_dir), check, restart != "none", get_run_logger().info)
-
-
-def _pivot_check(policy: str, checked: dict) -> pivot.PivotCheck:
-    """check_new_policy's result (a flow's data) as the PivotCheck the ops functions take."""
-    parsed = pivot.parse_policy_text(checked["text"], policy)
-    return pivot.PivotCheck(parsed, checked["text"], policy, checked["max_steps"], "auto")
-
-
-@task(name="begin-pivot", cache_policy=NO_CACHE)
-def begin_pivot(run_dir: str, policy: str, checked: dict, at: str, restart: str) -> dict:
-    """The pivot journal: the one a crash left of this same pivot (resumed from its last step), or a
-    new one (pivot.begin_pivot)."""
-    return pivot.begin_pivot(
-        RunDir(run_dir), _pivot_check(policy, checked), at, restart, get_run_logger().info
-    )
-
-
-@task(name="take-pivot-checkpoint", cache_policy=NO_CACHE)
-def take_pivot_checkpoint(run_dir: str, journal: dict, timeout_s: float) -> dict:
-    """Step 1 (pivot.take_pivot_checkpoint): the pivot checkpoint, protected by pivot.json."""
-    pivot.take_pivot_checkpoint(RunDir(run_dir), journal, timeout_s, get_run_logger().info)
-    return journal
-
-
-@task(name="stop-trainer", cache_policy=NO_CACHE)
-def stop_trainer(run_dir: str, journal: dict) -> dict:
-    """Step 2 (pivot.stop_trainer): SIGTERM the trainer and wait for its exit."""
-    stopped = pivot.stop_trainer(RunDir(run_dir), journal, log=get_run_logger().info)
-    return {"journal": journal, "stopped": stopped}
-
-
-@task(name="archive-phase", cache_policy=NO_CACHE)
-def archive_phase(run_dir: str, journal: dict) -> dict:
-    """Step 3 (pivot.archive): the closed phase's sidecars, policy and tail into its folder."""
-    archived = pivot.archive(RunDir(run_dir), journal, get_run_logger().info)
-    return {"journal": journal, "archived": archived}
-
-
-@task(name="keep-loss-log", cache_policy=NO_CACHE)
-def keep_loss_log(run_dir: str, journal: dict) -> dict:
-    """Step 4 (pivot.keep_loss_log): .loss.json checked byte for byte against the stop."""
-    kept = pivot.keep_loss_log(RunDir(run_dir), journal)
-    get_run_logger().info(f".loss.json untouched: {kept['bytes']} bytes, sha256 {kept['sha256'][:16]}")
-    return journal
-
-
-@task(name="install-policy", cache_policy=NO_CACHE)
-def install_policy(run_dir: str, journal: dict) -> dict:
-    """Step 5 (pivot.install): the new policy.yaml."""
-    installed = pivot.install(RunDir(run_dir), journal)
-    get_run_logger().info(f"installed policy {journal['policy']!r} (hash {installed})")
-    return journal
-
-
-@task(name="confirm-resumed-trainer", cache_policy=NO_CACHE)
-def confirm_resumed_trainer(
-    run_dir: str, journal: dict, timeout_s: float, ended: Callable[[], str | None] | None = None
-) -> dict:
-    """Step 6's proof (pivot.confirm_resumed): the first new step is boundary+1, the old history an
-    untouched prefix, a new process. `ended` reports a resumed trainer that died, at once."""
-    confirmed = pivot.confirm_resumed(RunDir(run_dir), journal, timeout_s, ended)
-    get_run_logger().info(
-        f"resumed trainer logged step {confirmed['first_step']} loss {confirmed['first_loss']:.4f} "
-        f"(segment {confirmed['segment']}); .loss.json still starts with its old bytes"
-    )
-    return confirmed
-
-
-@task(name="finish-pivot", cache_policy=NO_CACHE)
-def finish_pivot(run_dir: str) -> None:
-    """The pivot is complete: its journal (pivot.json) goes."""
-    pivot.finish_pivot(RunDir(run_dir))
-
-
 def flow_run_ended(flow_run_id: str, every_s: float = 2.0) -> Callable[[], str | None]:
-    """For confirm_resumed_trainer: how the resumed `train` flow run ended, once it has (asked of the
-    API at most every `every_s` seconds)."""
+    """How the resumed `train` flow run ended, once it has (asked of the API at most every `every_s`)."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -172,7 +92,7 @@ def flow_run_ended(flow_run_id: str, every_s: float = 2.0) -> Callable[[], str |
 
 
 def subflow_ended(future: Future) -> Callable[[], str | None]:
-    """For confirm_resumed_trainer: how the resumed `train` subflow ended, once it has."""
+    """How the resumed `train` subflow ended, once it has."""
 
     def ended() -> str | None:
         if not future.done():

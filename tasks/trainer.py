@@ -52,12 +52,13 @@ def run_trainer(
     trainer.start()
     logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
     _dashboard(trainer.run.url)
+    # Its events (train/events.py), not its log lines, say where it is: the dashboard is redrawn at its
+    # start and at each checkpoint it publishes, here in the flow's process (none of it on the trainer's).
+    trainer.on_event = lambda e: e["event"] in ("started", "checkpoint") and _dashboard(trainer.run.url)
     try:
         for line in trainer.lines():
             logger.info(line)
             progress.update(trainer.step, trainer.total, loss=trainer.loss, tokens_per_s=trainer.tokens_per_s)
-            if line.startswith(("andrea: checkpoint step_", "andrea: training steps ")):
-                _dashboard(trainer.run.url)  # here, in the flow's process: none of it on the trainer's
     except BaseException as exc:
         # A cancellation (TerminationSignal), Ctrl-C, or anything else that ends this task early: the
         # trainer must end with a checkpoint of the step in flight before we do.

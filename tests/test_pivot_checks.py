@@ -160,7 +160,7 @@ def _pivot_live(run: RunDir, trainer: subprocess.Popen, ready, what: str) -> tup
     try:
         wait_for(lambda: live_trainer(run) and ready(), timeout=300, what=what)
         checked = check_pivot(run, "tiny-mix", restart=False, warn=lines.append)
-        result = run_pivot(run, checked, restart=False, timeout_s=120, log=lines.append)
+        result = run_pivot(run, checked, restart=None, timeout_s=120, log=lines.append)
     finally:
         if trainer.poll() is None:
             trainer.send_signal(signal.SIGTERM)

@@ -104,10 +104,11 @@ def test_a_world_size_beyond_the_devices_here_is_refused_before_torchrun(tmp_pat
 
 def test_a_pivot_rerun_never_takes_its_world_size_from_the_journal(tmp_path):
     """A forged journal's stopped_world_size was the resumed job's --nproc-per-node."""
-    from andrea_core.ops.pivot import job_world_size, stop_trainer
+    from andrea_core.ops.pivot import PivotJournal, job_world_size, stop_trainer
     from andrea_core.run.rundir import RunDir
 
-    journal = {"step": "installed", "stopped_pid": 1, "stopped_step": 20, "stopped_world_size": 3}
+    doc = {"step": "installed", "stopped_pid": 1, "stopped_step": 20, "stopped_world_size": 3}
+    journal = PivotJournal.from_doc(RunDir(str(tmp_path)), doc | {"policy_text": "name: p"})
     assert stop_trainer(RunDir(str(tmp_path)), journal)["world_size"] == 1
     assert job_world_size(os.getpid()) == 1  # no WORLD_SIZE in this process's environment
 

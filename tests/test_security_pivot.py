@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from andrea_core.data.policy import load_policy
-from andrea_core.ops.pivot import _snapshot_doc
 from andrea_core.ops.supervise import LossLogSnapshot
 from andrea_core.run.rundir import RunDir
 from tests.conftest import andrea
@@ -102,7 +101,8 @@ def test_a_rerun_never_installs_a_policy_text_its_recorded_hash_does_not_match(b
         (run / name).unlink(missing_ok=True)
     policy, text = load_policy("stdlib-only")
     forged = text.replace("name: stdlib-only", "name: forged") + "# not what the operator checked\n"
-    snapshot = _snapshot_doc(LossLogSnapshot.take(RunDir(str(run))))
+    taken = LossLogSnapshot.take(RunDir(str(run)))
+    snapshot = {"size": taken.size, "sha256": taken.sha256, "segments": taken.segments}
     (run / "archive" / "phase_001_step_000020").mkdir(parents=True)
     forge(
         run,

@@ -194,3 +194,35 @@ def test_zombie_trainer_counts_as_gone():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_forged_request_in_the_human_log_is_never_read_as_progress_or_an_error(tmp_path, monkeypatch):
+    """43.12 (the flow's side): a forged .trainer-request.json whose `by` holds newlines reaches the
+    trainer's human log as lines of its own ("andrea: step 99999/100000 ...", "andrea: error: forged").
+    The supervisor reads the trainer's events (train/events.py), not that log: the lines are passed on
+    for people, and the step, the total and the outcome are the trainer's own. (The log-line regexes
+    took step 99999 of 100000 as real progress.)"""
+    monkeypatch.setenv("ANDREA_LEASE_RENEW_S", "0.2")  # the request is read at each lease renewal
+    monkeypatch.setenv("ANDREA_LEASE_TTL_S", "2")
+    run = RunDir(tmp_path / "run")
+    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=100_000, pace=0.02).start()
+    for _ in trainer.lines():
+        if trainer.step is not None and trainer.step >= 20:
+            break
+    forged = "\nandrea: step 99999/100000 loss 0.0001\nandrea: error: forged"
+    doc = {"format": 1, "request": "stop", "generation": read_lock(run).generation, "id": "f" * 16}
+    run.write_json(".trainer-request.json", doc | {"by": forged, "at": time.time()})
+    seen, steps = [], []
+    for line in trainer.lines():
+        seen.append(line)
+        steps.append(trainer.step)
+    outcome = trainer.outcome()
+    # The forged text did reach the human log (as lines of their own, until a sanitizer escapes them) ...
+    assert any("step 99999/100000 loss 0.0001" in line for line in seen), seen[-10:]
+    assert any("error: forged" in line for line in seen), seen[-10:]
+    # ... and none of it was taken for the trainer's state or its end.
+    real = read_history(run)[-1].step
+    assert max(s for s in steps if s is not None) <= real < 99999
+    assert trainer.total == 100_000 and trainer.loss is not None and trainer.loss > 0.01
+    assert outcome.reason == "SIGTERM" and outcome.ok and outcome.step == real
+    assert outcome.checkpoint == checkpoint_name(real) and outcome.detail == ""

@@ -1,12 +1,14 @@
-"""The pivot's six steps, journaled (docs/design.md "Pivot sequence"), for every front end: the Prefect
-`pivot` flow wraps each step in a task, and `andrea pivot` calls them in a plain shell.
+"""The pivot's six steps, journaled (docs/design.md "Pivot sequence"), and their one driver, run_pivot,
+for every front end: `andrea pivot` calls it in a plain shell with a detached restart; the Prefect
+`pivot` flow with each step as a task (its StepRunner) and a deployment or subflow restart.
 
   1. take the pivot checkpoint (take_pivot_checkpoint)     4. check .loss.json byte for byte (keep_loss_log)
   2. stop the trainer (stop_trainer)                        5. install the new policy (install)
   3. archive the closed phase (archive)                     6. restart and confirm (confirm_resumed)
 
-The journal is pivot.json (run/pivot_journal.py): the pivot's intent (policy hash, text and
-source, at, restart, boundary) and the last step completed, rewritten atomically after each step. Each
+The journal is pivot.json (run/pivot_journal.py), held here as a PivotJournal: the pivot's intent
+(policy hash, text and source, at, restart, target, boundary), its owner process and the last step
+completed, rewritten atomically after each step. Each
 step reads it first and skips itself if it is done, so rerunning the same pivot after a crash at any
 point completes it exactly once: no second archive folder, no sidecar lost, .loss.json untouched. While
 the trainer is stopped and the new policy not yet installed (pivot_journal.HALF_DONE_STEPS) a trainer refuses
@@ -19,6 +21,7 @@ run-directory steps themselves (archive_phase, install_policy), which run only w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -67,18 +70,138 @@ def _kill_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _reached(journal: dict, step: str) -> bool:
-    """Whether the journal's last completed step is `step` or a later one."""
-    done = journal.get("step")
-    return done in PIVOT_STEPS and PIVOT_STEPS.index(done) >= PIVOT_STEPS.index(step)
+@dataclass
+class PivotJournal:
+    """pivot.json as the driver holds it: the pivot's intent, where it is, and what each later step
+    checks against. Its format on disk, its reader and what retention reads of it are
+    run/pivot_journal.py's; `from_doc` and `to_doc` are the one translation. Each step reaches its
+    name with `record`, which writes the whole journal atomically before the step is taken."""
+
+    policy: str
+    policy_hash: str
+    policy_text: str  # what is installed, verbatim
+    source: str  # the name or path the policy was given as
+    at: str  # "boundary" or "now"
+    restart: str  # how the resumed trainer is started: "none", "detached", "deployment", "subflow"
+    max_steps: int | None  # the target the new phase trains to
+    target_before: int | None = None  # the target in force when the pivot began (abandon restores it)
+    train_options: dict | None = None  # the stopped trainer's options (command.train_options)
+    loss_before: LossLogSnapshot | None = None  # .loss.json when the pivot began
+    step: str | None = None  # the last step reached (PIVOT_STEPS); None: not written yet
+    boundary: int | None = None  # the pivot point
+    not_before: int | None = None  # at="now" before its checkpoint is known: keep every one from here
+    archive: str | None = None  # the closed phase's folder, named before the first move
+    loss_at_stop: LossLogSnapshot | None = None  # .loss.json once the trainer had stopped
+    stopped_pid: int | None = None
+    stopped_step: int | None = None
+    owner: dict | None = None  # the pivot's own process (pid, host, boot, start): abandon waits for it
+
+    def reached(self, step: str) -> bool:
+        """Whether the last step reached is `step` or a later one."""
+        return self.step in PIVOT_STEPS and PIVOT_STEPS.index(self.step) >= PIVOT_STEPS.index(step)
+
+    def record(self, run: RunDir, step: str, **changes: Any) -> None:
+        """Reach `step`, with `changes` to the journal's fields, and write pivot.json whole."""
+        for name, value in changes.items():
+            if name not in _JOURNAL_FIELDS:
+                raise AttributeError(f"the pivot journal has no field {name!r}")
+            setattr(self, name, value)
+        self.step = step
+        policy = _PolicyId(self.policy, self.policy_hash)
+        record_pivot(run, policy, step, self.boundary, self.not_before, **self.to_doc())
+
+    def to_doc(self) -> dict[str, Any]:
+        """The fields pivot.json holds besides record_pivot's own (policy, hash, step, boundary...)."""
+        core = ("policy", "policy_hash", "step", "boundary", "not_before")
+        doc = {f: getattr(self, f) for f in _JOURNAL_FIELDS if f not in core}
+        for name in ("loss_before", "loss_at_stop"):
+            mark = doc[name]
+            doc[name] = (
+                None
+                if mark is None
+                else {"size": mark.size, "sha256": mark.sha256, "segments": mark.segments}
+            )
+        return doc
+
+    @classmethod
+    def from_doc(cls, run: RunDir, doc: dict[str, Any]) -> PivotJournal:
+        """The journal of read_pivot's document (already checked field by field there); the fields
+        it does not check are checked here. A forged or damaged one is refused by name."""
+        where = run.path(PIVOT_JSON)
+        fields = {f: doc.get(f) for f in _JOURNAL_FIELDS}
+        for name in ("loss_before", "loss_at_stop"):
+            fields[name] = _loss_mark(doc.get(name), f"{where}: {name}")
+        for name in ("stopped_pid", "stopped_step", "target_before"):
+            value = fields[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{where}: {name} {value!r} is not a whole number")
+        for name in ("train_options", "owner"):
+            if fields[name] is not None and not isinstance(fields[name], dict):
+                raise ConfigError(f"{where}: {name} is {type(fields[name]).__name__}, not an object")
+        for name in ("policy", "policy_hash", "source", "at", "restart"):
+            fields[name] = fields[name] if isinstance(fields[name], str) else ""
+        if not isinstance(fields["policy_text"], str):
+            raise ConfigError(
+                f"{where}: the pivot to {fields['policy']!r} under way records no policy_text, so it "
+                f"cannot be resumed; abandon it (andrea pivot {run.url} --abandon) first"
+            )
+        return cls(**fields)
 
 
-def _snapshot(doc: dict | None) -> LossLogSnapshot | None:
-    return None if not doc else LossLogSnapshot(doc["size"], doc["sha256"], list(doc.get("segments", [])))
+_JOURNAL_FIELDS = tuple(f.name for f in dataclasses.fields(PivotJournal))
 
 
-def _snapshot_doc(snapshot: LossLogSnapshot) -> dict:
-    return {"size": snapshot.size, "sha256": snapshot.sha256, "segments": snapshot.segments}
+@dataclass(frozen=True)
+class _PolicyId:
+    name: str
+    hash: str
+
+
+def _loss_mark(doc: object, what: str) -> LossLogSnapshot | None:
+    """A journal's record of .loss.json's bytes: {size, sha256, segments}."""
+    if doc is None:
+        return None
+    ok = (
+        isinstance(doc, dict)
+        and isinstance(doc.get("size"), int)
+        and not isinstance(doc.get("size"), bool)
+        and doc["size"] >= 0
+        and isinstance(doc.get("sha256"), str)
+        and isinstance(doc.get("segments", []), list)
+    )
+    if not ok:
+        raise ConfigError(f"{what}: not a record of .loss.json's bytes (size, sha256)")
+    return LossLogSnapshot(doc["size"], doc["sha256"], list(doc.get("segments", [])))
+
+
+def _this_process() -> dict:
+    """This process's identity as the journal's `owner` records it."""
+    me = TrainerIdentity.of_this_process("")
+    return {
+        "pid": me.pid,
+        "host": me.host,
+        "boot_id": me.boot_id,
+        "proc_start": me.proc_start,
+        "pid_ns": me.pid_ns,
+    }
+
+
+def owner_alive(journal: PivotJournal | dict) -> int | None:
+    """The pid of the pivot process that wrote the journal if it still runs, as checked here (same
+    boot, pid namespace and start time); None if it is gone or cannot be checked from here."""
+    owner = journal.owner if isinstance(journal, PivotJournal) else journal.get("owner")
+    if not isinstance(owner, dict):
+        return None
+    try:
+        ident = TrainerIdentity(
+            int(owner["pid"]), str(owner["host"]), str(owner["boot_id"]), owner.get("proc_start"), 0.0, "",
+            owner.get("pid_ns"),
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return None
+    if ident.pid == os.getpid() and ident.liveness()[0] == ALIVE:
+        return None  # this very process: a rerun in the same process (a flow retried in place)
+    return ident.pid if ident.liveness()[0] == ALIVE else None
 
 
 # --- the checks before anything is touched, and the run directory's steps ----------------------
@@ -99,10 +222,10 @@ class PivotCheck:
     policy: Policy
     text: str  # the policy's exact YAML, installed verbatim
     source: str  # the name or path it was given as
-    max_steps: int  # what the resumed trainer trains to (the run config's when not given)
+    max_steps: int  # what the resumed trainer trains to (the run's newest target when not given)
     device: str  # the device the resumed trainer will use, resolved here
     # The resumed trainer's options (command.train_options): the stopped trainer's, as its lock
-    # recorded them, with --max-steps (and --device) replaced only where the pivot was given them.
+    # recorded them, with --device replaced where the pivot was given one and --max-steps the target.
     train: dict | None = None
 
 
@@ -130,16 +253,14 @@ def check_pivot(
     cfg = read_run(run).config
     parsed, text = load_policy(policy)
     train = recorded_train_options(run)
-    if max_steps is not None:
-        train["max_steps"] = check_max_steps(max_steps)
     if device is not None:
         train["device"] = device
-    # The run's target (target.jsonl, else run.yaml's) unless the pivot or the last trainer named one.
-    target = (
-        train["max_steps"]
-        if train["max_steps"] is not None
-        else read_target(run, cfg.train.max_steps).max_steps
-    )
+    # The pivot's --max-steps, else the run's newest target (target.jsonl, else run.yaml's): never the
+    # stopped trainer's own --max-steps, which a later target (an earlier pivot's) has replaced.
+    if max_steps is not None:
+        target = check_max_steps(max_steps)
+    else:
+        target = read_target(run, cfg.train.max_steps).max_steps
     train["max_steps"] = target
     resolved = train["device"]
     if restart:  # before the data check, which may tokenize new arms for minutes
@@ -271,49 +392,54 @@ def pivot_run_directory(run: RunDir, boundary: int, policy_text: str) -> Archive
 # --- starting or resuming a pivot ----------------------------------------------------------------
 
 
-def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Log = print) -> dict:
+def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Log = print) -> PivotJournal:
     """The journal of this pivot: the one a crash left (same policy: resumed from its last step), or a
     new one, not yet written (take_pivot_checkpoint writes it with the pivot point). A journal of
-    another pivot is refused: one pivot at a time."""
+    another pivot is refused (one pivot at a time), and so is one whose pivot process still runs."""
     if at not in ("boundary", "now"):
         raise ConfigError(f"--at {at!r}: expected boundary or now")
-    journal = read_pivot(run)
-    if journal is not None and "unreadable" in journal:
-        raise ConfigError(f"{journal['unreadable']}: the pivot journal is unreadable; not pivoting")
-    if journal is not None:
-        if journal.get("policy_hash") != checked.policy.hash:
-            raise ConfigError(
-                f"{run.path(PIVOT_JSON)}: a pivot to policy {journal.get('policy')!r} (hash "
-                f"{journal.get('policy_hash')}) is under way, not to {checked.policy.name!r}: finish it "
-                f"(rerun it with --policy {journal.get('source') or journal.get('policy')}) or abandon it "
-                f"(andrea pivot {run.url} --abandon) first"
-            )
-        # The journal's policy text is what would be installed: re-validated and re-hashed here, so a
-        # journal whose recorded hash is the operator's policy's but whose text is not is refused.
-        text = journal.get("policy_text")
-        if text is None:
-            raise ConfigError(
-                f"{run.path(PIVOT_JSON)}: the pivot to {checked.policy.name!r} under way records no "
-                f"policy_text, so it cannot be resumed; abandon it (andrea pivot {run.url} --abandon) first"
-            )
-        recorded = parse_policy_text(text, f"{run.path(PIVOT_JSON)}: policy_text")
-        if recorded.hash != journal.get("policy_hash"):
-            raise ConfigError(
-                f"{run.path(PIVOT_JSON)}: its policy_text hashes to {recorded.hash}, not to the policy_hash "
-                f"{journal.get('policy_hash')} it records: a forged or damaged journal; not pivoting "
-                "(inspect it, then remove it)"
-            )
-        log(f"resuming the pivot to {checked.policy.name!r} after step {journal.get('step')!r} (pivot.json)")
-        return journal
-    return {
-        "policy_text": checked.text,
-        "source": checked.source,
-        "at": at,
-        "restart": restart,
-        "max_steps": checked.max_steps,
-        "train_options": checked.train,
-        "loss_before": _snapshot_doc(LossLogSnapshot.take(run)),
-    }
+    doc = read_pivot(run)
+    if doc is not None and "unreadable" in doc:
+        raise ConfigError(f"{doc['unreadable']}: the pivot journal is unreadable; not pivoting")
+    if doc is None:
+        return PivotJournal(
+            policy=checked.policy.name,
+            policy_hash=checked.policy.hash,
+            policy_text=checked.text,
+            source=checked.source,
+            at=at,
+            restart=restart,
+            max_steps=checked.max_steps,
+            target_before=read_target(run, read_run(run).config.train.max_steps).max_steps,
+            train_options=checked.train,
+            loss_before=LossLogSnapshot.take(run),
+            owner=_this_process(),
+        )
+    if doc.get("policy_hash") != checked.policy.hash:
+        raise ConfigError(
+            f"{run.path(PIVOT_JSON)}: a pivot to policy {doc.get('policy')!r} (hash "
+            f"{doc.get('policy_hash')}) is under way, not to {checked.policy.name!r}: finish it "
+            f"(rerun it with --policy {doc.get('source') or doc.get('policy')}) or abandon it "
+            f"(andrea pivot {run.url} --abandon) first"
+        )
+    journal = PivotJournal.from_doc(run, doc)
+    if (pid := owner_alive(journal)) is not None:
+        raise LockError(
+            f"{run.path(PIVOT_JSON)}: the pivot to {journal.policy!r} is being run by process {pid}, which "
+            f"still runs (step {journal.step!r}): let it finish; not pivoting"
+        )
+    # The journal's policy text is what would be installed: re-validated and re-hashed here, so a
+    # journal whose recorded hash is the operator's policy's but whose text is not is refused.
+    recorded = parse_policy_text(journal.policy_text, f"{run.path(PIVOT_JSON)}: policy_text")
+    if recorded.hash != journal.policy_hash:
+        raise ConfigError(
+            f"{run.path(PIVOT_JSON)}: its policy_text hashes to {recorded.hash}, not to the policy_hash "
+            f"{journal.policy_hash} it records: a forged or damaged journal; not pivoting "
+            "(inspect it, then remove it)"
+        )
+    log(f"resuming the pivot to {checked.policy.name!r} after step {journal.step!r} (pivot.json)")
+    journal.owner = _this_process()  # recorded with its next step
+    return journal
 
 
 def already_pivoted(run: RunDir, checked: PivotCheck, restart: bool, log: Log = print) -> dict | None:
@@ -360,18 +486,6 @@ def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
         "archive": {"folder": folder},
         "already": True,
     }
-
-
-def _record(run: RunDir, journal: dict, step: str, **fields: Any) -> dict:
-    policy = parse_policy_text(journal["policy_text"], journal.get("source") or "new policy")
-    core = ("format", "policy", "policy_hash", "step", "started_at", "updated_at")
-    extra = {k: v for k, v in {**journal, **fields}.items() if k not in core}
-    boundary = extra.pop("boundary", journal.get("boundary"))
-    not_before = extra.pop("not_before", journal.get("not_before"))
-    doc = record_pivot(run, policy, step, boundary, not_before, **extra)
-    journal.clear()
-    journal.update(doc)
-    return journal
 
 
 # --- step 1 ------------------------------------------------------------------------------------
@@ -434,20 +548,20 @@ def _holder(run: RunDir) -> TrainerIdentity | None:
     return verdict.holder if verdict.state in (ALIVE, UNKNOWN) else None
 
 
-def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log = print) -> int:
+def take_pivot_checkpoint(run: RunDir, journal: PivotJournal, timeout_s: float, log: Log = print) -> int:
     """Step 1: the pivot checkpoint, protected by the journal (retention keeps it) before the trainer is
     stopped: the next one on the grid (at="boundary"), one written now (at="now", SIGUSR1), or with
     no trainer running the newest valid one. A failure here leaves the run as it was (no journal)."""
-    if _reached(journal, "checkpointed"):
-        return journal["boundary"]
+    if journal.reached("checkpointed"):
+        return journal.boundary
     trainer = _holder(run)
     try:
         if trainer is None:
             boundary = newest_checkpoint(run, log)
             log(f"no trainer running: pivoting at the newest valid checkpoint, step {boundary}")
-        elif journal.get("at") == "now":
+        elif journal.at == "now":
             # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
-            _record(run, journal, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
+            journal.record(run, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
             receipt = signal_live_trainer(run, "SIGUSR1")
             how = f"asked ({REQUEST})" if receipt.get("request") else "sent SIGUSR1 to"
             log(f"{how} trainer pid {receipt['pid']} on {trainer.host}: a checkpoint of the step in flight")
@@ -456,9 +570,9 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
             ).step
         else:
             boundary = wait_for_boundary(run, journal, timeout_s, trainer, log)
-        if journal.get("restart") != "none":
-            require_steps_after(journal["max_steps"], boundary)
-        _record(run, journal, "checkpointed", boundary=boundary, not_before=None)
+        if journal.restart != "none":
+            require_steps_after(journal.max_steps, boundary)
+        journal.record(run, "checkpointed", boundary=boundary, not_before=None)
     except BaseException:
         clear_pivot(run)  # nothing was changed: the run trains on as before
         raise
@@ -468,7 +582,7 @@ def take_pivot_checkpoint(run: RunDir, journal: dict, timeout_s: float, log: Log
 
 
 def wait_for_boundary(
-    run: RunDir, journal: dict, timeout_s: float, trainer: TrainerIdentity, log: Log = print
+    run: RunDir, journal: PivotJournal, timeout_s: float, trainer: TrainerIdentity, log: Log = print
 ) -> int:
     """The next checkpoint on the grid after where the trainer is, protected by the journal's intent
     before it is written. A view of the trainer's step is old by the time the intent is on disk (the
@@ -485,9 +599,9 @@ def wait_for_boundary(
     deadline = time.monotonic() + timeout_s
     while True:
         decided_at, boundary = choose_boundary(run)
-        if journal.get("restart") != "none":
-            require_steps_after(journal["max_steps"], boundary)
-        _record(run, journal, "intent", boundary=boundary, not_before=None)
+        if journal.restart != "none":
+            require_steps_after(journal.max_steps, boundary)
+        journal.record(run, "intent", boundary=boundary, not_before=None)
         log(f"pivot decided at step {decided_at}: pivoting at step {boundary}")
         written = [s for s in run.checkpoint_steps() if s >= boundary]
         if written:
@@ -511,33 +625,29 @@ def wait_for_boundary(
 # --- step 2 ------------------------------------------------------------------------------------
 
 
-def stop_trainer(run: RunDir, journal: dict, timeout_s: float = 300.0, log: Log = print) -> dict:
+def stop_trainer(run: RunDir, journal: PivotJournal, timeout_s: float = 300.0, log: Log = print) -> dict:
     """Step 2: SIGTERM the trainer (identity-checked) and wait for its exit: by then it has checkpointed
     the step in flight. Records .loss.json as it is now: every later step checks it byte for byte."""
-    if _reached(journal, "stopped"):
-        pid = journal.get("stopped_pid")
+    if journal.reached("stopped"):
+        pid = journal.stopped_pid
         return {
             "stopped": pid is not None,
             "pid": pid,
-            "step": journal.get("stopped_step"),
+            "step": journal.stopped_step,
             # Never a run file's number (a journal can be forged): a rerun restarts one process,
             # which resumes the checkpoint as well (any world size); pass --nproc-per-node for more.
             "world_size": 1,
             "seconds": 0.0,
         }
     stopped = stop_live_trainer(run, timeout_s, log)
-    before = _snapshot(journal.get("loss_before"))
-    if before is not None:
-        before.check_prefix_of(run, "the stopped trainer's .loss.json")
-    at_stop = LossLogSnapshot.take(run)
-    _record(
+    if journal.loss_before is not None:
+        journal.loss_before.check_prefix_of(run, "the stopped trainer's .loss.json")
+    journal.record(
         run,
-        journal,
         "stopped",
-        loss_at_stop=_snapshot_doc(at_stop),
+        loss_at_stop=LossLogSnapshot.take(run),
         stopped_pid=stopped["pid"],
         stopped_step=stopped["step"],
-        stopped_world_size=stopped["world_size"],
     )
     _kill_point("stopped")
     return stopped
@@ -590,31 +700,33 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
     }
 
 
-def loss_at_stop(journal: dict) -> LossLogSnapshot:
-    return _snapshot(journal["loss_at_stop"])
+def loss_at_stop(journal: PivotJournal) -> LossLogSnapshot:
+    if journal.loss_at_stop is None:
+        raise ConfigError(f"the pivot journal at step {journal.step!r} records no .loss.json at the stop")
+    return journal.loss_at_stop
 
 
 # --- steps 3 to 5 ------------------------------------------------------------------------------
 
 
-def archive(run: RunDir, journal: dict, log: Log = print) -> dict:
+def archive(run: RunDir, journal: PivotJournal, log: Log = print) -> dict:
     """Step 3: move .samples.json, .state.json, (a copy of) policy.yaml and the checkpoints past the
     boundary into archive/phase_NNN_step_SSSSSS/, a folder named in the journal before the first move
     (a rerun finishes the moves into the same folder). Afterwards the run holds no bandit state or
     sample log, so the next trainer starts a fresh bandit, and its newest checkpoint is the boundary."""
-    boundary = journal["boundary"]
-    if not _reached(journal, "archived"):
-        if not journal.get("archive"):
-            _record(run, journal, "archiving", archive=next_phase_folder(run, boundary))
+    boundary = journal.boundary
+    if not journal.reached("archived"):
+        if not journal.archive:
+            journal.record(run, "archiving", archive=next_phase_folder(run, boundary))
         moves = iter(range(1, 1_000_000))
         archived = archive_phase(
-            run, boundary, journal["archive"], after_move=lambda _: _kill_point(f"archive-move-{next(moves)}")
+            run, boundary, journal.archive, after_move=lambda _: _kill_point(f"archive-move-{next(moves)}")
         )
-        _record(run, journal, "archived")
+        journal.record(run, "archived")
         log(f"archived {', '.join(archived.moved) or 'nothing left to move'} into {archived.folder}")
         _kill_point("archived")
-    if _reached(journal, "installed"):
-        return {"folder": run.path(journal["archive"])}  # the new phase may be training already
+    if journal.reached("installed"):
+        return {"folder": run.path(journal.archive)}  # the new phase may be training already
     left = [name for name in (SAMPLES, STATE) if run.exists(name)]
     if left:
         raise SupervisionError(f"{run.url}: {', '.join(left)} still present after archiving")
@@ -623,36 +735,34 @@ def archive(run: RunDir, journal: dict, log: Log = print) -> dict:
         raise SupervisionError(
             f"{run.url}: newest checkpoint is step {newest}, not the pivot point {boundary}"
         )
-    return {"folder": run.path(journal["archive"])}
+    return {"folder": run.path(journal.archive)}
 
 
-def keep_loss_log(run: RunDir, journal: dict) -> dict:
+def keep_loss_log(run: RunDir, journal: PivotJournal) -> dict:
     """Step 4: .loss.json stays exactly where and as it is: checked byte for byte against its state
     when the trainer stopped."""
     snapshot = loss_at_stop(journal)
-    if _reached(journal, "installed"):
+    if journal.reached("installed"):
         snapshot.check_prefix_of(run)  # a rerun: the resumed trainer may have appended already
     else:
         snapshot.check_unchanged(run)
-    if not _reached(journal, "loss-kept"):
-        _record(run, journal, "loss-kept")
+    if not journal.reached("loss-kept"):
+        journal.record(run, "loss-kept")
         _kill_point("loss-kept")
     return {"bytes": snapshot.size, "sha256": snapshot.sha256}
 
 
-def install(run: RunDir, journal: dict) -> str:
+def install(run: RunDir, journal: PivotJournal) -> str:
     """Step 5: the new policy.yaml (validated again: what is installed is what was checked)."""
-    if not _reached(journal, "installed"):
-        installed = install_policy(run, journal["policy_text"], journal.get("source") or "new policy")
-        if isinstance(journal.get("max_steps"), int):  # the target the new phase trains to (a no-op if kept)
+    if not journal.reached("installed"):
+        installed = install_policy(run, journal.policy_text, journal.source or "new policy")
+        if isinstance(journal.max_steps, int):  # the target the new phase trains to (a no-op if kept)
             cfg = read_run(run).config
-            set_target(
-                run, journal["max_steps"], cfg.train.max_steps, journal.get("boundary") or 0, "andrea pivot"
-            )
-        _record(run, journal, "installed")
+            set_target(run, journal.max_steps, cfg.train.max_steps, journal.boundary or 0, "andrea pivot")
+        journal.record(run, "installed")
         _kill_point("installed")
         return installed.hash
-    return journal["policy_hash"]
+    return journal.policy_hash
 
 
 # --- step 6 ------------------------------------------------------------------------------------
@@ -697,12 +807,12 @@ def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[su
 
 
 def confirm_resumed(
-    run: RunDir, journal: dict, timeout_s: float, ended: Callable[[], str | None] | None = None
+    run: RunDir, journal: PivotJournal, timeout_s: float, ended: Callable[[], str | None] | None = None
 ) -> dict:
     """Step 6's proof: the new trainer's first loss is for step boundary+1 (it resumed from the pivot
     checkpoint), the old history is a byte-for-byte prefix of .loss.json, and it is not the trainer
     that was stopped. `ended` reports the resumed trainer's end: one that died is reported at once."""
-    boundary, snapshot = journal["boundary"], loss_at_stop(journal)
+    boundary, snapshot = journal.boundary, loss_at_stop(journal)
     entry = supervise.wait_for_first_entry_after(run, snapshot, timeout_s, ended=ended)
     if entry["step"] != boundary + 1:
         raise SupervisionError(
@@ -711,10 +821,10 @@ def confirm_resumed(
         )
     snapshot.check_prefix_of(run)
     trainer = live_trainer(run)
-    if trainer is not None and trainer.pid == journal.get("stopped_pid"):
+    if trainer is not None and trainer.pid == journal.stopped_pid:
         raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} is still the one running")
-    if not _reached(journal, "restarted"):
-        _record(run, journal, "restarted")
+    if not journal.reached("restarted"):
+        journal.record(run, "restarted")
         _kill_point("restarted")
     return {
         "first_step": entry["step"],
@@ -730,7 +840,45 @@ def finish_pivot(run: RunDir) -> None:
     clear_pivot(run)
 
 
-# --- the whole pivot, for a shell --------------------------------------------------------------
+# --- the whole pivot: the one driver -----------------------------------------------------------
+
+
+@dataclass
+class Resumed:
+    """A resumed trainer, as the front end that started it reports it."""
+
+    info: dict  # what the result shows of it: a pid and its log, or a flow run's id and name
+    ended: Callable[[], str | None] | None = None  # how it ended, once it has (None while it runs)
+    outcome: Callable[[], dict] | None = None  # its end, waited for once the pivot is complete
+
+
+@dataclass(frozen=True)
+class Restart:
+    """How a front end starts the resumed trainer with the options the pivot gives it (device,
+    max_steps, pace, nproc_per_node): `andrea pivot` a detached process (detached_restart), the flow a
+    `train` deployment run or subflow (flows/pivot.py). `name` is recorded in the journal."""
+
+    name: str
+    start: Callable[[RunDir, dict], Resumed]
+
+
+# step(name, fn): how a front end runs each named step (the flow: as a Prefect task of that name).
+StepRunner = Callable[[str, Callable[[], Any]], Any]
+PIVOT_STEP_NAMES = (
+    "check-not-already-pivoted",
+    "begin-pivot",
+    "take-pivot-checkpoint",
+    "stop-trainer",
+    "archive-phase",
+    "keep-loss-log",
+    "install-policy",
+    "confirm-resumed-trainer",
+    "finish-pivot",
+)
+
+
+def _plain(name: str, fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 def run_pivot(
@@ -738,54 +886,72 @@ def run_pivot(
     checked: PivotCheck,
     *,
     at: str = "boundary",
-    restart: bool = True,
+    restart: Restart | None = None,
     timeout_s: float = 1800.0,
     log: Log = print,
+    step: StepRunner = _plain,
 ) -> dict:
-    """The six steps for `andrea pivot`: against the live trainer (or the newest valid checkpoint when
-    none runs); with `restart`, a detached resumed trainer, confirmed by its first step, run with the
-    stopped trainer's command line (checked.train; --max-steps as the journal says)."""
-    done = already_pivoted(run, checked, restart, log)
+    """The pivot, once for every front end (checked: check_pivot's verdict, made before this): the
+    six steps against the live trainer (or the newest valid checkpoint when none runs), each journaled,
+    each waiting at most `timeout_s`; then, with `restart`, the resumed trainer started the front end's
+    way with the stopped trainer's options (checked.train; max_steps the journal's target) and
+    confirmed by its first step. A rerun after a crash resumes from the journal's last step."""
+    done = step("check-not-already-pivoted", lambda: already_pivoted(run, checked, restart is not None, log))
     if done is not None:
         return done
-    journal = begin_pivot(run, checked, at, "detached" if restart else "none", log)
-    boundary = take_pivot_checkpoint(run, journal, timeout_s, log)
-    stopped = stop_trainer(run, journal, log=log)
-    archived = archive(run, journal, log)
-    keep_loss_log(run, journal)
-    install(run, journal)
-    log(f"installed policy {journal['policy']!r} (hash {journal['policy_hash']}); .loss.json untouched")
-    result = {"boundary": boundary, "policy": journal["policy"], "archive": archived, "stopped": stopped}
-    if not restart:
-        finish_pivot(run)
+    how = restart.name if restart is not None else "none"
+    journal: PivotJournal = step("begin-pivot", lambda: begin_pivot(run, checked, at, how, log))
+    boundary = step("take-pivot-checkpoint", lambda: take_pivot_checkpoint(run, journal, timeout_s, log))
+    stopped = step("stop-trainer", lambda: stop_trainer(run, journal, timeout_s, log))
+    archived = step("archive-phase", lambda: archive(run, journal, log))
+    kept = step("keep-loss-log", lambda: keep_loss_log(run, journal))
+    log(f".loss.json untouched: {kept['bytes']} bytes, sha256 {kept['sha256'][:16]}")
+    step("install-policy", lambda: install(run, journal))
+    log(f"installed policy {journal.policy!r} (hash {journal.policy_hash}); .loss.json untouched")
+    result = {"boundary": boundary, "policy": journal.policy, "archive": archived, "stopped": stopped}
+    if restart is None:
+        step("finish-pivot", lambda: finish_pivot(run))
         _kill_point("finished")  # complete, not yet exited: a rerun finds it done (already_pivoted)
         return result
-    if not _reached(journal, "restarted"):
-        proc = None
-        trainer = live_trainer(run)
-        if trainer is None:
-            options = dict(journal.get("train_options") or checked.train or {})
-            options["max_steps"] = journal.get("max_steps")
+    resumed = None
+    if not journal.reached("restarted"):
+        if live_trainer(run) is None:  # a rerun may find the trainer it started before a crash
+            options = dict(journal.train_options or checked.train or {})
+            options["max_steps"] = journal.max_steps
             # The stopped job's verified WORLD_SIZE (stop_live_trainer), never the journal's number; the
             # recorded options' own is bounded by the devices here when the trainer starts (cmd_train).
             options["nproc_per_node"] = stopped.get("world_size") or 1
-            proc, path = start_detached_trainer(run, options)
-            log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
-
-        def ended() -> str | None:
-            if proc is None or proc.poll() is None:
-                return None
-            return (
-                f"trainer pid {proc.pid} exited with status {proc.returncode} (see {trainer_log_path(run)})"
-            )
-
-        result["resumed"] = confirm_resumed(run, journal, timeout_s, ended)
-        if proc is not None:
-            result["resumed"]["pid"] = proc.pid  # it may have finished already (a short max_steps)
+            resumed = restart.start(run, options)
+            result["resumed_by"] = resumed.info
+        ended = resumed.ended if resumed is not None else None
+        result["resumed"] = step(
+            "confirm-resumed-trainer", lambda: confirm_resumed(run, journal, timeout_s, ended)
+        )
+        if resumed is not None and resumed.info.get("pid") is not None:
+            result["resumed"]["pid"] = resumed.info["pid"]  # it may have finished already
     else:
         result["resumed"] = {"first_step": boundary + 1, "pid": getattr(live_trainer(run), "pid", None)}
-    finish_pivot(run)
+    step("finish-pivot", lambda: finish_pivot(run))
+    if resumed is not None and resumed.outcome is not None:
+        result["resumed_outcome"] = resumed.outcome()
     return result
+
+
+def detached_restart(log: Log = print) -> Restart:
+    """`andrea pivot`'s restart: a detached trainer (start_detached_trainer), its output in its log."""
+
+    def start(run: RunDir, options: dict) -> Resumed:
+        proc, path = start_detached_trainer(run, options)
+        log(f"resumed trainer pid {proc.pid} ({' '.join(proc.args[3:])}), output in {path}")
+
+        def ended() -> str | None:
+            if proc.poll() is None:
+                return None
+            return f"trainer pid {proc.pid} exited with status {proc.returncode} (see {path})"
+
+        return Resumed({"pid": proc.pid, "log": path}, ended)
+
+    return Restart("detached", start)
 
 
 # --- abandoning a pivot ------------------------------------------------------------------------
@@ -807,6 +973,12 @@ def abandon(run: RunDir, log: Log = print) -> dict:
     if "unreadable" in journal:  # forged or damaged: nothing it names is moved or deleted
         raise ConfigError(
             f"{journal['unreadable']}: not abandoning by it (nothing moved); inspect it, then remove it"
+        )
+    if (pid := owner_alive(journal)) is not None:
+        raise LockError(
+            f"{run.path(PIVOT_JSON)}: the pivot to {journal.get('policy')!r} is still being run by process "
+            f"{pid} (step {journal.get('step')!r}): not abandoning (nothing was changed); let it finish, "
+            "or stop it and then abandon"
         )
     verdict = require_not_elsewhere(run, "abandoning the pivot")
     trainer = verdict.holder if verdict.state == ALIVE else None
@@ -836,7 +1008,10 @@ def abandon(run: RunDir, log: Log = print) -> dict:
         if "phase.json" in plan["names"]:
             run.remove(f"{folder}/phase.json")
         run.remove_folder(folder)
+    target = _restore_target(run, journal) if trainer is None else None
     clear_pivot(run)
+    if target is not None:
+        log(f"the run's target is {target} again, as before the pivot")
     log(
         f"abandoned the pivot to {journal.get('policy')!r} (last step {step!r}); "
         f"restored {restored or 'nothing'}"
@@ -844,7 +1019,25 @@ def abandon(run: RunDir, log: Log = print) -> dict:
     return {"policy": journal.get("policy"), "step": step, "restored": restored}
 
 
-def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
+def _restore_target(run: RunDir, journal: dict) -> int | None:
+    """The target in force before the pivot (the journal's target_before), in force again."""
+    before = journal.get("target_before")
+    if not isinstance(before, int) or isinstance(before, bool):
+        return None  # a journal written before targets were recorded in it
+    cfg = read_run(run).config
+    if read_target(run, cfg.train.max_steps).max_steps == before:
+        return None
+    steps = run.checkpoint_steps()
+    set_target(run, before, cfg.train.max_steps, steps[-1] if steps else 0, "andrea pivot --abandon")
+    return before
+
+
+def _doc_reached(journal: dict, step: str) -> bool:
+    done = journal.get("step")
+    return done in PIVOT_STEPS and PIVOT_STEPS.index(done) >= PIVOT_STEPS.index(step)
+
+
+def _abandon_plan(run: RunDir, journal: PivotJournal, folder: str) -> dict:
     """What abandoning moves back, checked whole before anything is touched: raises ConfigError for a
     phase folder holding a file abandon does not know, and for a new phase that has trained."""
     from andrea_core.checkpoint import step_from_name
@@ -872,7 +1065,7 @@ def _abandon_plan(run: RunDir, journal: dict, folder: str) -> dict:
     # installed (a trainer may start from then on, never before), the new phase's own files that would
     # be left beside the restored old phase.
     ours = [n for n in back if run.exists(n) and n not in same]
-    if _reached(journal, "installed"):
+    if _doc_reached(journal, "installed"):
         ours += [n for n in (SAMPLES, STATE) if run.exists(n) and n not in back]
         ours += [
             checkpoint_name(s)

@@ -1,18 +1,21 @@
 """Supervising a trainer from outside its process: launch and follow it, wait for its checkpoints and
 its exit, and check that its loss log was only ever appended to.
 
-An orchestrator talks to a trainer only through signals and the run directory (docs/design.md "Processes").
+An orchestrator talks to a trainer only through signals and the run directory (docs/design.md "Processes"),
+and hears from a trainer it started through its structured events (train/events.py), never by reading
+its human log: that is passed on to people as it is, and nothing in it is taken as progress or an error.
 Nothing here imports Prefect: the tasks in tasks/ are thin wrappers over these functions, and a shell
 tool could use them just as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import re
 import signal
 import subprocess
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,20 +25,19 @@ from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
 from andrea_core.run.lineage import phase_folder, phases
-from andrea_core.run.lock import ALIVE, TrainerIdentity, live_trainer, require_not_elsewhere, still_holds
+from andrea_core.run.lock import (
+    ALIVE,
+    UNKNOWN,
+    TrainerIdentity,
+    live_trainer,
+    read_lock,
+    require_not_elsewhere,
+    still_holds,
+)
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, NO_SUCH_CHECKPOINT, RunDir
+from andrea_core.train.events import EVENTS_ENV, EventReader
 from andrea_core.train.progress import TIMESTAMP_RE
-
-# The trainer's plain log lines (train/trainer.py, train/progress.py) that say where it is and how it ended.
-PROGRESS_RE = re.compile(r"^andrea: step (\d+)/(\d+)\s+loss (\S+)")
-TOKENS_PER_S_RE = re.compile(r"\s([\d,]+(?:\.\d+)?) tok/s")
-STARTED_RE = re.compile(r"^andrea: training steps (\d+)\.\.(\d+) \(pid (\d+)\)")
-STOPPED_RE = re.compile(r"^andrea: (SIGTERM|SIGINT): stopped at step (\d+), checkpoint (\S+)$")
-COMPLETED_RE = re.compile(r"^andrea: completed step (\d+), checkpoint (\S+)$")
-ALREADY_RE = re.compile(r"^andrea: already at step (\d+) >= max_steps (\d+)")
-EARLY_STOP_RE = re.compile(r"^andrea: (SIGTERM|SIGINT) before the first step")
-ERROR_RE = re.compile(r"^andrea: error: (.*)$")
 
 
 class SupervisionError(RuntimeError):
@@ -130,56 +132,92 @@ class TrainerProcess:
         self.total: int | None = max_steps
         self.loss: float | None = None
         self.tokens_per_s: float | None = None
-        self.tail: deque[str] = deque(maxlen=30)
-        self._ending: re.Match | None = None
+        self.tail: deque[str] = deque(maxlen=30)  # the human log's last lines: shown, never parsed
+        self.checkpoints: list[str] = []  # the checkpoints it published, as its events said
+        self.on_event: Callable[[dict], None] | None = None  # called with each event record
+        self._result: dict | None = None
         self._error: str | None = None
+        self._events: EventReader | None = None
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
     def start(self) -> TrainerProcess:
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            env=trainer_env(),
-        )
+        """Start the trainer, its events going to a file of this process's own (mkstemp: 0600, a new
+        name in the temporary folder), named to it in ANDREA_EVENTS."""
+        fd, path = tempfile.mkstemp(prefix="andrea-events-", suffix=".jsonl")
+        os.close(fd)
+        try:
+            self._events = EventReader(path)
+            env = {**trainer_env(), EVENTS_ENV: path}
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                env=env,
+            )
+        except BaseException:
+            self._close_events()
+            raise
         return self
+
+    def _close_events(self) -> None:
+        """Once the trainer has exited: what is left is read, the file removed."""
+        if self._events is not None:
+            self._apply_all(self._events.read())
+            self._events.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._events.path)
+            self._events = None
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def lines(self) -> Iterator[str]:
-        """The trainer's output, line by line, as it comes; ends when the trainer exits."""
+        """The trainer's output, line by line, as it comes; ends when the trainer exits. Its events
+        are read as each line arrives (the trainer writes an event before the line that tells it)."""
         assert self.proc is not None and self.proc.stdout is not None, "start() first"
         for raw in self.proc.stdout:
             line = TIMESTAMP_RE.sub("", raw.rstrip("\n"), count=1)  # the reader stamps its lines itself
-            self._observe(line)
+            self.tail.append(line)
+            self.read_events()
             yield line
         self.proc.wait()
+        self._close_events()
 
-    def _observe(self, line: str) -> None:
-        self.tail.append(line)
-        if m := PROGRESS_RE.match(line):
-            self.step, self.total = int(m.group(1)), int(m.group(2))
-            try:
-                self.loss = float(m.group(3))
-            except ValueError:
-                pass
-            if speed := TOKENS_PER_S_RE.search(line):
-                self.tokens_per_s = float(speed.group(1).replace(",", ""))
-        elif m := STARTED_RE.match(line):
-            self.step, self.total = int(m.group(1)) - 1, int(m.group(2))
-        elif m := (STOPPED_RE.match(line) or COMPLETED_RE.match(line) or ALREADY_RE.match(line)):
-            self._ending = m
-        elif EARLY_STOP_RE.match(line):
-            self._ending = EARLY_STOP_RE.match(line)
-        elif m := ERROR_RE.match(line):
-            self._error = m.group(1)
+    def read_events(self) -> list[dict]:
+        """The trainer's events since the last call, applied (step, total, loss, how it ended)."""
+        records = self._events.read() if self._events is not None else []
+        self._apply_all(records)
+        return records
+
+    def _apply_all(self, records: list[dict]) -> None:
+        for record in records:
+            self._apply(record)
+            if self.on_event is not None:
+                self.on_event(record)
+
+    def _apply(self, record: dict) -> None:
+        event = record["event"]
+        if event == "progress":
+            self.step = _whole(record.get("step"), self.step)
+            self.total = _whole(record.get("max_steps"), self.total)
+            self.loss = _number(record.get("loss"), self.loss)
+            self.tokens_per_s = _number(record.get("tokens_per_s"), self.tokens_per_s)
+        elif event == "started":
+            first = _whole(record.get("first_step"), None)
+            self.step = first - 1 if first is not None else self.step
+            self.total = _whole(record.get("max_steps"), self.total)
+        elif event == "checkpoint" and isinstance(record.get("name"), str):
+            self.checkpoints.append(record["name"])
+        elif event == "result":
+            self._result = record
+        elif event == "error":
+            self._error = str(record.get("message"))
 
     def stop(self, timeout: float = 120.0, on_line: Callable[[str], None] | None = None) -> TrainerOutcome:
         """SIGTERM (our own child: its pid cannot have been reused before we reap it), then wait for
@@ -203,27 +241,39 @@ class TrainerProcess:
             ) from None
         for raw in self.proc.stdout:
             line = TIMESTAMP_RE.sub("", raw.rstrip("\n"), count=1)  # the reader stamps its lines itself
-            self._observe(line)
+            self.tail.append(line)
             if on_line is not None:
                 on_line(line)
+        self._close_events()
         return self.outcome()
 
     def outcome(self) -> TrainerOutcome:
+        """How it ended: its `result` event (the TrainResult), else its `error` event, else its exit
+        status; a checkpoint it names is validated in the run directory."""
         assert self.proc is not None and self.proc.returncode is not None, "the trainer has not exited"
-        rc, m = self.proc.returncode, self._ending
-        url = self.run.url
-        if m is not None and m.re is STOPPED_RE:
-            result = TrainerOutcome(url, rc, m.group(1), int(m.group(2)), m.group(3))
-        elif m is not None and m.re is COMPLETED_RE:
-            result = TrainerOutcome(url, rc, "completed", int(m.group(1)), m.group(2))
-        elif m is not None and m.re is ALREADY_RE:
-            return TrainerOutcome(url, rc, "already-complete", int(m.group(1)), None)
-        elif m is not None and m.re is EARLY_STOP_RE:
+        self._close_events()
+        rc, url, end = self.proc.returncode, self.run.url, self._result
+        reason = end.get("reason") if end is not None else None
+        step = _whole(end.get("step"), None) if end is not None else None
+        checkpoint = end.get("checkpoint") if end is not None else None
+        if reason in ("SIGTERM", "SIGINT") and isinstance(checkpoint, str) and step is not None:
+            result = TrainerOutcome(url, rc, reason, step, checkpoint)
+        elif reason == "completed" and isinstance(checkpoint, str) and step is not None:
+            result = TrainerOutcome(url, rc, "completed", step, checkpoint)
+        elif reason == "already-complete":
+            return TrainerOutcome(url, rc, "already-complete", step, None)
+        elif reason in ("SIGTERM", "SIGINT"):  # stopped before its first step: no checkpoint
             return TrainerOutcome(url, rc, "stopped-before-first-step", self.step, None)
         elif rc < 0:
             return TrainerOutcome(url, rc, "killed", self.step, None, f"signal {signal.Signals(-rc).name}")
         else:
-            detail = self._error or " | ".join(list(self.tail)[-3:]) or "no output"
+            if self._error is not None:
+                detail = self._error
+            elif reason is not None:
+                detail = f"it reported {reason} at step {step}"
+            else:
+                last = " | ".join(list(self.tail)[-3:]) or "none"
+                detail = f"it reported no result; its last output: {last}"
             return TrainerOutcome(url, rc, "error", self.step, None, detail)
         try:
             self.run.read_checkpoint(result.step)
@@ -236,6 +286,15 @@ class TrainerProcess:
                 result.checkpoint = archived
                 result.detail = "archived since with the phase a pivot closed"
         return result
+
+
+def _whole(value: object, default: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
+def _number(value: object, default: float | None) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else default
 
 
 def archived_checkpoint(run: RunDir, step: int) -> str | None:
@@ -263,6 +322,45 @@ def require_live_trainer(run: RunDir) -> TrainerIdentity:
     if verdict.state != ALIVE:
         raise SupervisionError(f"{run.url}: no live trainer ({verdict.why})")
     return verdict.holder
+
+
+class TrainerGone(SupervisionError):
+    """A trainer that cannot be checked from here stopped renewing its lease: dead, as far as anyone
+    here can tell. Waiting for it any longer would only wait out the timeout."""
+
+
+class LeaseWatch:
+    """Whether a trainer elsewhere (lock: UNKNOWN from here) still renews its lease, watched on this
+    machine's monotonic clock (no other machine's clock is trusted): a lock unchanged (generation,
+    renewals) for twice its ttl is a dead trainer's, and `check` raises TrainerGone saying what to do.
+    A trainer checked here by its pid is left to still_holds."""
+
+    def __init__(self, run: RunDir, trainer: TrainerIdentity | None):
+        self.run, self.trainer = run, trainer
+        self.remote = trainer is not None and trainer.liveness()[0] == UNKNOWN
+        self.seen: tuple | None = None
+        self.since = self.looked = time.monotonic()
+
+    def check(self) -> None:
+        ttl = self.trainer.lease_ttl_s if self.remote else None
+        if ttl is None or time.monotonic() - self.looked < min(1.0, ttl / 4):
+            return
+        self.looked = time.monotonic()
+        now = read_lock(self.run)
+        mark = (now.generation, now.renewals, now.released) if now is not None else None
+        if mark != self.seen:
+            self.seen, self.since = mark, time.monotonic()
+            return
+        quiet = time.monotonic() - self.since
+        if quiet > 2 * ttl:
+            t = self.trainer
+            raise TrainerGone(
+                f"{self.run.url}: trainer pid {t.pid} on host {t.host} has not renewed its lease for "
+                f"{quiet:.0f}s, twice its ttl of {ttl:g}s: it looks dead, so nothing will answer; stopped "
+                f"waiting. The way forward: start a trainer for the run here or anywhere (andrea train "
+                f"--run-dir {self.run.url} takes over the expired lease), then run this again; if that "
+                f"host is only cut off, let it come back first"
+            )
 
 
 def logged_step(run: RunDir) -> int | None:
@@ -295,6 +393,7 @@ def wait_for_checkpoint(
     published without it: the trainer writes its checkpoints in step order, one at a time."""
     name = checkpoint_name(step)
     deadline = time.monotonic() + timeout
+    lease = LeaseWatch(run, trainer)
     while True:
         if run.exists(name):
             return run.read_checkpoint(step)
@@ -311,6 +410,7 @@ def wait_for_checkpoint(
                 f"{run.url}: trainer pid {trainer.pid} exited before writing {name} "
                 f"(newest checkpoint: {_newest_name(run)})"
             )
+        lease.check()
         if time.monotonic() > deadline:
             raise SupervisionError(
                 f"{run.url}: {name} did not appear within {timeout:.0f}s "
@@ -330,12 +430,14 @@ def wait_for_new_checkpoint(
     """The first checkpoint at a step >= `not_before` that was not in `existing`: the one a SIGUSR1
     asked for (written at the end of the step in flight)."""
     deadline = time.monotonic() + timeout
+    lease = LeaseWatch(run, trainer)
     while True:
         new = [s for s in run.checkpoint_steps() if s >= not_before and s not in existing]
         if new:
             return run.read_checkpoint(min(new))
         if trainer is not None and not still_holds(run, trainer):
             raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} exited before checkpointing")
+        lease.check()
         if time.monotonic() > deadline:
             raise SupervisionError(f"{run.url}: no new checkpoint within {timeout:.0f}s of the request")
         time.sleep(poll)
@@ -345,10 +447,13 @@ def wait_for_exit(
     trainer: TrainerIdentity, timeout: float, poll: float = 0.05, run: RunDir | None = None
 ) -> float:
     """Block until the trainer process is gone (one that cannot be checked from here: until its lease
-    is released or taken over, lock.still_holds); returns the seconds waited."""
+    is released or taken over, lock.still_holds; TrainerGone once it is unrenewed for twice its ttl);
+    returns the seconds waited."""
     run = run or RunDir(trainer.run_dir)
     t0 = time.monotonic()
+    lease = LeaseWatch(run, trainer)
     while still_holds(run, trainer):
+        lease.check()
         if time.monotonic() - t0 > timeout:
             raise SupervisionError(
                 f"{trainer.run_dir}: trainer pid {trainer.pid} still runs {timeout:.0f}s after SIGTERM"

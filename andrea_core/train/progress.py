@@ -2,16 +2,20 @@
 
 Every line printed as a line starts with its UTC time (`2026-12-01 10:42:07Z andrea: ...`): a weeks-long
 run's trainer.log or nohup file says when each thing happened. A reader that stamps lines itself (the
-Prefect task, supervise.TrainerProcess) strips it (TIMESTAMP_RE).
+Prefect task, supervise.TrainerProcess) strips it (TIMESTAMP_RE). The log is for people: a supervisor
+reads the trainer's structured events (train/events.py), each progress line's also sent as one.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
 import time
 from typing import TextIO
+
+from andrea_core.train import events
 
 TIMESTAMP_RE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ ")
 
@@ -21,8 +25,9 @@ def stamp(t: float | None = None) -> str:
 
 
 class Progress:
-    def __init__(self, total_steps: int, log_every: int, stream: TextIO | None = None):
+    def __init__(self, total_steps: int, log_every: int, stream: TextIO | None = None, events: bool = True):
         self.stream = stream or sys.stdout
+        self.events = events  # rank 0 only: one "progress" event per log line (train/events.py)
         self.tty = self.stream.isatty()
         self.total = total_steps
         self.log_every = log_every
@@ -59,6 +64,10 @@ class Progress:
         if now - self._t >= 0.5 or on_log_step:
             self.tokens_per_s = self._tokens / max(now - self._t, 1e-9)
             self._t, self._tokens = now, 0
+        if on_log_step and self.events:  # before the line: a reader of both sees the event first
+            finite = loss if math.isfinite(loss) else None
+            speed = self.tokens_per_s
+            events.emit("progress", step=step, max_steps=self.total, loss=finite, tokens_per_s=speed)
         line = (
             f"step {step}/{self.total}  loss {loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
             f"next checkpoint {next_checkpoint}"

@@ -45,7 +45,7 @@ from andrea_core.run.record import environment, read_run
 from andrea_core.run.retention import apply_retention
 from andrea_core.run.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
 from andrea_core.run.target import check_max_steps, read_target, set_target
-from andrea_core.train import distributed
+from andrea_core.train import distributed, events
 from andrea_core.train.audit import Auditor
 from andrea_core.train.checkpoint_writer import Checkpointer
 from andrea_core.train.guard import Divergence, Guard, roll_back
@@ -169,11 +169,13 @@ class Trainer:
             check_max_steps(max_steps)
         # Rank 0 speaks for the job: one progress stream, one set of messages, as one trainer would.
         quiet = None if self.world.is_main else open(os.devnull, "w")  # noqa: SIM115 (lives as long as we do)
-        self.progress = Progress(0, 1, stream=quiet)  # its total and log_every once the run is known
+        # its total and log_every once the run is known; rank 0's progress is also a structured event
+        self.progress = Progress(0, 1, stream=quiet, events=self.world.is_main)
         self.log = (log or self.progress.message) if self.world.is_main else self.progress.message
         # The CLI process keeps its handlers to the end; in-process callers get the defaults back.
         self.keep_signal_handlers = keep_signal_handlers
         self.lease: lock.Lease | None = None
+        self._taken_requests: set[str] = set()  # ids of the run-directory requests acted on
         self._stopped_waiting: str | None = None
         existed = True
         if self.world.is_main and cfg is not None and not self.run.exists(RUN_YAML):
@@ -408,7 +410,7 @@ class Trainer:
             step,
             before_write=lambda _: self.loss_log.sync(),
             # Retention deletes only once this newer checkpoint is published (and re-validated).
-            after_publish=self._retain,
+            after_publish=self._published,
         )
         for arm, state in (self.data.mixer.state_dict().get("arms") or {}).items():
             self.tensorboard.scalar(step, f"bandit/p/{arm}", state["p"])
@@ -416,6 +418,10 @@ class Trainer:
         if audit:
             self._audit(step)
         return name
+
+    def _published(self, step: int) -> None:
+        events.emit("checkpoint", step=step, name=checkpoint_name(step))  # for the supervisor (events.py)
+        self._retain(step)
 
     def _retain(self, step: int) -> None:
         """Retention after step's checkpoint is published. Its failure (a denied delete, a listing
@@ -502,9 +508,11 @@ class Trainer:
     def _take_request(self, flags: signals.TrainerSignals) -> None:
         """At each lease renewal: a checkpoint or stop request in the run directory (lock.send_request,
         from a machine that cannot signal this process) sets the flag SIGUSR1 / SIGTERM would; the loop
-        acts on it at the next step boundary. The request is removed once taken."""
+        acts on it at the next step boundary. Each request (its id) is taken once and never removed: a
+        removal could lose a request written between the read and the delete (issue 43.7); a request
+        left behind is inert (taken already, or addressed to this lease's generation only)."""
         request = lock.read_request(self.run, self.lease.generation)
-        if request is None:
+        if request is None or request["id"] in self._taken_requests:
             return
         if request["request"] == "stop":
             flags.stop = flags.stop or "SIGTERM"
@@ -514,7 +522,7 @@ class Trainer:
             f"{request['request']} requested by {request['by']} through {self.run.path(lock.REQUEST)} "
             f"(as {'SIGTERM' if request['request'] == 'stop' else 'SIGUSR1'})"
         )
-        self.run.remove(lock.REQUEST)
+        self._taken_requests.add(request["id"])
 
     def _check_lease(self) -> None:
         if self.lease is not None and self.lease.lost is not None:
@@ -579,6 +587,7 @@ class Trainer:
             self._release(clean=True)
             return TrainResult(0, flags.stop, None)
         try:
+            require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             if self._new_target is not None and self.world.is_main:
                 steps = self.run.checkpoint_steps()
                 set_target(
@@ -589,7 +598,6 @@ class Trainer:
                     by="andrea train --max-steps",
                     warn=self.log,
                 )
-            require_no_half_pivot(self.run)  # a pivot left half done: rerun it or abandon it first
             self._check_environment()
             self._build()
             while True:
@@ -631,6 +639,8 @@ class Trainer:
             self.log(f"already at step {step} >= max_steps {self.max_steps}; nothing to do")
             return TrainResult(step, "already-complete", None)
         self.log(f"training steps {step + 1}..{self.max_steps} (pid {os.getpid()})")
+        if self.world.is_main:
+            events.emit("started", first_step=step + 1, max_steps=self.max_steps)
         previous = self._start_loss()  # the step whose loss the mixer has yet to hear of
         # Under torchrun `flags` is what all ranks agreed on (an all-reduce of `received`, every step).
         received, flags = flags, distributed.share_flags(self.world, flags, consume=False)

@@ -1,0 +1,169 @@
+"""The target and the pivot (issue 43.1-43.5): a pivot without --max-steps trains to the run's newest
+target; --abandon waits for a pivot process that still runs and brings the old target back; a refused
+`andrea train` touches nothing; a pivot aimed at a dead trainer elsewhere ends its wait with the way
+forward, and its stop wait honours --timeout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _env, andrea, start_trainer, wait_for
+
+from andrea_core.data.policy import load_policy
+from andrea_core.ops.pivot import PivotJournal
+from andrea_core.ops.supervise import LossLogSnapshot
+from andrea_core.run.lock import TrainerIdentity
+from andrea_core.run.pivot_journal import PIVOT_JSON, read_pivot
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import LOCK, TARGET, RunDir
+from andrea_core.run.target import read_target
+from tests.tiny import tiny_config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """andrea-tiny trained by `andrea train --max-steps 200` (its lock records that command line)."""
+    folder = tmp_path_factory.mktemp("pivot-defects")
+    run = folder / "base"
+    andrea("train", "--config", tiny_config(folder), "--run-dir", str(run), "--max-steps", "200")
+    return run
+
+
+def copy(trained: Path, tmp_path: Path) -> RunDir:
+    return RunDir(str(shutil.copytree(trained, tmp_path / "run")))
+
+
+def target_of(run: RunDir) -> int:
+    return read_target(run, read_run(run).config.train.max_steps).max_steps
+
+
+def pivot_killed_after(run: RunDir, point: str, *extra: str) -> None:
+    argv = [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"]
+    killed = subprocess.run(
+        [*argv, *extra],
+        env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": point},
+        cwd=REPO,
+        capture_output=True,
+        timeout=900,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+def test_a_pivot_without_max_steps_trains_to_the_newest_target(trained, tmp_path):
+    """43.1: the second pivot took the stopped trainer's old --max-steps (200, from its lock) as the
+    target and appended {"max_steps": 200, "by": "andrea pivot"} over the first pivot's 500."""
+    run = copy(trained, tmp_path)
+    andrea("pivot", run.url, "--policy", "tiny-mix", "--no-restart", "--max-steps", "500")
+    assert target_of(run) == 500
+    andrea("pivot", run.url, "--policy", "stdlib-only", "--no-restart")
+    assert target_of(run) == 500
+    lines = [json.loads(line) for line in run.read_bytes(TARGET).splitlines()]
+    assert [line["max_steps"] for line in lines if line["by"] == "andrea pivot"] == [500]
+
+
+def test_a_refused_train_touches_neither_the_target_nor_the_lock(trained, tmp_path):
+    """43.3: a trainer refused by a half-done pivot appended its --max-steps to target.jsonl and
+    rewrote the lock with its own command line (which a later pivot restart would reuse)."""
+    run = copy(trained, tmp_path)
+    pivot_killed_after(run, "stopped")
+    assert read_pivot(run)["step"] == "stopped"
+    before = {name: run.read_bytes(name) if run.exists(name) else None for name in (TARGET, LOCK)}
+    refused = andrea("train", "--run-dir", run.url, "--max-steps", "999", check=False)
+    assert refused.returncode == 2 and "is half done" in refused.stderr, refused.stdout + refused.stderr
+    assert {name: run.read_bytes(name) if run.exists(name) else None for name in (TARGET, LOCK)} == before
+
+
+def test_abandon_brings_back_the_old_phase_target(trained, tmp_path):
+    """43.4: the abandoned pivot's target (900) stayed in force under the old policy."""
+    run = copy(trained, tmp_path)
+    before = target_of(run)
+    pivot_killed_after(run, "installed", "--max-steps", "900")
+    assert target_of(run) == 900
+    out = andrea("pivot", run.url, "--abandon")
+    assert f"the run's target is {before} again" in out.stdout, out.stdout
+    assert target_of(run) == before and not run.exists(PIVOT_JSON)
+
+
+def test_abandon_refuses_while_the_pivot_process_still_runs(tmp_path):
+    """43.2: `--abandon` while another `andrea pivot` waited for its boundary said "abandoned ...
+    restored nothing" (exit 0); that pivot then stopped the trainer and installed its policy anyway."""
+    run = RunDir(str(tmp_path / "live"))  # its boundary (step 1000) far ahead: the pivot waits for it
+    config = tiny_config(tmp_path, train__checkpoint_every=1000)
+    trainer = start_trainer(
+        "--config", config, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.05"
+    )
+    pivot = None
+    try:
+        wait_for(lambda: run.exists(LOCK) and run.read_bytes(LOCK) and not _released(run), what="trainer")
+        pivot = subprocess.Popen(
+            [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
+            cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for(lambda: (read_pivot(run) or {}).get("step") == "intent", timeout=300, what="the intent")
+        refused = andrea("pivot", run.url, "--abandon", check=False)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert f"still being run by process {pivot.pid}" in refused.stderr, refused.stderr
+        assert read_pivot(run)["step"] == "intent" and pivot.poll() is None
+        pivot.kill()  # a pivot that died: abandon goes ahead
+        pivot.wait()
+        assert "abandoned the pivot" in andrea("pivot", run.url, "--abandon").stdout
+    finally:
+        if pivot is not None and pivot.poll() is None:
+            pivot.kill()
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(120)
+
+
+def _released(run: RunDir) -> bool:
+    return json.loads(run.read_bytes(LOCK)).get("released", False)
+
+
+def forge_remote_lock(run: RunDir, ttl: float) -> None:
+    """The lock of a trainer on another machine whose lease was last renewed now (and never again)."""
+    now = time.time()
+    ident = TrainerIdentity(
+        4242, "elsewhere", "another-boot", 1, now, run.url, "pid:[1]", "nonce", generation=2,
+        lease_ttl_s=ttl, lease_renew_s=ttl / 3, renewals=5, renewed_at=now,
+    )  # fmt: skip
+    run.write_atomic(LOCK, ident.encode())
+
+
+def test_a_pivot_aimed_at_a_dead_trainer_elsewhere_ends_its_wait_with_the_way_forward(trained, tmp_path):
+    """43.5: the pivot waited out its whole --timeout ("did not appear within ..."), the lock unchanged."""
+    run = copy(trained, tmp_path)
+    forge_remote_lock(run, ttl=1.0)
+    t0 = time.monotonic()
+    proc = andrea("pivot", run.url, "--policy", "tiny-mix", "--no-restart", "--timeout", "150", check=False)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "has not renewed its lease for" in proc.stderr and "twice its ttl of 1s" in proc.stderr
+    assert f"andrea train --run-dir {run.url} takes over the expired lease" in proc.stderr
+    assert took < 120, f"waited {took:.0f}s"
+    assert not run.exists(PIVOT_JSON) and not run.exists("archive")  # nothing changed
+
+
+def test_the_pivot_stop_wait_honours_its_timeout(trained, tmp_path):
+    """43.5: run_pivot stopped the trainer with a fixed 300 s whatever --timeout said."""
+    run = copy(trained, tmp_path)
+    forge_remote_lock(run, ttl=600.0)  # alive as far as its lease says: the stop is waited for
+    policy, text = load_policy("tiny-mix")
+    journal = PivotJournal(
+        policy.name, policy.hash, text, "tiny-mix", "boundary", "none", 200,
+        loss_before=LossLogSnapshot.take(run),
+    )  # fmt: skip
+    journal.record(run, "checkpointed", boundary=200)
+    t0 = time.monotonic()
+    proc = andrea(
+        "pivot", run.url, "--policy", "tiny-mix", "--no-restart", "--timeout", "3", check=False, timeout=200
+    )
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "still runs 3s after SIGTERM" in proc.stderr, proc.stderr
+    assert took < 150, f"waited {took:.0f}s"
