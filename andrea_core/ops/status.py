@@ -15,6 +15,8 @@ The state is one of
 The target is the run's own (target.jsonl, else run.yaml's max_steps; andrea_core/run/target.py): the
 percentage and the ETA are of it, as a resume without --max-steps trains to it.
 Speeds are measured on `.loss.json`'s times: tokens per second over the last minute of logging.
+Every line printed goes through andrea_core.untrusted.shown: a `by`, a host or a policy name read from a
+run file is shown, never lets a forged string start a line of its own or drive the terminal.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from andrea_core.run.lock import (
 )
 from andrea_core.run.loss_log import LossEntry, read_recent, recent_window
 from andrea_core.run.rundir import GUARD_LOG, RunDir
+from andrea_core.untrusted import shown
 
 WINDOW_S = 60.0
 
@@ -47,7 +50,8 @@ class RunStatus:
     state: str
     summary: str  # one plain sentence: what is going on and, if anything is wrong, what to do
     trainer: dict | None = None  # the live trainer: pid, host, started_at
-    stale_lock: dict | None = None  # a dead trainer's lock (state crashed) or another host's (remote)
+    stale_lock: dict | None = None  # a dead trainer's lock (state crashed)
+    remote_trainer: dict | None = None  # a trainer that cannot be checked from here (state remote)
     step: int = 0  # the newest step of the canonical loss history
     max_steps: int = 0
     max_steps_from: str = "run.yaml"  # or "target.jsonl (...)", or "trainer command line" (a live one's)
@@ -133,6 +137,8 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
         cmdline_max = trainer_max_steps(process_argv(lock.pid) or [])
         if cmdline_max is not None:
             st.max_steps, st.max_steps_from = cmdline_max, "trainer command line"
+    elif lock is not None and verdict.state == UNKNOWN:
+        st.remote_trainer = _identity(lock)  # live elsewhere, as far as this host can tell: not stale
     elif lock is not None:
         st.stale_lock = _identity(lock)
 
@@ -275,15 +281,21 @@ def _when(t: float) -> str:
 
 def format_status(st: RunStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    lines = [f"{st.run}: {st.state.upper()}: {st.summary}"]
+    lines = [shown(f"{st.run}: {st.state.upper()}: {st.summary}")]
 
     def row(label: str, text: str) -> None:
-        lines.append(f"  {label:<12}{text}")
+        lines.append(f"  {label:<12}{shown(text)}")
 
     if st.trainer:
         t = st.trainer
         since = f"since {_when(t['started_at'])} ({_ago(now - t['started_at'])} ago)"
         row("trainer", f"pid {t['pid']} on {t['host']}, {since}")
+    if st.remote_trainer:
+        t = st.remote_trainer
+        row(
+            "trainer",
+            f"pid {t['pid']} on {t['host']}, started {_when(t['started_at'])} (not checked from here)",
+        )
     if st.stale_lock:
         t = st.stale_lock
         row("stale lock", f"pid {t['pid']} on {t['host']}, started {_when(t['started_at'])}")
