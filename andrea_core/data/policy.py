@@ -35,8 +35,8 @@ from andrea_core.run.rundir import POLICY_YAML, RunDir
 CORPUS_KINDS = ("text", "jsonl", "parquet", "tokens")
 ARM_KINDS = ("python-stdlib", "docstrings", "prose", *CORPUS_KINDS)
 MIXERS = ("uniform", "exp3")
-# An arm's name becomes part of file names (its token cache) and of artifacts: no path separators, no
-# hidden or relative names, nothing a shell or a markdown renderer reads specially.
+# An arm's name (and a policy's) becomes part of file names (its token cache) and of artifacts: no path
+# separators, no hidden or relative names, nothing a shell or a markdown renderer reads specially.
 ARM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 ARM_NAME_RULE = "1 to 64 letters, digits, '-', '_' or '.', not starting with '.'"
 
@@ -100,6 +100,8 @@ def parse_policy(raw: Any, source: str) -> Policy:
         policy = build_dataclass(Policy, raw, "")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    if not ARM_NAME_RE.fullmatch(policy.name):  # shown by status, the dashboard, pivots and artifacts
+        raise ConfigError(f"{source}: name: {policy.name!r} must be {ARM_NAME_RULE}")
     arms = policy.arms
     if not arms:
         raise ConfigError(f"{source}: arms: must list at least one arm")
