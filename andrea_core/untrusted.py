@@ -6,6 +6,7 @@ directory chooses these strings; this is their one sanitizer.
 control character, bidi overrides and invisible format characters are written as visible escapes
 (`\\n`, `\\x1b`, `\\u202e`), so a forged string can neither start a line of its own (a fake progress
 or error line that a log parser would believe), nor drive the terminal, nor reorder what is shown.
+`markdown_code(text)`: the same as a code span whose fence no backtick inside can end.
 `markdown_text(text)`: the same, then HTML and markdown syntax escaped and auto-links broken (bare URLs,
 `www.` names, domain names and e-mail addresses, which GitHub-flavoured renderers such as the Prefect
 UI's would otherwise turn into links): shown as text, never rendered.
@@ -64,3 +65,15 @@ def markdown_text(text: object, limit: int = LIMIT) -> str:
     text = shown(text, limit).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     text = _MD_SPECIAL.sub(r"\\\1", text)
     return _AUTOLINK.sub(lambda m: "\\" + m.group(0), text)
+
+
+def markdown_code(text: object, in_table: bool = False, limit: int = LIMIT) -> str:
+    """An input-derived string as a markdown code span (`shown` first): verbatim, whatever backticks,
+    brackets or HTML it holds (the fence is longer than any run of backticks inside, so none ends it).
+    In a table cell "|" is escaped, which GitHub-flavoured markdown requires even inside code spans."""
+    text = shown(text, limit)
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
+    if in_table:
+        text = text.replace("|", "\\|")
+    return f"{fence}{pad}{text}{pad}{fence}"
