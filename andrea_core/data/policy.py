@@ -161,6 +161,20 @@ def check_feasible(
         raise ConfigError(f"{source}: infeasible policy: caps sum to {cap_sum:.4g} < 1 ({terms})")
 
 
+def live_caps(policy: Policy, available: list[str]) -> tuple[list[float], float]:
+    """The caps a mixer over the `available` arms uses, and the factor they were scaled by (1.0: the
+    policy's own). An unavailable arm's floor is released; if its absence leaves the others' caps
+    summing below 1 (no distribution over them could meet them), each is multiplied by one factor,
+    1 / their sum, so that they sum to 1: the arms left are then drawn in proportion to their caps
+    until the arm returns, when the policy's caps hold again (the next start computes them anew). A
+    weeks-long run trains on rather than wait for a person because a mount went away."""
+    caps = [policy.arm(a).cap for a in available]
+    total = sum(caps)
+    if len(available) == len(policy.arms) or total >= 1.0 - 1e-9 or total <= 0.0:
+        return caps, 1.0
+    return [c / total for c in caps], 1.0 / total
+
+
 def _is_relative_path(value: Any) -> bool:
     return isinstance(value, str) and bool(value) and "://" not in value and not os.path.isabs(value)
 

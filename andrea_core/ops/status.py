@@ -173,6 +173,7 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
     try:
         policy = read_policy(run)
         st.policy, st.mixer = policy.name, policy.mixer
+        _data_problems(run, policy, st.problems)
     except (ConfigError, FileNotFoundError) as e:
         st.problems.append(f"policy: {e}")
     try:
@@ -205,6 +206,28 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
         st.pivot = {k: journal.get(k) for k in ("policy", "step", "boundary", "unreadable", "source")}
     st.state, st.summary = _verdict(st, lock, verdict, run, now)
     return st
+
+
+def _data_problems(run: RunDir, policy, problems: list[str]) -> None:
+    """The policy's arms unavailable at the trainer's last start, and the caps scaled for their
+    absence (data.jsonl: data/changes.py), as problem lines: the run trains on without them."""
+    from andrea_core.data.changes import DATA_LOG, caps_in_force, read_data_log, unavailable_arms
+
+    entries = read_data_log(run, warn=problems.append)
+    listed = {a.name for a in policy.arms}
+    for arm, e in unavailable_arms(entries).items():
+        if arm in listed:
+            problems.append(
+                f"arm {arm!r} unavailable since step {e['step']} ({e.get('why')}): not drawn, its floor "
+                f"released, until its source is back at a trainer start ({DATA_LOG})"
+            )
+    scaled = caps_in_force(entries)
+    if scaled is not None and set(scaled["caps"]) <= listed:
+        caps = ", ".join(f"{a} {c:.4g}" for a, c in scaled["caps"].items())
+        problems.append(
+            f"caps scaled x{scaled['scale']:.4g} since step {scaled['step']} to sum to 1 without arm(s) "
+            f"{scaled['arm']}: {caps}; the policy's caps hold again when they return ({DATA_LOG})"
+        )
 
 
 def _verdict(
