@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.command import process_argv, trainer_max_steps
@@ -40,6 +41,9 @@ from andrea_core.run.lock import (
 from andrea_core.run.loss_log import LossEntry, read_recent, recent_window
 from andrea_core.run.rundir import GUARD_LOG, RunDir
 from andrea_core.untrusted import shown
+
+if TYPE_CHECKING:
+    from andrea_core.data.policy import Policy
 
 WINDOW_S = 60.0
 
@@ -173,9 +177,14 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
     try:
         policy = read_policy(run)
         st.policy, st.mixer = policy.name, policy.mixer
-        _data_problems(run, policy, st.problems)
     except (ConfigError, FileNotFoundError) as e:
+        policy = None
         st.problems.append(f"policy: {e}")
+    if policy is not None:
+        try:
+            _data_problems(run, policy, st.problems)
+        except ConfigError as e:  # data.jsonl past its bound, say: the rest of the report stands
+            st.problems.append(f"data: {e}")
     try:
         audits = read_audits(run)
     except ConfigError as e:
@@ -208,7 +217,7 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
     return st
 
 
-def _data_problems(run: RunDir, policy, problems: list[str]) -> None:
+def _data_problems(run: RunDir, policy: Policy, problems: list[str]) -> None:
     """The policy's arms unavailable at the trainer's last start, and the caps scaled for their
     absence (data.jsonl: data/changes.py), as problem lines: the run trains on without them."""
     from andrea_core.data.changes import DATA_LOG, caps_in_force, read_data_log, unavailable_arms
