@@ -56,7 +56,7 @@ _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~!])")
 # fuzzy linking) a name with a dot before letters, "example.com". Their ":", "@" and "." are escaped
 # (CommonMark: any ASCII punctuation may be), which splits the candidate so no renderer sees a link
 # while the text shows unchanged.
-_AUTOLINK = re.compile(r":|@|\.(?=[A-Za-z])")
+_AUTOLINK = re.compile(r":|@|\.(?=[^\W\d_])")  # a dot before a letter (any script's: "evil.рф" too)
 
 
 def markdown_text(text: object, limit: int = LIMIT) -> str:

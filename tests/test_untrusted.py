@@ -84,13 +84,14 @@ def test_status_shows_a_live_remote_trainer_as_its_trainer_not_as_a_stale_lock(t
 # The triggers of GitHub-flavoured auto-links (marked's and markdown-it's linkify): each needs its
 # characters side by side in the markdown source, which markdown_text's escapes separate.
 AUTOLINK = re.compile(
-    r"(?i)\b(?:https?|ftp|mailto|javascript):|\bwww\.|[\w.+-]@[\w-]+\.\w|\b[\w-]+\.(?:com|org|net|io|example)\b"
+    r"(?i)\b(?:https?|ftp|mailto|javascript):|\bwww\.|[\w.+-]@[\w-]+\.\w|\b[\w-]+\.(?:com|org|net|io|example|рф)\b"
 )
 BAIT = [
     "sign in again at https://evil.example/login",
     "mail ops@evil.example now",
     "see www.evil.example",
     "open evil.com",
+    "open пример.рф",
     "mailto:ops@evil.example",
     "[click](javascript:alert(1)) ![x](https://evil.example/x.png) <https://evil.example>",
 ]
