@@ -20,13 +20,13 @@ from prefect.cache_policies import NO_CACHE
 from andrea_core.config import limit
 from andrea_core.ops.compare import (
     Comparison,
-    markdown_text,
     plot_comparison,
     png_data_uri,
     report_markdown,
     write_report,
 )
 from andrea_core.run.rundir import RunDir
+from andrea_core.untrusted import markdown_text
 
 
 def artifact_key(*parts: str) -> str:

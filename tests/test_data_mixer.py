@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,7 @@ from conftest import REPO, andrea
 from andrea_core.config import ConfigError
 from andrea_core.data.mixer import Exp3Mixer, UniformMixer, project_capped_simplex
 from andrea_core.data.pipeline import make_mixer, step_rng
-from andrea_core.data.policy import parse_policy
+from andrea_core.data.policy import live_caps, parse_policy
 
 N_DRAWS = 10_000
 # Each draw is a Bernoulli(p_t) with p_t inside [floor, cap]; the empirical share minus the mean of the
@@ -177,14 +178,16 @@ def test_infeasible_policies_are_rejected_naming_the_sums():
         policy([0.5, 0.4, 0.3], [1.0, 1.0, 1.0])
     with pytest.raises(ConfigError, match=r"caps sum to 0.9 < 1 \(arm0 0.3 \+ arm1 0.3 \+ arm2 0.3\)"):
         policy([0.0, 0.0, 0.0], [0.3, 0.3, 0.3])
-    # Feasible with all arms, not once arm2's source is gone: the arms left cannot take all the mass.
+    # Feasible with all arms, not as they are once arm2's source is gone: the arms left cannot take all
+    # the mass. Their caps are scaled by one factor to sum to 1 (issue 43.8: the run trains on).
     lopsided = policy([0.1, 0.1, 0.1], [0.4, 0.5, 0.6])
-    with pytest.raises(
-        ConfigError,
-        match=r"policy 'p' without its unavailable arm\(s\) arm2: infeasible "
-        r"policy: caps sum to 0.9 < 1 \(arm0 0.4 \+ arm1 0.5\)",
-    ):
-        make_mixer(lopsided, ["arm0", "arm1"])
+    caps, scale = live_caps(lopsided, ["arm0", "arm1"])
+    assert caps == pytest.approx([0.4 / 0.9, 0.5 / 0.9]) and scale == pytest.approx(1 / 0.9)
+    assert live_caps(lopsided, ["arm1", "arm2"]) == ([0.5, 0.6], 1.0)  # 1.1: the policy's own
+    assert live_caps(lopsided, ["arm0", "arm1", "arm2"]) == ([0.4, 0.5, 0.6], 1.0)
+    for kind in ("exp3", "uniform"):
+        mixer = make_mixer(dataclasses.replace(lopsided, mixer=kind), ["arm0", "arm1"])
+        assert mixer.probabilities() == pytest.approx([0.4 / 0.9, 0.5 / 0.9])
 
 
 def test_infeasible_policy_stops_andrea_train_before_anything_is_written(tmp_path):

@@ -122,3 +122,65 @@ def test_no_available_arm_is_a_clear_error_before_training(tmp_path):
         "train on (docs: arm 'docs' (prose): no source files found on this machine)"
     ) in proc.stderr
     assert run.checkpoint_steps() == [] and not run.exists(LOSS_LOG) and not run.exists(STATE)
+
+
+@pytest.mark.slow
+def test_a_missing_arm_whose_absence_leaves_caps_below_1_trains_on_scaled_then_gets_its_caps_back(tmp_path):
+    """Issue 43.8: the arm left (cap 0.6) could not take all the mass: exit 2 'caps sum to 0.6 < 1', no
+    data.jsonl line, and systemd does not restart on 2. Now its cap is scaled to 1 (policy.live_caps),
+    recorded in data.jsonl and shown by status, and the policy's caps come back with the arm."""
+    from corpus_files import write_text_folder
+
+    from andrea_core.data.changes import read_data_log
+    from andrea_core.ops.status import run_status
+
+    root = tmp_path / "corpus"
+    write_text_folder(str(root), n=40)
+    (tmp_path / "policy.yaml").write_text(
+        "name: half-caps\nmixer: exp3\narms:\n"
+        "  - {name: stdlib-code, kind: python-stdlib, cap: 0.6}\n"
+        f"  - {{name: notes, kind: text, paths: [{root / 'text'}], cap: 0.6}}\n"
+    )
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(TINY_MIX.replace("policy: tiny-mix", f"policy: {tmp_path / 'policy.yaml'}"))
+    run = RunDir(str(tmp_path / "run"))
+    andrea("train", "--config", str(cfg), "--run-dir", run.url, "--max-steps", "20")
+
+    (root / "text").rename(root / "away")  # the mount went away
+    proc = andrea("train", "--run-dir", run.url, "--max-steps", "40", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "warning: without the unavailable arm(s) notes, the caps of stdlib-code 0.6 sum to 0.6 < 1: each is "
+        "scaled x1.667 to sum to 1 (stdlib-code 1) and training goes on; the policy's caps hold again once "
+        "the arm(s) return (data.jsonl)"
+    ) in proc.stdout
+    log = read_data_log(run)
+    assert [(e["step"], e["arm"], e["event"]) for e in log] == [
+        (0, "stdlib-code", "loaded"), (0, "notes", "loaded"),
+        (20, "notes", "unavailable"), (20, "notes", "caps_scaled"),
+    ]  # fmt: skip
+    assert log[-1]["caps"] == {"stdlib-code": 1.0} and log[-1]["scale"] == pytest.approx(1 / 0.6)
+    assert log[-1]["why"].startswith("notes: arm 'notes' (text): "), log[-1]["why"]
+    history = read_history(run)
+    assert [e.step for e in history] == list(range(1, 41))
+    assert {e.arm for e in history if e.step > 20} == {"stdlib-code"}
+    assert {e.arm for e in history if e.step <= 20} == {"stdlib-code", "notes"}
+    problems = run_status(run.url).problems
+    assert any(p.startswith("arm 'notes' unavailable since step 20 (") for p in problems), problems
+    assert (
+        "caps scaled x1.667 since step 20 to sum to 1 without arm(s) notes: stdlib-code 1; the policy's "
+        "caps hold again when they return (data.jsonl)"
+    ) in problems
+
+    (root / "away").rename(root / "text")  # back
+    out = andrea("train", "--run-dir", run.url, "--max-steps", "60").stdout
+    assert "the caps of policy 'half-caps' hold again: arm(s) notes returned (data.jsonl)" in out
+    log = read_data_log(run)
+    assert [(e["step"], e["arm"], e["event"]) for e in log[4:]] == [
+        (40, "notes", "returned"), (40, "notes", "caps_restored"),
+    ]  # fmt: skip
+    assert log[-1]["caps"] == {"stdlib-code": 0.6, "notes": 0.6} and log[-1]["scale"] == 1.0
+    assert {e.arm for e in read_history(run) if e.step > 40} == {"stdlib-code", "notes"}
+    assert sorted(run.read_json(STATE)["arms"]) == ["notes", "stdlib-code"]
+    assert max(s["p"] for s in run.read_json(STATE)["arms"].values()) <= 0.6 + 1e-12
+    assert run_status(run.url).problems == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "andrea_core"
-GROUND = {"config", "model_config", "checkpoint", "signals", "pdeathsig", "command", "bounded"}
+GROUND = {"config", "model_config", "checkpoint", "signals", "pdeathsig", "command", "bounded", "untrusted"}
 # What each layer may import, besides itself.
 MAY_IMPORT = {
     "ground": {"ground"},

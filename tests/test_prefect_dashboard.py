@@ -64,7 +64,7 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
     # Two checkpoints later: the dashboard's newest version names the second one.
     def dashboard_at_second_checkpoint():
         versions = artifact_versions(run_key("run", run.url))
-        return versions and f"step\\_{2 * EVERY:06d}.bin" in versions[-1].data and versions
+        return versions and f"step\\_{2 * EVERY:06d}\\.bin" in versions[-1].data and versions
 
     versions = wait_for(dashboard_at_second_checkpoint, timeout=300, what="the dashboard after 2 checkpoints")
     assert len(versions) >= 3  # at the start, and at each checkpoint

@@ -682,7 +682,7 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
         re.search(r"step (\d+) of 100000 - loss ", bar.description)[1]
     )  # loss, tokens/s, ETA: issue 26
     assert (
-        bar.description.startswith(f"{live_run.url}: step {step} of 100000")
+        bar.description.replace("\\", "").startswith(f"{live_run.url}: step {step} of 100000")
         and bar.data == 100.0 * step / 100_000
     )
     t0 = time.monotonic()

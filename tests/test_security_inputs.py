@@ -102,6 +102,17 @@ def test_arm_names_are_validated_when_a_policy_loads(bad):
         parse_policy(raw, "p.yaml")
 
 
+@pytest.mark.parametrize(
+    "bad", ["sign in again at https://evil.example", "ops@evil.example", "a\nb", "[x](y)", ".hidden", "é", ""]
+)
+def test_a_policy_name_is_validated_like_an_arm_name(bad):
+    """Issue 43.11: a policy's name is shown by status, the dashboard and artifacts: an arm name's rule."""
+    raw = {"name": bad, "arms": [{"name": "ok", "kind": "python-stdlib"}]}
+    with pytest.raises(ConfigError, match=r"p\.yaml: name: .*letters, digits"):
+        parse_policy(raw, "p.yaml")
+    assert parse_policy(raw | {"name": "tiny-mix_2.1"}, "p.yaml").name == "tiny-mix_2.1"
+
+
 def test_token_cache_refuses_a_path_like_arm_name_even_unparsed(tmp_path, monkeypatch):
     from andrea_core.data.sources import Source
     from andrea_core.data.tokens import ByteTokenizer, token_cache

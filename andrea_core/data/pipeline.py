@@ -16,7 +16,14 @@ import torch
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.changes import record_data_changes
 from andrea_core.data.mixer import Exp3Mixer, Mixer, UniformMixer
-from andrea_core.data.policy import CORPUS_KINDS, Policy, SourceUnavailable, check_feasible, read_policy
+from andrea_core.data.policy import (
+    CORPUS_KINDS,
+    Policy,
+    SourceUnavailable,
+    check_feasible,
+    live_caps,
+    read_policy,
+)
 from andrea_core.data.shards import ShardedTokens, check_corpus_split, corpus_arm
 from andrea_core.data.sources import open_source
 from andrea_core.data.state import BanditStore
@@ -80,9 +87,9 @@ def load_arms(
 
 def make_mixer(policy: Policy, available: list[str], seed: int = 0) -> Mixer:
     """The policy's mixer over the available arms: an unavailable arm's floor is released, and the
-    caps of the arms left must still reach 1."""
-    specs = [policy.arm(a) for a in available]
-    floors, caps = [s.floor for s in specs], [s.cap for s in specs]
+    caps of the arms left, where they sum below 1, scaled up to reach it (policy.live_caps)."""
+    floors = [policy.arm(a).floor for a in available]
+    caps, _ = live_caps(policy, available)
     missing = [a.name for a in policy.arms if a.name not in available]
     if missing:
         where = f"policy {policy.name!r} without its unavailable arm(s) {', '.join(missing)}"
@@ -154,7 +161,7 @@ class DataPipeline:
         """Restore the bandit of checkpoint `step` (0: a new run) before the first batch is drawn, and
         record in the run what changed in its data since the last start (data/changes.py)."""
         self.store.restore(self.mixer, step)
-        record_data_changes(self.store.run, self.arms, self.unavailable, step, self.store.warn)
+        record_data_changes(self.store.run, self.arms, self.unavailable, step, self.store.warn, self.policy)
 
     def rewind(self, step: int) -> None:
         """The mixer as checkpoint `step` left it (0: a fresh one), for a rollback in the same process:

@@ -35,8 +35,8 @@ from andrea_core.run.rundir import POLICY_YAML, RunDir
 CORPUS_KINDS = ("text", "jsonl", "parquet", "tokens")
 ARM_KINDS = ("python-stdlib", "docstrings", "prose", *CORPUS_KINDS)
 MIXERS = ("uniform", "exp3")
-# An arm's name becomes part of file names (its token cache) and of artifacts: no path separators, no
-# hidden or relative names, nothing a shell or a markdown renderer reads specially.
+# An arm's name (and a policy's) becomes part of file names (its token cache) and of artifacts: no path
+# separators, no hidden or relative names, nothing a shell or a markdown renderer reads specially.
 ARM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 ARM_NAME_RULE = "1 to 64 letters, digits, '-', '_' or '.', not starting with '.'"
 
@@ -100,6 +100,8 @@ def parse_policy(raw: Any, source: str) -> Policy:
         policy = build_dataclass(Policy, raw, "")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    if not ARM_NAME_RE.fullmatch(policy.name):  # shown by status, the dashboard, pivots and artifacts
+        raise ConfigError(f"{source}: name: {policy.name!r} must be {ARM_NAME_RULE}")
     arms = policy.arms
     if not arms:
         raise ConfigError(f"{source}: arms: must list at least one arm")
@@ -157,6 +159,20 @@ def check_feasible(
     if cap_sum < 1.0 - 1e-9:
         terms = " + ".join(f"{n} {c:g}" for n, c in zip(names, caps, strict=True))
         raise ConfigError(f"{source}: infeasible policy: caps sum to {cap_sum:.4g} < 1 ({terms})")
+
+
+def live_caps(policy: Policy, available: list[str]) -> tuple[list[float], float]:
+    """The caps a mixer over the `available` arms uses, and the factor they were scaled by (1.0: the
+    policy's own). An unavailable arm's floor is released; if its absence leaves the others' caps
+    summing below 1 (no distribution over them could meet them), each is multiplied by one factor,
+    1 / their sum, so that they sum to 1: the arms left are then drawn in proportion to their caps
+    until the arm returns, when the policy's caps hold again (the next start computes them anew). A
+    weeks-long run trains on rather than wait for a person because a mount went away."""
+    caps = [policy.arm(a).cap for a in available]
+    total = sum(caps)
+    if len(available) == len(policy.arms) or total >= 1.0 - 1e-9 or total <= 0.0:
+        return caps, 1.0
+    return [c / total for c in caps], 1.0 / total
 
 
 def _is_relative_path(value: Any) -> bool:

@@ -19,7 +19,8 @@ On load (docs/design.md "Data mixer"): a state written under another policy hash
 starts fresh, as at a pivot) and is moved aside into archive/, never overwritten; an arm of the state
 that the mixer does not have (no longer listed, or its source unavailable or empty now) is a zombie:
 reported by name with its old weight and pulls, dropped, never pulled, its floor released (the mixer
-was built over the live arms only); arms new to the state start at the prior.
+was built over the live arms only, their caps scaled up to sum to 1 where they fell short:
+policy.live_caps, recorded by changes.py); arms new to the state start at the prior.
 """
 
 from __future__ import annotations

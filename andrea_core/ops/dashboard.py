@@ -3,7 +3,8 @@ held-out per arm), speed and ETA, checkpoints, phase and policy with the bandit'
 samples and the loss plot embedded. The Prefect train flow publishes it as the keyed artifact
 `run-<name>-<digest>` at the start and at every checkpoint (tasks/artifacts.py); any tool can write it to
 a file.
-Every input-derived string is escaped (compare.markdown_text / markdown_code): shown, never rendered.
+Every input-derived string is escaped (untrusted.markdown_text, or untrusted.shown inside
+compare.markdown_code): shown, never rendered, never a link.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError
-from andrea_core.ops.compare import markdown_code, markdown_text, png_data_uri
+from andrea_core.ops.compare import markdown_code, png_data_uri
 from andrea_core.ops.loss_view import loss_view, plot_view
 from andrea_core.ops.status import RunStatus, run_status
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import STATE, RunDir
 from andrea_core.run.samples import read_audits
+from andrea_core.untrusted import markdown_text, shown
 
 
 def bandit_mix(run: RunDir) -> tuple[int, dict[str, float]] | None:
@@ -109,9 +111,8 @@ def dashboard(url: str) -> tuple[str, dict[str, Any]]:
         parts += ["", f"#### Newest samples (audit of step {a['step']})", ""]
         for s in a.get("samples") or []:
             arm = f" ({markdown_text(s['arm'])})" if s.get("arm") else ""
-            parts.append(
-                f"- {markdown_code(s.get('prompt', ''))}{arm} → {markdown_code(s.get('completion', ''))}"
-            )
+            prompt, completion = (markdown_code(shown(s.get(k, ""))) for k in ("prompt", "completion"))
+            parts.append(f"- {prompt}{arm} → {completion}")
     if png is not None:
         parts += ["", f"![loss of {markdown_text(name)}]({png_data_uri(png)})"]
     facts = {

@@ -15,12 +15,15 @@ The state is one of
 The target is the run's own (target.jsonl, else run.yaml's max_steps; andrea_core/run/target.py): the
 percentage and the ETA are of it, as a resume without --max-steps trains to it.
 Speeds are measured on `.loss.json`'s times: tokens per second over the last minute of logging.
+Every line printed goes through andrea_core.untrusted.shown: a `by`, a host or a policy name read from a
+run file is shown, never lets a forged string start a line of its own or drive the terminal.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.command import process_argv, trainer_max_steps
@@ -37,6 +40,10 @@ from andrea_core.run.lock import (
 )
 from andrea_core.run.loss_log import LossEntry, read_recent, recent_window
 from andrea_core.run.rundir import GUARD_LOG, RunDir
+from andrea_core.untrusted import shown
+
+if TYPE_CHECKING:
+    from andrea_core.data.policy import Policy
 
 WINDOW_S = 60.0
 
@@ -47,7 +54,8 @@ class RunStatus:
     state: str
     summary: str  # one plain sentence: what is going on and, if anything is wrong, what to do
     trainer: dict | None = None  # the live trainer: pid, host, started_at
-    stale_lock: dict | None = None  # a dead trainer's lock (state crashed) or another host's (remote)
+    stale_lock: dict | None = None  # a dead trainer's lock (state crashed)
+    remote_trainer: dict | None = None  # a trainer that cannot be checked from here (state remote)
     step: int = 0  # the newest step of the canonical loss history
     max_steps: int = 0
     max_steps_from: str = "run.yaml"  # or "target.jsonl (...)", or "trainer command line" (a live one's)
@@ -133,6 +141,8 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
         cmdline_max = trainer_max_steps(process_argv(lock.pid) or [])
         if cmdline_max is not None:
             st.max_steps, st.max_steps_from = cmdline_max, "trainer command line"
+    elif lock is not None and verdict.state == UNKNOWN:
+        st.remote_trainer = _identity(lock)  # live elsewhere, as far as this host can tell: not stale
     elif lock is not None:
         st.stale_lock = _identity(lock)
 
@@ -168,7 +178,13 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
         policy = read_policy(run)
         st.policy, st.mixer = policy.name, policy.mixer
     except (ConfigError, FileNotFoundError) as e:
+        policy = None
         st.problems.append(f"policy: {e}")
+    if policy is not None:
+        try:
+            _data_problems(run, policy, st.problems)
+        except ConfigError as e:  # data.jsonl past its bound, say: the rest of the report stands
+            st.problems.append(f"data: {e}")
     try:
         audits = read_audits(run)
     except ConfigError as e:
@@ -199,6 +215,28 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
         st.pivot = {k: journal.get(k) for k in ("policy", "step", "boundary", "unreadable", "source")}
     st.state, st.summary = _verdict(st, lock, verdict, run, now)
     return st
+
+
+def _data_problems(run: RunDir, policy: Policy, problems: list[str]) -> None:
+    """The policy's arms unavailable at the trainer's last start, and the caps scaled for their
+    absence (data.jsonl: data/changes.py), as problem lines: the run trains on without them."""
+    from andrea_core.data.changes import DATA_LOG, caps_in_force, read_data_log, unavailable_arms
+
+    entries = read_data_log(run, warn=problems.append)
+    listed = {a.name for a in policy.arms}
+    for arm, e in unavailable_arms(entries).items():
+        if arm in listed:
+            problems.append(
+                f"arm {arm!r} unavailable since step {e['step']} ({e.get('why')}): not drawn, its floor "
+                f"released, until its source is back at a trainer start ({DATA_LOG})"
+            )
+    scaled = caps_in_force(entries)
+    if scaled is not None and set(scaled["caps"]) <= listed:
+        caps = ", ".join(f"{a} {c:.4g}" for a, c in scaled["caps"].items())
+        problems.append(
+            f"caps scaled x{scaled['scale']:.4g} since step {scaled['step']} to sum to 1 without arm(s) "
+            f"{scaled['arm']}: {caps}; the policy's caps hold again when they return ({DATA_LOG})"
+        )
 
 
 def _verdict(
@@ -275,15 +313,21 @@ def _when(t: float) -> str:
 
 def format_status(st: RunStatus, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    lines = [f"{st.run}: {st.state.upper()}: {st.summary}"]
+    lines = [shown(f"{st.run}: {st.state.upper()}: {st.summary}")]
 
     def row(label: str, text: str) -> None:
-        lines.append(f"  {label:<12}{text}")
+        lines.append(f"  {label:<12}{shown(text)}")
 
     if st.trainer:
         t = st.trainer
         since = f"since {_when(t['started_at'])} ({_ago(now - t['started_at'])} ago)"
         row("trainer", f"pid {t['pid']} on {t['host']}, {since}")
+    if st.remote_trainer:
+        t = st.remote_trainer
+        row(
+            "trainer",
+            f"pid {t['pid']} on {t['host']}, started {_when(t['started_at'])} (not checked from here)",
+        )
     if st.stale_lock:
         t = st.stale_lock
         row("stale lock", f"pid {t['pid']} on {t['host']}, started {_when(t['started_at'])}")

@@ -9,6 +9,13 @@ are encoded and appended at each checkpoint (and exit), off the step's hot path.
 opens with a SessionLog START at its first step: TensorBoard then drops what older files logged from
 that step on (a resume, a pivot's archived tail), exactly as .loss.json's canonical history does.
 .loss.json stays the source of truth; these files are a view, and losing one loses nothing.
+A run's first event file (none in RUN/tensorboard/ yet: a fork's branch, whose .loss.json holds its
+parent's history up to the fork, or a run whose folder was removed) opens with train/loss and train/lr
+of the canonical history before its first step, from .loss.json: TensorBoard shows the whole history.
+A view never stops training: whatever fails writing it (a full disk, a symlink or a file at
+RUN/tensorboard) is one warning, and training goes on (the events of that flush are dropped).
+Text from the audits (prompts are held-out documents: anyone's text) goes through untrusted.markdown_code
+and markdown_text: TensorBoard's text plugin renders markdown, links and images included.
 ANDREA_TENSORBOARD=0 turns them off.
 """
 
@@ -21,7 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
+from andrea_core.untrusted import markdown_code, markdown_text
 
 TENSORBOARD_DIR = "tensorboard"
 ENV = "ANDREA_TENSORBOARD"
@@ -35,6 +44,7 @@ class TensorBoardLog:
         )
         self._pending: list[tuple] = []
         self._mutex = threading.Lock()  # a background audit adds its events from its own thread
+        self._warned: set[str] = set()  # the causes of failed flushes already told
         self.enabled = os.environ.get(ENV, "1") != "0"
         if not self.enabled:
             return
@@ -45,6 +55,21 @@ class TensorBoardLog:
             log("warning: the tensorboard package is not installed: no TensorBoard events (requirements.txt)")
             return
         self._pending.append(("start", first_step, time.time()))
+        if first_step > 1:
+            self._backfill(first_step)
+
+    def _backfill(self, first_step: int) -> None:
+        """The canonical history before `first_step` when this is the run's first event file."""
+        try:
+            if any(n.startswith("events.out.tfevents.") for n in self.run.listdir(TENSORBOARD_DIR)):
+                return
+            history = [e for e in read_history(self.run) if e.step < first_step]
+        except Exception as e:  # noqa: BLE001 (a view: whatever fails is a warning, never the run's end)
+            self._warn(f"the history before step {first_step} is not shown", e)
+            return
+        for e in history:
+            self._pending.append(("scalar", e.step, e.time, "train/loss", float(e.loss)))
+            self._pending.append(("scalar", e.step, e.time, "train/lr", float(e.lr)))
 
     # --- cheap: called from the loop, the audit and the checkpoint ------------------------------
 
@@ -67,7 +92,9 @@ class TensorBoardLog:
             if key in m:
                 self.scalar(step, f"audit/{key}", m[key])
         lines = [
-            f"**{s.get('arm', '')}** `{s['prompt']!r}` → `{s['completion']!r}`" for s in audit["samples"]
+            f"**{markdown_text(s.get('arm', ''))}** {markdown_code(repr(s['prompt']))} → "
+            f"{markdown_code(repr(s['completion']))}"
+            for s in audit["samples"]
         ]
         self.text(step, "audit/samples", "\n\n".join(lines))
 
@@ -83,9 +110,17 @@ class TensorBoardLog:
             data = b"".join(_record(_event(p)) for p in pending)
             self.run.makedirs(TENSORBOARD_DIR)
             self.run.append(self.name, data, durable=not self.run.is_local, lines=False)  # binary records
-        except OSError as e:  # a view: a full disk loses these events, never the run's own files
+        except Exception as e:  # noqa: BLE001 (a view: a full disk or a symlink loses these events, never the run)
+            self._warn(f"{len(pending)} TensorBoard event(s) not written", e)
+
+    def _warn(self, what: str, e: Exception) -> None:
+        """Once per cause: a view that fails at every checkpoint of a weeks-long run says so once."""
+        cause = f"{type(e).__name__}: {e}"
+        if cause not in self._warned:
+            self._warned.add(cause)
             self.log(
-                f"warning: {self.run.path(self.name)}: {len(pending)} TensorBoard event(s) not written ({e})"
+                f"warning: {self.run.path(self.name)}: {what} ({cause}); training goes on, "
+                "this warning is not repeated"
             )
 
 

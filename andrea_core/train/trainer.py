@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from andrea_core import signals
+from andrea_core import signals, untrusted
 from andrea_core.checkpoint import CheckpointError, checkpoint_name, restore
 from andrea_core.config import RunConfig
 from andrea_core.data.pipeline import Batch, DataPipeline
@@ -519,7 +519,8 @@ class Trainer:
         else:
             flags.checkpoint = True
         self.log(
-            f"{request['request']} requested by {request['by']} through {self.run.path(lock.REQUEST)} "
+            f"{request['request']} requested by {untrusted.shown(request['by'])} "
+            f"through {self.run.path(lock.REQUEST)} "
             f"(as {'SIGTERM' if request['request'] == 'stop' else 'SIGUSR1'})"
         )
         self._taken_requests.add(request["id"])
