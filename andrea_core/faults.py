@@ -23,6 +23,13 @@ REPLACE_HELD = PREFIX + "REPLACE_HELD"
 # planted once the safe create (O_EXCL | O_NOFOLLOW) has refused it (run/store.py, _create_temp).
 FIXED_TEMP_NAMES = PREFIX + "FIXED_TEMP_NAMES"
 
+# The hooks of the modules above run/ (read there today; they move here as their owners take them up):
+STARTUP_DELAY = PREFIX + "STARTUP_DELAY"  # cli: hold start-up this many seconds, handlers installed
+PIVOT_KILL_AFTER = PREFIX + "PIVOT_KILL_AFTER"  # ops/pivot: SIGKILL this process after the named step
+FORK_KILL_AFTER = PREFIX + "FORK_KILL_AFTER"  # ops/fork: die right after writing BRANCH/FILE
+GUARD_NAN_AT = PREFIX + "GUARD_NAN_AT"  # train/guard: the batches at these data positions poison a step
+GUARD_SIGNAL = PREFIX + "GUARD_SIGNAL"  # train/guard: POINT:SIGNAL, this process signals itself there
+
 
 def value(name: str) -> str | None:
     """The hook's setting (`name` is the whole variable name, ANDREA_TEST_...), None when unset or empty."""

@@ -180,7 +180,7 @@ def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_
                 p.wait()
 
 
-def test_memory_compare_and_put_is_exact_and_fenced_under_one_lock(tmp_path):
+def test_memory_compare_and_put_is_exact_and_a_lost_lease_publishes_nothing(tmp_path):
     """memory:// lives in this one process: its compare-and-put holds one lock of the process, so a
     replace over a stale version is refused even when the sizes match (the check compared sizes once),
     of threads racing to create the lock exactly one wins, and a lost lease publishes nothing."""

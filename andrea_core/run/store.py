@@ -625,9 +625,9 @@ class S3Store(_ObjectStore):
 
 
 class MemoryStore(_ObjectStore):
-    """fsspec's memory filesystem: one dict of this process. Every read-compare-put holds one lock of
-    this process (re-entrant: a fence may renew the lease, a put of the lock), so a conditional put is
-    exact, and a fenced put is fenced and written with no takeover between the two."""
+    """fsspec's memory filesystem: one dict of this process. Every compare-and-put holds one lock of
+    this process, so a conditional put is exact. A fenced put is fenced first, as on local disk (the
+    fence may renew the lease, a put of the lock on the lease's own thread's lock order)."""
 
     _lock = threading.RLock()
 
@@ -666,9 +666,9 @@ class MemoryStore(_ObjectStore):
         self, name: str, views: Iterable[memoryview], expect: Version | None, fence: Fence | None, mode: int
     ) -> Version:
         data = b"".join(views)
+        if fence is not None:  # outside the lock: a fence may renew the lease, whose thread holds it
+            fence()
         with self._lock:
-            if fence is not None:
-                fence()
             if expect is not None:
                 try:
                     held = sha256_version(self.fs.cat_file(self.path(name)))
