@@ -16,8 +16,10 @@ import time
 import pytest
 from conftest import REPO, _env, andrea, start_trainer, wait_for
 
+from andrea_core.config import ConfigError
 from andrea_core.run import lock
 from andrea_core.run.lock import LeaseLost, LockError, read_lock
+from andrea_core.run.objstore import ConcurrentWriteError
 from andrea_core.run.rundir import LOCK, RunDir
 from andrea_core.run.samples import read_audits
 from tests.tiny import tiny_config
@@ -178,23 +180,52 @@ def test_two_hosts_on_one_s3_run_the_second_takes_over_an_expired_lease_and_the_
                 p.wait()
 
 
-def test_a_store_without_conditional_puts_compares_the_lock_after_each_write(tmp_path):
-    """memory:// has no If-Match: a publish made while the lease was being taken over is detected by
-    reading the lock back, and the lease is lost from then on."""
+def test_memory_compare_and_put_is_exact_and_a_lost_lease_publishes_nothing(tmp_path):
+    """memory:// lives in this one process: its compare-and-put holds one lock of the process, so a
+    replace over a stale version is refused even when the sizes match (the check compared sizes once),
+    of threads racing to create the lock exactly one wins, and a lost lease publishes nothing."""
+    import threading
+
     run = RunDir(f"memory://{tmp_path.name}/run")
+    results: list[str] = []
+
+    def create(i: int) -> None:
+        try:
+            run.create_exclusive("race.json", f"{i:02d}".encode())
+            results.append("won")
+        except FileExistsError:
+            results.append("lost")
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["lost"] * 15 + ["won"]
+    _, seen = run.read_versioned("race.json")
+    run.replace_if_unchanged("race.json", b"zz", seen)  # same size, other bytes
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        run.replace_if_unchanged("race.json", b"yy", seen)
+    assert run.read_bytes("race.json") == b"zz"
+
     lease = lock.Lease.take(run, log=lambda m: None)
     try:
         run.write_json("sidecar.json", {"n": 1})
         taker = replace_lock(run, lease.me, host="host-b", generation=2)
-        with pytest.raises(LeaseLost, match="sidecar.json was written while the lease was being lost"):
-            run.write_json("sidecar.json", {"n": 2})
-        assert lease.lost is not None
         with pytest.raises(LeaseLost):
-            run.write_json("other.json", {"n": 3})
-        assert not run.exists("other.json") and read_lock(run) == taker
+            lease.confirm("sidecar.json")
+        with pytest.raises(LeaseLost):
+            run.write_json("sidecar.json", {"n": 2})
+        assert run.read_json("sidecar.json") == {"n": 1} and read_lock(run) == taker
     finally:
         lease.release()
     assert read_lock(run) == taker, "a lost lease is never released over its taker's lock"
+
+
+def test_a_run_directory_on_an_untested_store_is_refused_naming_it():
+    for url in ("gcs://bucket/run", "gs://bucket/run", "az://container/run", "abfs://container/run"):
+        with pytest.raises(ConfigError, match=r"cannot live on .*supported: a local path, file://, s3://"):
+            RunDir(url)
 
 
 def replace_lock(run: RunDir, held: lock.TrainerIdentity, **changes) -> lock.TrainerIdentity:

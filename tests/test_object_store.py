@@ -19,12 +19,13 @@ from conftest import TINY, andrea, flock_held_elsewhere, start_trainer, wait_for
 from andrea_core import cli
 from andrea_core.checkpoint import checkpoint_name, decode
 from andrea_core.config import load_run_config
+from andrea_core.faults import REPLACE_HELD as TEST_HOLD_ENV
 from andrea_core.ops.fork import BranchSpec, fork
 from andrea_core.ops.pivot import pivot_run_directory
 from andrea_core.run.lineage import fork_records
 from andrea_core.run.loss_log import LossWriter, canonical, parse_lines, read_history
 from andrea_core.run.objstore import ConcurrentWriteError
-from andrea_core.run.rundir import FORKS, LOCK, LOSS_LOG, TEST_HOLD_ENV, RunDir
+from andrea_core.run.rundir import FORKS, LOCK, LOSS_LOG, RunDir
 from andrea_core.train.trainer import Trainer
 
 MiB = 2**20

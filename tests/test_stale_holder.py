@@ -3,7 +3,7 @@
 The S3 soak found it (issue 28, violation (5) at fault 7): a trainer stopped mid-upload for 8.9 s (ttl
 3 s) finished its put of step_000270.bin after a second trainer had taken the run over, and the store
 committed it. S3 cannot make a put conditional on another object (the lock), so a fenced publish is an
-upload that a taker can abort (objstore.s3_put, RunDir._write_local) and the taker aborts them right
+upload that a taker can abort (objstore.s3_put, store.LocalStore.put) and the taker aborts them right
 before its takeover write (RunDir.abort_writes_in_flight).
 
 Two "hosts" on this machine (ANDREA_TEST_HOST, as in tests/test_lease.py): host-a, a real process, holds

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from andrea_core.atomic import TEMP_SUFFIX, open_temp, publish, temp_path, write_atomic
 from andrea_core.bounded import read_bounded
 from andrea_core.config import RunConfig, limit
 from andrea_core.data.corpora import CorpusError, CorpusFile, CorpusSource, inspect_shard, is_validation
@@ -249,9 +250,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def _suffix(dtype: np.dtype) -> str:
@@ -286,7 +285,7 @@ def _published_shards(folder: Path, dtype: np.dtype) -> list[dict[str, Any]]:
         m = re.match(r"^(\d{6})\.", p.name)
         if m and int(m.group(1)) >= len(metas):
             p.unlink(missing_ok=True)  # an unpublished shard (or one that lost its files): never read
-        elif p.name.endswith(".tmp"):
+        elif p.name.endswith(TEMP_SUFFIX):
             p.unlink(missing_ok=True)  # a dead builder's half-written file
     return metas
 
@@ -297,8 +296,9 @@ class _ShardWriter:
     def __init__(self, folder: Path, index: int, dtype: np.dtype):
         self.folder, self.index, self.dtype = folder, index, dtype
         self.tokens = {"train": 0, "val": 0}
-        self.tmp = {s: folder / f".{index:06d}.{s}.{os.getpid()}.tmp" for s in ("train", "val")}
-        self.files = {s: open(p, "wb") for s, p in self.tmp.items()}
+        self.tmp, self.files = {}, {}
+        for s in ("train", "val"):
+            self.tmp[s], self.files[s] = open_temp(_shard_file(folder, index, s, dtype))
 
     def write(self, ids: np.ndarray, val: bool) -> None:
         split = "val" if val else "train"
@@ -307,10 +307,7 @@ class _ShardWriter:
 
     def publish(self, next_position: tuple[int, int], totals: dict[str, Any]) -> None:
         for split, f in self.files.items():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(self.tmp[split], _shard_file(self.folder, self.index, split, self.dtype))
+            publish(self.tmp[split], _shard_file(self.folder, self.index, split, self.dtype), f)
         meta = {
             "index": self.index,
             "train_tokens": self.tokens["train"],
@@ -615,12 +612,12 @@ def token_shards(
         else:
             path = folder / key
             if not path.exists() or path.stat().st_size != f.size:
-                tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+                tmp = temp_path(path)
                 f.fs.get_file(f.path, str(tmp))  # streamed to disk, never whole in memory
                 if tmp.stat().st_size != f.size:
                     tmp.unlink()
                     raise CorpusError(f"{f.url}: {f.size} bytes listed but a different size was read")
-                os.replace(tmp, path)
+                publish(tmp, path)
                 copied += f.size
         if sh.count == 0:
             continue

@@ -9,12 +9,12 @@ JSON), so it is reused across restarts and rebuilt exactly when either changes.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
 
+from andrea_core.atomic import atomic_file
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.policy import ARM_NAME_RE, ARM_NAME_RULE, Policy, SourceUnavailable
 from andrea_core.data.sources import Source, open_source
@@ -224,19 +224,14 @@ def token_cache(source: Source, tokenizer: Tokenizer) -> np.ndarray:
     path = cache_dir() / f"{source.arm.name}-{key}.u16"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp.{os.getpid()}")
         n = 0
-        try:
-            # Written batch by batch: a 50 MB arm never sits in memory as a list of Python ints.
-            with open(tmp, "wb") as f:
-                for batch in _batches(source.documents(), ENCODE_BATCH_DOCS):
-                    for ids in tokenizer.encode_batch(batch):
-                        np.asarray(ids, dtype=np.uint16).tofile(f)
-                        n += len(ids)
+        # Written batch by batch: a 50 MB arm never sits in memory as a list of Python ints. Concurrent
+        # builders produce identical files; the last rename wins.
+        with atomic_file(path) as f:
+            for batch in _batches(source.documents(), ENCODE_BATCH_DOCS):
+                for ids in tokenizer.encode_batch(batch):
+                    np.asarray(ids, dtype=np.uint16).tofile(f)
+                    n += len(ids)
             if n < 1024:
                 raise ValueError(f"arm {source.arm.name!r}: only {n} tokens of text")
-            os.replace(tmp, path)  # concurrent builders produce identical files; last rename wins
-        finally:
-            if tmp.exists():
-                tmp.unlink()
     return np.memmap(path, dtype=np.uint16, mode="r")

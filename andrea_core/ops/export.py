@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from andrea_core.atomic import fsync_dir, temp_path
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError
 from andrea_core.model.weights import meta_model, named_weights
@@ -150,9 +151,7 @@ def export_checkpoint(
     generation = {"max_length": cfg.block_size, "bos_token_id": None, "eos_token_id": None}
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp.{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = temp_path(out)
     tmp.mkdir()
     try:
         metadata = {"format": "pt", "andrea_run": weights.run.url, "andrea_step": str(ckpt.step)}
@@ -161,12 +160,15 @@ def export_checkpoint(
         (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         if tokenizer is not None:
             (tmp / TOKENIZER_JSON).write_bytes(tokenizer)
+        # safetensors creates its file 0600 whatever the umask: give it the mode open() gave the others.
+        os.chmod(tmp / WEIGHTS_FILE, (tmp / CONFIG_FILE).stat().st_mode & 0o777)
         files = sorted(p.name for p in tmp.iterdir())
         for name in files:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         # rename(2) replaces an empty directory, so an empty OUT_DIR made beforehand is fine.
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

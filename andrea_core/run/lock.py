@@ -51,8 +51,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from andrea_core import faults
 from andrea_core.command import trainer_run_dir
 from andrea_core.config import ConfigError
+from andrea_core.poll import poll_until
 from andrea_core.run.objstore import ConcurrentWriteError, Version
 from andrea_core.run.rundir import LOCK, ReplacePaused, RunDir
 from andrea_core.signals import NONCE_ENV, environ_of, process_start_ticks, trainer_nonce
@@ -83,10 +85,6 @@ class NotOurTrainer(PermissionError):
 ALIVE, DEAD, UNKNOWN = "alive", "dead", "cannot be checked"
 
 
-# Tests only: ANDREA_TEST_HOST makes this process a machine of that name (its host name, and a boot id
-# of its own), so that two trainers of one test machine see each other as two hosts.
-TEST_HOST_ENV = "ANDREA_TEST_HOST"
-
 LEASE_RENEW_ENV = "ANDREA_LEASE_RENEW_S"
 LEASE_TTL_ENV = "ANDREA_LEASE_TTL_S"
 LEASE_WAIT_ENV = "ANDREA_LEASE_WAIT_S"
@@ -94,7 +92,7 @@ DEFAULT_LEASE_RENEW_S, DEFAULT_LEASE_TTL_S = 10.0, 30.0
 
 
 def _host() -> str:
-    return os.environ.get(TEST_HOST_ENV) or socket.gethostname()
+    return faults.test_host() or socket.gethostname()
 
 
 def _boot_id() -> str:
@@ -103,7 +101,7 @@ def _boot_id() -> str:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    test_host = os.environ.get(TEST_HOST_ENV)
+    test_host = faults.test_host()
     return f"{boot}/{test_host}" if test_host else boot
 
 
@@ -564,14 +562,13 @@ def _watch_lease(
     )
     poll = min(1.0, ttl / 10)
     while True:
-        deadline = time.monotonic() + poll
-        while time.monotonic() < deadline:
-            if stopped is not None and (signal_name := stopped()):
-                raise StoppedWaiting(
-                    f"{signal_name} came while waiting for the lease of {run.url} (held by pid {held.pid} "
-                    f"on {held.host}, generation {held.generation}): never started, nothing written"
-                )
-            time.sleep(min(0.05, poll))
+        if stopped is not None and (signal_name := poll_until(stopped, poll, min(0.05, poll))):
+            raise StoppedWaiting(
+                f"{signal_name} came while waiting for the lease of {run.url} (held by pid {held.pid} "
+                f"on {held.host}, generation {held.generation}): never started, nothing written"
+            )
+        if stopped is None:
+            time.sleep(poll)
         data, now_version = run.read_versioned(LOCK)
         if not now_version.exists:
             return None
@@ -746,14 +743,6 @@ class Lease:
             raise LeaseLost(f"not writing {what}: {e}" if what else str(e)) from None
         except Exception as e:  # cannot renew (a full disk, a partitioned network): do not write now
             raise self._unconfirmed(what, e) from e
-
-    def verify(self, what: str = "") -> None:
-        """Compare-after-write, for stores without conditional puts: the lock must still be ours."""
-        now = read_lock(self.run)
-        if not self.me.holds_same_lease(now):
-            with self._mutex:
-                self.lost = self._why_lost(now)
-            raise LeaseLost(f"{what} was written while the lease was being lost: {self.lost}")
 
     def release(self, remove: bool = False) -> None:
         """Stop renewing; unless lost, leave the lock released (its generation kept for the next one).

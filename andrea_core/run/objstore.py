@@ -281,6 +281,26 @@ async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | N
     return r["ETag"] if held.digest() == sha256 else None
 
 
+async def _body(r: dict, most: int, path: str) -> bytes:
+    """The body of GET answer `r`, counted as it arrives: OSError as soon as more than `most` bytes
+    came (what the request's range and the answer's Content-Range allow). A store that lies (a range
+    answered "bytes 0-99/100" with 300 MiB) costs at most `most` + one chunk, never the body it sends."""
+    parts: list[bytes] = []
+    size = 0
+    async with r["Body"] as body:
+        while chunk := await body.read(min(BODY_CHUNK, most + 1 - size)):
+            size += len(chunk)
+            if size > most:
+                raise OSError(
+                    f"s3://{path}: the store sent more than the {most} bytes it answered for; not read"
+                )
+            parts.append(chunk)
+    return b"".join(parts)
+
+
+BODY_CHUNK = 1 << 20
+
+
 def _whole_size(r: dict) -> int:
     """The whole object's size from a ranged GET's answer: its Content-Range, "bytes A-B/SIZE" (none:
     the answer is the whole object)."""
@@ -304,8 +324,7 @@ async def s3_get(fs, path: str, most: int) -> tuple[bytes, str | None, int]:
     if size > most:
         r["Body"].close()
         return b"", r.get("ETag"), size
-    async with r["Body"] as body:
-        return await body.read(), r.get("ETag"), size
+    return await _body(r, size, path), r.get("ETag"), size
 
 
 async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
@@ -326,8 +345,7 @@ async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int],
         r["Body"].close()  # a store that ignored the range: not read whole before the check
         raise OSError(f"s3://{bucket}/{key}: the store answered a range with the whole object")
     size = _whole_size(r)
-    async with r["Body"] as body:
-        first = await body.read()
+    first = await _body(r, min(head, size), path)
     check(first, size)
     if size <= len(first):
         return first
@@ -339,8 +357,7 @@ async def s3_get_checked(fs, path: str, head: int, check: Callable[[bytes, int],
         if _is_precondition_failure(e):
             raise ConcurrentWriteError(f"{path}: replaced while it was read") from e
         raise
-    async with r["Body"] as body:
-        return first + await body.read()
+    return first + await _body(r, size - len(first), path)
 
 
 async def s3_list(fs, path: str) -> list[str]:
@@ -375,8 +392,7 @@ async def s3_tail(fs, path: str, most: int) -> tuple[bytes, int]:
         r["Body"].close()  # a store that ignored the range: not read whole past the bound
         raise OSError(f"s3://{bucket}/{key}: the store answered a suffix range with the whole object")
     start = int(content_range.split(" ", 1)[1].split("-", 1)[0]) if content_range else 0
-    async with r["Body"] as body:
-        return await body.read(), start
+    return await _body(r, most, path), start
 
 
 async def s3_abort_uploads(

@@ -1,14 +1,17 @@
-"""The run directory (contract), addressed by a path or an fsspec URL.
+"""The run directory (contract), addressed by a path or a URL: the one path layer.
 
-Every read and write of a run directory goes through `RunDir`, so that where the run lives (local disk,
-memory for tests, an object store, anything else fsspec reaches) is decided here and nowhere else.
-Files appear under their final names only whole:
+Every read and write of a run directory goes through `RunDir`, which talks to the run's store
+(run/store.py: local disk, S3, or memory), chosen once when the run is opened (`open_store`); nothing
+here or above asks which one it is. Files appear under their final names only whole:
 
   local disk      temporary name, fsync, rename, fsync of the directory;
-  everything else one atomic put (on S3: one PUT, or a multipart upload that is either completed or
-                  aborted, so that a failed upload leaves neither an object nor billed parts). Object
-                  stores (S3, GCS, Azure, memory) publish a put whole or not at all; a filesystem
-                  whose put can tear (ftp, sftp) gets no more than that from fsspec.
+  S3              one PUT, or a multipart upload that is either completed or aborted, so that a failed
+                  upload leaves neither an object nor billed parts;
+  memory          one assignment, under one lock of this process.
+
+Other fsspec protocols (gcs, az, ...) are refused for a run directory, naming the URL: without a
+conditional put tested on a real server of that kind, the lease could fence nothing there. They
+remain readable through the URL gate (corpora, tokenizers).
 
 The append-only files (`.loss.json`, `forks.jsonl`, `data.jsonl`: JSON Lines, every one) are appended
 to through `open_append` alone, which ends a torn last line (a crash mid-append) before the first new
@@ -21,35 +24,27 @@ This module is also the one path layer (docs/design.md, "Threat model"): a run d
 someone else, so every name a run file holds, or that code builds from one, is checked run-relative
 (`check_name`: no absolute path, no `..`, no NUL) before it is joined to the root; on local disk every
 write, move, delete, append and read walks from the root one folder at a time with O_NOFOLLOW, so a
-symlink planted below the root is refused, naming it, never followed; temporary names carry a random
-suffix and are created with O_EXCL. And it holds the URL gate (`url_to_fs`, `open_url`): every fsspec
-URL the project opens passes the protocol allow-list there first.
+symlink planted below the root is refused, naming it, never followed; a file appended to in place with
+more than one link (a hard link to a file outside the run) is refused the same way; temporary names
+carry a random suffix and are created with O_EXCL. And it holds the URL gate (`url_to_fs`,
+`open_url`): every fsspec URL the project opens passes the protocol allow-list there first.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import functools
 import hashlib
 import json
 import os
 import posixpath
-import re
-import secrets
-import stat
-import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import fsspec
-import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
-from andrea_core.bounded import read_bounded
+from andrea_core import faults
 from andrea_core.checkpoint import (
     HEADER,
     Checkpoint,
@@ -60,10 +55,22 @@ from andrea_core.checkpoint import (
     is_stray_checkpoint_name,
     step_from_name,
 )
-from andrea_core.config import ConfigError, check_limit, limit
+from andrea_core.config import ConfigError, limit
 from andrea_core.run import objstore
-from andrea_core.run.objstore import ABSENT, ConcurrentWriteError, Version
-from andrea_core.signals import process_start_ticks
+from andrea_core.run.objstore import ConcurrentWriteError, Version
+from andrea_core.run.store import (  # noqa: F401 (re-exported: the path layer's names)
+    TEMP_RE,
+    AppendHandle,
+    Buffer,
+    LocalStore,
+    MemoryStore,
+    ReplacePaused,
+    S3Store,
+    Store,
+    UnsafeRunPath,
+    byte_views,
+    check_name,
+)
 
 RUN_YAML = "run.yaml"
 POLICY_YAML = "policy.yaml"
@@ -79,18 +86,15 @@ ARCHIVE = "archive"
 REFUSED = "refused"  # checkpoints that failed validation, set aside at resume
 
 S3_PROTOCOLS = {"s3", "s3a"}
+RUN_DIR_PROTOCOLS = {"file", "local", "s3", "s3a", "memory"}  # open_store
+RUN_DIR_SCHEMES = ("a local path", "file://", "s3://", "s3a://", "memory://")  # open_store
+# The name of the fixed-temporary-names hook, for tests/test_async_checkpoint.py (new tests import
+# andrea_core.faults, where every test hook lives).
+TEST_FIXED_TEMPS_ENV = faults.FIXED_TEMP_NAMES
 # A run URL may come from someone else (a Prefect parameter, a forks.jsonl line): only the filesystems
 # a run directory lives on, never http(s), ftp or anything else that would make this process a client
 # of internal addresses. A plain path is "file". ANDREA_ALLOWED_PROTOCOLS (comma-separated) replaces it.
 DEFAULT_ALLOWED_PROTOCOLS = ("file", "local", "s3", "s3a", "gcs", "gs", "az", "abfs", "memory")
-# `.NAME.tmp.PID.RANDOM`: a write in progress, or a dead writer's (`.NAME.tmp.PID`: one from before the
-# random suffix). The random part makes the name unguessable: nobody can plant a link where we will write.
-TEMP_RE = re.compile(r"\..+\.tmp\.(\d+)(?:\.[0-9a-f]{16})?")  # fullmatch
-# Tests only: temporary names without the random suffix, opened as before (a test plants a full-disk
-# link or holds a lease at the name the writer will use). Never set in production.
-TEST_FIXED_TEMPS_ENV = "ANDREA_TEST_FIXED_TEMP_NAMES"
-
-Buffer = bytes | bytearray | memoryview
 
 
 def cache_dir() -> Path:
@@ -100,24 +104,6 @@ def cache_dir() -> Path:
 
 class ProtocolNotAllowed(ConfigError):
     """A URL over a protocol outside the allow-list (see check_protocol)."""
-
-
-class UnsafeRunPath(ConfigError):
-    """A run file's name that is not run-relative, or a symlink (or other non-file) where a run file
-    or folder should be: refused, never followed."""
-
-
-def check_name(name: object, where: str = "run file") -> str:
-    """`name` if it is a run-relative name (folders joined by "/"), else UnsafeRunPath: a name from a
-    run file (a journal's archive folder, a forks line) must never reach outside the run."""
-    if not isinstance(name, str) or not name:
-        raise UnsafeRunPath(f"{where}: {name!r} is not a run-relative name")
-    if "\0" in name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
-        raise UnsafeRunPath(
-            f"{where}: {name!r} is not a run-relative name "
-            "(no absolute path, no '.', '..' or empty part, no NUL)"
-        )
-    return name
 
 
 def allowed_protocols() -> list[str]:
@@ -164,11 +150,26 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
     return {p} if isinstance(p, str) else set(p)
 
 
-def _byte_views(parts: Buffer | Iterable[Buffer]) -> Iterable[memoryview]:
-    if isinstance(parts, (bytes, bytearray, memoryview)):
-        parts = [parts]
-    # A float32 array's memoryview counts floats, not bytes: cast so every size below is in bytes.
-    return (memoryview(p).cast("B") for p in parts)
+def open_store(url: str | os.PathLike) -> Store:
+    """The store of run directory `url`, after the URL gate: local disk (a path, file://), S3 (s3://,
+    s3a://) or memory (memory://, one process's). Any other protocol is refused, naming the URL and
+    the ones a run directory may live on."""
+    url = os.fspath(url)
+    check_protocol(url, "run directory URL")  # the gate's refusal first (it never names the URL)
+    protocol = (fsspec.core.split_protocol(url)[0] or "file").lower()
+    if "::" in url or protocol not in RUN_DIR_PROTOCOLS:
+        raise ConfigError(
+            f"{url}: a run directory cannot live on {protocol}{' (a chained URL)' if '::' in url else ''} "
+            f"(supported: {', '.join(RUN_DIR_SCHEMES)}): its lease needs a conditional put, which is "
+            "implemented and tested for those alone"
+        )
+    # Other processes (the trainer, the flows, the CLI) change a run directory under our feet: a
+    # cached listing would hide a new checkpoint or show a deleted one.
+    fs, root = url_to_fs(url, "run directory URL", use_listings_cache=False)
+    root = root.rstrip("/") or "/"
+    if isinstance(fs, LocalFileSystem):
+        return LocalStore(fs, root)
+    return S3Store(fs, root) if protocol in S3_PROTOCOLS else MemoryStore(fs, root)
 
 
 # The problem of a CheckpointError for a checkpoint that is not there (a reader may look elsewhere).
@@ -177,17 +178,18 @@ NO_SUCH_CHECKPOINT = "no such file"
 
 class RunDir:
     def __init__(self, url: str | os.PathLike):
-        # Other processes (the trainer, the flows, the CLI) change a run directory under our feet: a
-        # cached listing would hide a new checkpoint or show a deleted one.
-        self.fs, root = url_to_fs(url, "run directory URL", use_listings_cache=False)
-        self.root = root.rstrip("/") or "/"
-        self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.is_s3 = bool(_protocols(self.fs) & S3_PROTOCOLS)
+        self.store = open_store(url)
+        self.fs, self.root = self.store.fs, self.store.root
         # The canonical address: what lineage, forks.jsonl and Prefect parameters record.
-        self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
+        self.url = self.store.url
         # The holder's lease (lock.Lease) while a trainer holds the run: every publish, move and delete
         # but the lock's own passes its check first (fencing); None for everyone else.
         self.fence: Any = None
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the run's files are this machine's files (a detached trainer's log is one)."""
+        return self.store.local
 
     def _fenced(self, name: str) -> None:
         if (check := self._fence_of(name)) is not None:
@@ -206,77 +208,7 @@ class RunDir:
 
     def path(self, name: str) -> str:
         """The full path of run file `name`, which must be run-relative (check_name)."""
-        return posixpath.join(self.root, check_name(name, f"{self.url}: run file name"))
-
-    # --- the local path layer: from the root down, never through a symlink ----------------------
-
-    def _parent_fd(self, name: str, create: bool = False) -> tuple[int, str]:
-        """(an fd of the folder holding `name`, its last part), reached from the root one folder at a
-        time with O_NOFOLLOW: a symlink (or a file) where a folder of the run should be is refused.
-        The root itself is the operator's (it may be a link to another disk). `create` makes the
-        missing folders. The caller closes the fd."""
-        parts = check_name(name, f"{self.url}: run file name").split("/")
-        if create:
-            os.makedirs(self.root, exist_ok=True)
-        fd = self._root_fd()
-        try:
-            for i, part in enumerate(parts[:-1]):
-                if create:
-                    try:
-                        os.mkdir(part, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                try:
-                    sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise UnsafeRunPath(
-                            f"{self.path('/'.join(parts[: i + 1]))}: a symlink or a file where a folder of "
-                            "the run should be: not followed (remove it)"
-                        ) from None
-                    raise
-                os.close(fd)
-                fd = sub
-            return fd, parts[-1]
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _root_fd(self) -> int:
-        """An fd of the run's folder. A file where it should be holds no run file: FileNotFoundError,
-        as on an object store (where a key is never a folder), so that every reader takes "no run
-        there" from one exception."""
-        try:
-            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except NotADirectoryError:
-            raise FileNotFoundError(errno.ENOENT, "a file, not the run's folder", self.root) from None
-
-    def _open_local(self, name: str, flags: int, mode: int = 0o666) -> int:
-        """An fd of run file `name` opened with `flags` (+ O_NOFOLLOW): a symlink is refused."""
-        dfd, base = self._parent_fd(name, create=bool(flags & os.O_CREAT))
-        try:
-            return os.open(base, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeRunPath(
-                    f"{self.path(name)}: a symlink where a run file should be: not followed (remove it)"
-                ) from None
-            raise
-        finally:
-            os.close(dfd)
-
-    def _read_local(self, name: str, most: int | None, bound: str) -> bytes:
-        # O_NONBLOCK: a FIFO planted under a run file's name must not hang the reader at open().
-        fd = self._open_local(name, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", buffering=0, closefd=True) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeRunPath(f"{self.path(name)}: not a regular file; not read")
-            os.set_blocking(fd, True)
-            if most is None:
-                return f.read()
-            check_limit(st.st_size, bound, f"{self.path(name)}: {st.st_size} bytes")
-            return read_bounded(f, most, f"{self.path(name)} (set {bound} to allow more)")
+        return self.store.path(name)
 
     def cache_path(self, name: str) -> Path:
         """This machine's scratch copy of a run file (the append mirrors): rebuilt from the run when
@@ -287,15 +219,13 @@ class RunDir:
     # --- plain files -------------------------------------------------------------------------
 
     def exists(self, name: str) -> bool:
-        return self.fs.exists(self.path(name))
+        return self.store.exists(name)
 
     def read_bytes(self, name: str) -> bytes:
         """A run file's bytes, bounded like every run file read (read_bounded); checkpoints, whose
         size their header checks (read_checkpoint), by nothing but that."""
         if step_from_name(name.rsplit("/", 1)[-1]) is not None:
-            if self.is_local:
-                return self._read_local(name, None, "")
-            return self.fs.cat_file(self.path(name))
+            return self.store.read(name, None, "")
         return self.read_bounded(name, _bound_of(name))
 
     def read_text(self, name: str) -> str:
@@ -315,93 +245,27 @@ class RunDir:
     def read_bounded(self, name: str, bound: str | None = "ANDREA_MAX_SIDECAR_BYTES") -> bytes:
         """A run file's bytes, refused unread (ConfigError naming the file, its size and the bound)
         when larger than the limit `bound` (config.LIMITS): a file from someone else must not take
-        this machine's memory, or on an object store its bandwidth. On local disk the bytes are
-        counted as they arrive (a sparse file or /dev/zero behind the name is refused at the bound)."""
+        this machine's memory, or on an object store its bandwidth. The bytes are counted as they
+        arrive (a sparse file or /dev/zero behind the name, a store that lies about a size: refused at
+        the bound)."""
         bound = bound or "ANDREA_MAX_SIDECAR_BYTES"
-        most = limit(bound)
-        if self.is_local:
-            return self._read_local(name, most, bound)
-        if self.is_s3:
-            return self._s3_read(name, bound)[0]
-        path = self.path(name)
-        size = self.fs.size(path)
-        if size is not None:
-            check_limit(size, bound, f"{path}: {size} bytes")
-        data = self.fs.cat_file(path, start=0, end=most + 1)  # it may have grown since
-        check_limit(len(data), bound, f"{path}: more than {most} bytes")
-        return data
-
-    def _s3_read(self, name: str, bound: str) -> tuple[bytes, str | None]:
-        """S3 run file `name` and its ETag in one GET, refused unread above limit `bound` (the GET's
-        answer names the object's size before its body is read: no HEAD first)."""
-        path = self.path(name)
-        data, etag, size = fsspec.asyn.sync(self.fs.loop, objstore.s3_get, self.fs, path, limit(bound))
-        check_limit(size, bound, f"{path}: {size} bytes")
-        return data, etag
+        return self.store.read(name, limit(bound), bound)
 
     def read_tail(self, name: str, most: int) -> tuple[bytes, int]:
         """The last `most` bytes of run file `name` (all of it when shorter) and the offset they start
         at: a reader that needs the end of a long log reads that, never the whole of it."""
-        if self.is_local:
-            fd = self._open_local(name, os.O_RDONLY | os.O_NONBLOCK)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise UnsafeRunPath(f"{self.path(name)}: not a regular file; not read")
-                # The bytes it had when looked at (a log grows while it is read): at most `most`.
-                start, data = max(0, st.st_size - most), bytearray()
-                while len(data) < st.st_size - start:
-                    piece = os.pread(fd, st.st_size - start - len(data), start + len(data))
-                    if not piece:
-                        break  # cut short meanwhile
-                    data += piece
-                return bytes(data), start
-            finally:
-                os.close(fd)
-        path = self.path(name)
-        if self.is_s3:
-            return fsspec.asyn.sync(self.fs.loop, objstore.s3_tail, self.fs, path, most)
-        size = self.fs.size(path) or 0
-        start = max(0, size - most)
-        return (self.fs.cat_file(path, start=start, end=size) if size else b""), start
+        return self.store.read_tail(name, most)
 
     def size(self, name: str) -> int:
-        return self.fs.size(self.path(name))
+        return self.store.size(name)
 
     def makedirs(self, sub: str = "") -> None:
-        if self.is_local:
-            if sub:
-                os.close(self._parent_fd(f"{sub}/_", create=True)[0])
-            else:
-                os.makedirs(self.root, exist_ok=True)
-            return
-        self.fs.makedirs(self.path(sub) if sub else self.root, exist_ok=True)
+        self.store.makedirs(sub)
 
     def listdir(self, sub: str = "") -> list[str]:
         """Names (not paths) of the entries in the run directory or one of its subfolders (locally,
         a subfolder reached through a symlink is refused)."""
-        where = self.path(sub) if sub else self.root
-        if self.is_local:
-            try:
-                fd = self._open_local(sub, os.O_RDONLY | os.O_DIRECTORY) if sub else self._root_fd()
-            except FileNotFoundError:
-                return []
-            except (NotADirectoryError, UnsafeRunPath):  # O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR
-                raise UnsafeRunPath(
-                    f"{where}: a symlink or a file where a folder of the run should be: "
-                    "not followed (remove it)"
-                ) from None
-            try:
-                return sorted(os.listdir(fd))
-            finally:
-                os.close(fd)
-        if self.is_s3:
-            return sorted(fsspec.asyn.sync(self.fs.loop, objstore.s3_list, self.fs, where))
-        try:  # no exists() first: on an object store that is a request more at every listing
-            found = self.fs.ls(where, detail=False)
-        except FileNotFoundError:  # nothing there
-            return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in found)
+        return self.store.listdir(sub)
 
     def write_atomic(self, name: str, parts: Buffer | Iterable[Buffer]) -> None:
         """Publish `name` whole or not at all; a reader never sees a torn file under a final name."""
@@ -409,10 +273,8 @@ class RunDir:
 
     def open_log(self, name: str) -> Any:
         """A local run file opened for appending (a detached trainer's output), never through a
-        symlink: a binary file object whose fileno() a subprocess can write to."""
-        if not self.is_local:
-            raise ValueError(f"{self.url}: open_log is for local run directories")
-        return open(self._open_local(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+        symlink or a hard link: a binary file object whose fileno() a subprocess can write to."""
+        return self.store.open_log(name)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_atomic(name, text.encode())
@@ -420,17 +282,11 @@ class RunDir:
     def write_json(self, name: str, obj: Any) -> None:
         self.write_atomic(name, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
-    def open_append(self, name: str, lines: bool = True) -> AppendFile | MirroredAppendFile:
+    def open_append(self, name: str, lines: bool = True) -> AppendHandle:
         """`lines`: a JSON Lines file, whose torn last line is ended before the first new byte; False for
         a file of binary records (TensorBoard's events), which is appended to byte for byte."""
-        if not self.is_local:
-            return MirroredAppendFile(self, name, lines)
-        return AppendFile(
-            self.path(name),
-            fenced=lambda: self._fenced(name),
-            opener=lambda _, flags: self._open_local(name, (flags & ~os.O_WRONLY) | os.O_RDWR),
-            lines=lines,
-        )
+        fence_of = functools.partial(self._fence_of, name)
+        return self.store.open_append(name, lines, fence_of, self.cache_path(name), _bound_of(name))
 
     def append(
         self, name: str, data: bytes, durable: bool = False, attempts: int = 5, lines: bool = True
@@ -438,7 +294,7 @@ class RunDir:
         for attempt in range(attempts):
             try:
                 with self.open_append(name, lines) as f:
-                    f.write(data, durable=durable or not self.is_local)
+                    f.write(data, durable=durable or not f.in_place)
                 return
             except ConcurrentWriteError:
                 # Another process published between our read and our put (two forks of one parent
@@ -447,101 +303,34 @@ class RunDir:
                     raise
 
     def move(self, src: str, dst: str) -> None:
-        src_path, dst_path = self.path(src), self.path(dst)  # both names checked before anything moves
+        self.path(src), self.path(dst)  # both names checked before anything moves
         self._fenced(dst)
-        if not self.is_local:
-            self.fs.makedirs(posixpath.dirname(dst_path), exist_ok=True)
-            self.fs.mv(src_path, dst_path)
-            return
-        sfd, sbase = self._parent_fd(src)
-        try:
-            dfd, dbase = self._parent_fd(dst, create=True)
-            try:
-                self._refuse_link(dfd, dbase, dst)
-                os.rename(sbase, dbase, src_dir_fd=sfd, dst_dir_fd=dfd)  # moves a link, never its target
-                os.fsync(dfd)
-                os.fsync(sfd)
-            finally:
-                os.close(dfd)
-        finally:
-            os.close(sfd)
+        self.store.move(src, dst)
 
     def remove(self, name: str) -> None:
         self._fenced(name)
-        if not self.is_local:
-            self.fs.rm_file(self.path(name))
-            return
-        dfd, base = self._parent_fd(name)
-        try:
-            os.unlink(base, dir_fd=dfd)  # a symlink is removed, never its target
-        finally:
-            os.close(dfd)
+        self.store.remove(name)
 
     def root_exists(self) -> bool:
         """Whether the run directory itself is there (on an object store: whether anything is under it)."""
-        return self.fs.exists(self.root)
+        return self.store.root_exists()
 
     def remove_root_if_empty(self) -> None:
         """Remove the run directory itself if it is empty (local disk; object stores have no folders)."""
-        if self.is_local:
-            with contextlib.suppress(OSError):  # ENOTEMPTY: it holds something; ENOENT: already gone
-                os.rmdir(self.root)
+        self.store.remove_root_if_empty()
 
     def remove_folder(self, sub: str) -> None:
         """Remove an empty folder of the run (local disk; object stores have no folders)."""
-        if not self.is_local:
-            return
-        dfd, base = self._parent_fd(sub)
-        try:
-            self._refuse_link(dfd, base, sub)
-            os.rmdir(base, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(dfd)
-
-    def _refuse_link(self, dfd: int, base: str, name: str) -> None:
-        try:
-            st = os.lstat(base, dir_fd=dfd)
-        except FileNotFoundError:
-            return
-        if stat.S_ISLNK(st.st_mode):
-            raise UnsafeRunPath(
-                f"{self.path(name)}: a symlink where a run file should be: not written through (remove it)"
-            )
+        self.store.remove_folder(sub)
 
     def discard_incomplete_writes(self, log: Callable[[str], None] = print) -> list[str]:
         """Clear what a killed writer left half-done: temporary files, and on S3 the parts of
         multipart uploads that were never completed (invisible, but stored and billed). Only the
         holder of the run's lock may call this. A temporary file is a dead writer's only once its flock
-        is free and its pid is no live process here (`_writer_gone`): processes that do not hold the
-        lock write in the run too (a trainer racing for `.trainer.json`, a pivot writing its journal),
-        and their writes in flight are theirs to finish."""
-        if self.is_s3:
-            return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log)
-        if not self.is_local:
-            return []  # one put a file (pipe_file): no temporaries
-        # Our own pid's temporaries are writes in flight on our other threads (the checkpoint writer).
-        return self._remove_temporaries(
-            lambda name, pid: pid != os.getpid() and self.is_dead_temporary(name),
-            "left by a writer that did not finish",
-            log,
-        )
-
-    def _remove_temporaries(
-        self, which: Callable[[str, int], bool], why: str, log: Callable[[str], None]
-    ) -> list[str]:
-        """Remove the temporary files (TEMP_RE) of the run's folder that `which(name, writer pid)`
-        picks, each said to `log` with `why`; the names removed."""
-        removed = []
-        for name in self.listdir():
-            m = TEMP_RE.fullmatch(name)
-            if m and which(name, int(m.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    self.remove(name)
-                    removed.append(name)
-                    log(f"removed {self.path(name)}, {why}")
-        return removed
+        is free and its pid is no live process here (`store._writer_gone`): processes that do not hold
+        the lock write in the run too (a trainer racing for `.trainer.json`, a pivot writing its
+        journal), and their writes in flight are theirs to finish."""
+        return self.store.discard_incomplete_writes(log, self.remove)
 
     def abort_writes_in_flight(self, writer_pid: int, log: Callable[[str], None] = print) -> list[str]:
         """Undo the unfinished writes of a lease holder that is being taken over (lock.acquire_lease,
@@ -552,28 +341,13 @@ class RunDir:
         (RunDir._fence_of). `writer_pid` is the pid the holder's lock records, in its own namespace:
         a process of this namespace with the same number loses its write in flight too (it fails and
         can be run again; nothing published is touched)."""
-        whose = f"of trainer pid {writer_pid}, whose lease is being taken over"
-        if self.is_s3:
-            return fsspec.asyn.sync(self.fs.loop, objstore.s3_abort_uploads, self.fs, self.root, log, whose)
-        if not self.is_local:
-            return []
-        # Ours too if the numbers match (pid 1 in two containers): this process, taking the lock, has no
-        # write in flight.
-        return self._remove_temporaries(lambda _, pid: pid == writer_pid, f"a write in flight {whose}", log)
+        return self.store.abort_writes_in_flight(writer_pid, log, self.remove)
 
     def is_dead_temporary(self, name: str) -> bool:
         """Whether run file `name`, named as a temporary (TEMP_RE), is a dead writer's, to be removed:
         a link (no writer of ours makes one: removing it removes the link, never its target), or a
-        file whose writer is gone (`_writer_gone`). Off local disk, nothing writes temporaries."""
-        if not self.is_local:
-            return True
-        dfd, base = self._parent_fd(name)
-        try:
-            return stat.S_ISLNK(os.lstat(base, dir_fd=dfd).st_mode) or _writer_gone(dfd, base)
-        except FileNotFoundError:
-            return False  # renamed or removed meanwhile: nothing left to remove
-        finally:
-            os.close(dfd)
+        file whose writer is gone. On a store that writes no temporaries, always."""
+        return self.store.is_dead_temporary(name)
 
     # --- exclusive creation and conditional replacement (the trainer lock) ----------------------
 
@@ -584,198 +358,33 @@ class RunDir:
 
     def create_exclusive(self, name: str, data: bytes) -> Version:
         """Publish `name` only if no file of that name exists, atomically: of any number of processes
-        racing to create it, exactly one succeeds and the others get FileExistsError.
-
-          local disk   the bytes are written and fsynced under a temporary name, then hard-linked
-                       to the final name (link(2) fails if the name exists: O_EXCL for a whole file);
-          S3           one put with If-None-Match: * (a lost reply is resolved by s3_put);
-          others       check then put, made exclusive only among this process's threads (the memory
-                       filesystem of the tests lives in one process)."""
-        final = self.path(name)
-        if self.is_local:
-            return Version(self._create_local(name, data), _sha256(data))
-        if self.is_s3:
-            try:
-                return self._put(name, data, expect=ABSENT)
-            except ConcurrentWriteError:
-                raise FileExistsError(errno.EEXIST, "already exists", final) from None
-        with _IN_PROCESS:
-            if self.fs.exists(final):
-                raise FileExistsError(errno.EEXIST, "already exists", final)
-            self.fs.pipe_file(final, data)
-            return Version(len(data), _sha256(data))
+        racing to create it, exactly one succeeds and the others get FileExistsError (local disk:
+        link(2) of a written temporary; S3: If-None-Match: *; memory: under this process's lock)."""
+        self.path(name)
+        return self.store.create_exclusive(name, data, _mode(name))
 
     def replace_if_unchanged(self, name: str, data: bytes, expect: Version) -> Version:
         """Replace `name` with `data` only if it is still exactly version `expect` (as read by
         `read_versioned`), else ConcurrentWriteError: of two processes replacing the same version,
-        one wins. Local disk: compare and rename under flock(2) of the directory; S3: If-Match."""
-        final = self.path(name)
-        if self.is_s3:
-            return self._put(name, data, expect=expect)
-        if self.is_local:
-            self._replace_local_if_unchanged(name, data, expect)
-            return Version(len(data), _sha256(data))
-        with _IN_PROCESS:
-            held, version = self._read_versioned(name)
-            if not version.exists or version.etag != expect.etag:
-                raise ConcurrentWriteError(f"{final} changed since this process read it; not replacing it")
-            self.fs.pipe_file(final, data)
-        return Version(len(data), _sha256(data))
-
-    # --- publishing, per kind of filesystem ---------------------------------------------------
+        one wins (local disk: compare and rename under flock(2) of the directory; S3: If-Match;
+        memory: under this process's lock)."""
+        self.path(name)
+        return self.store.replace_if_unchanged(name, data, expect, _mode(name))
 
     def _put(self, name: str, parts: Buffer | Iterable[Buffer], expect: Version | None = None) -> Version:
         """Publish `name` atomically; with `expect`, only over that version of it (else raise
         ConcurrentWriteError). Returns the version published."""
-        final = self.path(name)
-        fence = self._fence_of(name)
-        views = _byte_views(parts)
-        if self.is_local:
-            return Version(self._write_local(name, views, fence))
-        if self.is_s3:
-            return fsspec.asyn.sync(self.fs.loop, objstore.s3_put, self.fs, final, views, expect, fence)
-        if fence is not None:  # no conditional puts here: checked before, compared after (verify)
-            fence()
-        if expect is not None:
-            self._check_unchanged(name, expect)
-        data = b"".join(views)
-        self.fs.pipe_file(final, data)
-        if self.fence is not None and name != LOCK:
-            self.fence.verify(name)  # no conditional puts here: compare after the write
-        return Version(len(data))
+        self.path(name)
+        return self.store.put(name, byte_views(parts), expect, self._fence_of(name), _mode(name))
 
     def _extend(self, name: str, data: bytes, expect: Version) -> Version:
         """Publish `data` over version `expect` of `name`, its first expect.size bytes (an append-only
-        file grown since), else ConcurrentWriteError. On S3, once the published file is a part's worth,
-        only the new tail is uploaded (objstore.s3_extend); elsewhere, and below that, it is put whole."""
-        if not (self.is_s3 and objstore.extendable(expect, len(data))):
-            return self._put(name, data, expect=expect)
-        fence = self._fence_of(name)
-        return fsspec.asyn.sync(
-            self.fs.loop, objstore.s3_extend, self.fs, self.path(name), data, expect, fence
-        )
+        file grown since), else ConcurrentWriteError (on S3 only the new tail travels)."""
+        return self.store.extend(name, data, expect, self._fence_of(name))
 
     def _read_versioned(self, name: str) -> tuple[bytes, Version]:
-        """A file's bytes and the version they are, read as one (ABSENT if there is no such file)."""
-        try:
-            if self.is_s3:
-                data, etag = self._s3_read(name, _bound_of(name))
-                return data, Version(len(data), etag)
-            data = self.read_bounded(name, _bound_of(name))
-        except FileNotFoundError:
-            return b"", ABSENT
-        return data, Version(len(data), _sha256(data))
-
-    def _check_unchanged(self, name: str, expect: Version) -> None:
-        # Without conditional puts this is check-then-act; the trainer's lock makes it enough for
-        # .loss.json, and forks.jsonl retries.
-        exists = self.exists(name)
-        if exists != expect.exists or (exists and self.size(name) != expect.size):
-            raise ConcurrentWriteError(
-                f"{self.path(name)} changed since this process read it ({expect.size} bytes); "
-                "not replacing it"
-            )
-
-    def _write_local(
-        self, name: str, views: Iterable[memoryview], fence: objstore.Fence | None = None
-    ) -> int:
-        """Write under an unguessable temporary name (O_EXCL, O_NOFOLLOW), fsync, rename over `name`
-        (refused if `name` is a symlink), fsync the folder. `fence` is checked once the temporary file
-        exists: a trainer taking the run over removes it (abort_writes_in_flight), and the rename fails."""
-        dfd, base = self._parent_fd(name, create=True)
-        try:
-            self._refuse_link(dfd, base, name)
-            tmp, fd = _create_temp(dfd, base, _mode(name))
-            size = 0
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
-                    if fence is not None:
-                        fence()
-                    for view in views:
-                        size += f.write(view)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    try:
-                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    except FileNotFoundError as e:
-                        if fence is None:
-                            raise
-                        raise ConcurrentWriteError(
-                            f"{self.path(name)}: its temporary file was removed before the rename (a "
-                            "trainer taking the run over removes those of the holder it replaces): not "
-                            "published"
-                        ) from e
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
-                raise
-            os.fsync(dfd)
-            return size
-        finally:
-            os.close(dfd)
-
-    def _replace_local_if_unchanged(self, name: str, data: bytes, expect: Version) -> None:
-        """Compare-and-replace on local disk: the bytes are written and fsynced under a temporary name
-        first; under the folder's flock only the compare and the rename remain, each checked against
-        the time bound (see _DirectoryLock). Never through a symlink (the path layer)."""
-        final = self.path(name)
-        dfd, base = self._parent_fd(name, create=True)
-        try:
-            self._refuse_link(dfd, base, name)
-            tmp, fd = _create_temp(dfd, base, _mode(name))
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    with _DirectoryLock(dfd) as guard:
-                        try:
-                            held = self.read_bounded(name)
-                        except FileNotFoundError:
-                            held = None
-                        if held is None or _sha256(held) != expect.etag:
-                            raise ConcurrentWriteError(
-                                f"{final} changed since this process read it; not replacing it"
-                            )
-                        if not guard.within_bound():
-                            raise ConcurrentWriteError(
-                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                                "while replacing it (another may have replaced it meanwhile); "
-                                "not replacing it"
-                            )
-                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                        if not guard.within_bound():
-                            raise ReplacePaused(
-                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                                "while replacing it: a waiter may have replaced it meanwhile, and been "
-                                "overwritten"
-                            )
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-    def _create_local(self, name: str, data: bytes) -> int:
-        """Write `data` durably under a temporary name, then link it to `name` (fails if it exists,
-        even as a symlink: link(2) never follows the new name)."""
-        dfd, base = self._parent_fd(name, create=True)
-        try:
-            tmp, fd = _create_temp(dfd, base, _mode(name))
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the link (_create_temp)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
-            os.fsync(dfd)
-            return len(data)
-        finally:
-            os.close(dfd)
+        bound = _bound_of(name)
+        return self.store.read_versioned(name, limit(bound), bound)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -801,17 +410,8 @@ class RunDir:
         name = f"{folder}/{checkpoint_name(step)}" if folder else checkpoint_name(step)
         path = self.path(name)
         try:
-            if self.is_local:
-                data = self._read_checkpoint_local(name)
-            elif self.is_s3:
-                check = functools.partial(_check_checkpoint_header, path)
-                get = objstore.s3_get_checked
-                data = fsspec.asyn.sync(self.fs.loop, get, self.fs, path, HEADER.size, check)
-            else:
-                size = self.fs.size(path)
-                header = self.fs.cat_file(path, start=0, end=HEADER.size) if size else b""
-                _check_checkpoint_header(path, header, size)
-                data = header if size <= HEADER.size else self.fs.cat_file(path, start=0, end=size)
+            check = functools.partial(_check_checkpoint_header, path)
+            data = self.store.read_checkpoint(name, HEADER.size, check)
         except FileNotFoundError:
             raise CheckpointError(path, NO_SUCH_CHECKPOINT) from None
         except ConcurrentWriteError as e:  # written again as it was read (S3): not one version, refused
@@ -822,17 +422,6 @@ class RunDir:
             return decode(data, name, n_params)
         except CheckpointError as e:
             raise CheckpointError(self.path(name), e.problem) from None
-
-    def _read_checkpoint_local(self, name: str) -> bytes:
-        fd = self._open_local(name, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeRunPath(f"{self.path(name)}: not a regular file; not read")
-            os.set_blocking(fd, True)
-            header = os.pread(fd, HEADER.size, 0)
-            _check_checkpoint_header(self.path(name), header, st.st_size)
-            return read_bounded(f, max(st.st_size, HEADER.size), self.path(name))
 
     def newest_valid_checkpoint(self, n_params: int | None = None, warn=None) -> Checkpoint | None:
         """The newest checkpoint that passes validation; bad ones are reported, never deleted."""
@@ -845,269 +434,6 @@ class RunDir:
         return None
 
 
-class AppendFile:
-    """An append-only local file: `write` never seeks, and `durable` fsyncs before returning.
-
-    Unbuffered, so that this object knows exactly which bytes reached the file: on a full disk a write
-    raises with the bytes that did not fit kept here, in order, and the next write sends them first.
-    The file then only ever ends in a torn line (readers skip it), which the next write completes."""
-
-    def __init__(
-        self,
-        path: str,
-        fenced: Callable[[], None] | None = None,
-        opener: Callable[[str, int], int] | None = None,
-        lines: bool = True,
-    ):
-        self.path = path
-        self._fenced = fenced  # the holder's lease check (RunDir._fenced), before every append
-        # opener: RunDir's, which refuses a symlink (O_NOFOLLOW) and opens read-write for read().
-        self._f = open(path, "ab", buffering=0, opener=opener)
-        # Bytes accepted by write() that have not reached the file yet; first of all the newline that
-        # ends a torn last line, sent with the first record (in one write: never a line of its own).
-        self._pending = _line_end(self._last_byte()) if lines else b""
-        self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
-
-    def read(self) -> bytes:
-        # The handle's own file (pread), not the name again: what is appended to is what is read.
-        fd, parts, at = self._f.fileno(), [], 0
-        while piece := os.pread(fd, 1 << 20, at):
-            parts.append(piece)
-            at += len(piece)
-        return b"".join(parts)
-
-    def _last_byte(self) -> bytes:
-        """The file's last byte (b"" if it is empty), read through the handle (never the name again)."""
-        try:
-            size = os.fstat(self._f.fileno()).st_size
-            return os.pread(self._f.fileno(), 1, size - 1) if size else b""
-        except OSError:  # opened write-only (no opener): read it by name, as before
-            with open(self.path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell() == 0:
-                    return b""
-                f.seek(-1, os.SEEK_END)
-                return f.read(1)
-
-    def write(self, data: bytes, durable: bool = False) -> None:
-        with self._lock:
-            self._pending += data
-        if self._fenced is not None:
-            # A fence that cannot confirm the lease now refuses like a full disk: the bytes stay pending.
-            self._fenced()
-        with self._lock:
-            while self._pending:
-                written = self._f.write(self._pending) or 0  # raises OSError (ENOSPC) with nothing written
-                self._pending = self._pending[written:]
-            if durable:
-                os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self) -> AppendFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class MirroredAppendFile:
-    """An append-only file on a store without append. Writes go to a mirror in the run cache, which
-    starts as a copy of the published file (never from an older mirror: the run is the truth, and
-    another machine may have extended it). A durable write publishes the whole mirror atomically, and
-    only over the version this handle last published, so the published file only grows (on S3, past a
-    part's worth, the store copies the published prefix and only the new tail is sent: RunDir._extend).
-    The mirror is this process's own (two forks of one parent may append at once), held under its
-    flock while open, and removed at a clean close. One a crash leaves behind holds only a tail that
-    was never published (a resume reads the run, never a mirror): the next open of the file on this
-    machine removes it, once its process is gone and no one holds its flock, so that a run's crashes
-    over weeks do not pile up copies of its loss log in the cache."""
-
-    def __init__(self, run: RunDir, name: str, lines: bool = True):
-        self.run = run
-        self.name = name
-        data, self._version = run._read_versioned(name)
-        self.path = run.cache_path(f"{name}.{os.getpid()}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # O_NOFOLLOW: the cache folder is this machine's, but a link planted there is not written through.
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._f = open(os.open(self.path, flags, 0o600), "w+b")
-        with contextlib.suppress(OSError):  # held by an earlier handle of this process: held all the same
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _remove_dead_mirrors(self.path)
-        self._f.write(data)
-        self._f.flush()
-        self._size = len(data)
-        self._torn_end = _line_end(data[-1:]) if lines else b""  # ends a torn last line, with the first write
-        # The trainer appends on its thread while the checkpoint writer publishes on its own.
-        self._lock = threading.Lock()
-
-    def read(self) -> bytes:
-        with self._lock:
-            return self._read_locked()
-
-    def _read_locked(self) -> bytes:
-        # A separate handle: seeking the shared one would move where the next append lands.
-        with open(self.path, "rb") as f:
-            return f.read(self._size)
-
-    def write(self, data: bytes, durable: bool = False) -> None:
-        with self._lock:
-            data, self._torn_end = self._torn_end + data, b""
-            self._f.write(data)
-            self._f.flush()
-            self._size += len(data)
-            if durable:
-                self._publish_locked()
-
-    def publish(self) -> None:
-        with self._lock:
-            self._publish_locked()
-
-    def _publish_locked(self) -> None:
-        if self._size == self._version.size and self._version.exists:
-            return  # nothing new: the published file already is the mirror
-        mirror = self._read_locked()
-        try:
-            self._version = self.run._extend(self.name, mirror, self._version)
-        except ConcurrentWriteError:
-            # An earlier publish of ours may have reached the store although its call failed (a lost
-            # reply): then the store holds a prefix of the mirror, at least as long as the version we
-            # know, and the file still only grows if we go on from it. Anything else is foreign.
-            held, version = self.run._read_versioned(self.name)
-            known = self._version.size if self._version.exists else 0
-            if not (version.exists and len(held) >= known and mirror.startswith(held)):
-                raise
-            self._version = version
-            if len(held) < len(mirror):
-                self._version = self.run._extend(self.name, mirror, version)
-
-    def close(self) -> None:
-        with self._lock:
-            published = self._size == self._version.size
-            self._f.close()
-        if published:
-            self.path.unlink()
-
-    def __enter__(self) -> MirroredAppendFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _remove_dead_mirrors(own: Path) -> None:
-    """Remove the other mirrors of `own`'s file (`<name>.<pid>` beside it) whose writer is gone
-    (`_writer_gone`); a link planted among them is not followed, and not removed."""
-    stem = own.name.rsplit(".", 1)[0]
-    dfd = os.open(own.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for other in own.parent.iterdir():
-            pid = other.name[len(stem) + 1 :]
-            if (
-                other != own
-                and other.name.startswith(stem + ".")
-                and pid.isdigit()
-                and _writer_gone(dfd, other.name)
-            ):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(other.name, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-
-
-def _writer_gone(dfd: int, name: str) -> bool:
-    """Whether the writer of file `name` in folder `dfd` is gone: the file is a regular one (not a
-    link), its flock is free, and then the pid its name ends with (`.PID`, or `.PID.RANDOM` for a
-    temporary) is no live process here (signals.process_start_ticks). Writers hold the flock from
-    just after they create the file to its rename or close (`_create_temp`, MirroredAppendFile).
-    Both checks, because a folder shared with another pid namespace names its writers by pids that
-    mean nothing here (their flock says they live), and a writer of this namespace between its
-    create and its flock is a live pid (looked at after the flock is taken, so one that created the
-    file before it is seen)."""
-    pid = TEMP_RE.fullmatch(name)
-    pid = int(pid.group(1)) if pid else int(name.rsplit(".", 1)[1])
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-    except OSError:
-        return False  # gone meanwhile, or a link: not a writer's file
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return stat.S_ISREG(os.fstat(fd).st_mode) and process_start_ticks(pid) is None
-    except OSError:
-        return False  # its flock is held: its writer lives (in another pid namespace, or here)
-    finally:
-        os.close(fd)
-
-
-def _line_end(last: bytes) -> bytes:
-    """What an append to a JSON Lines file ending in `last` must send first: a newline after a torn
-    line (its own record stays torn and skipped by readers), nothing after a whole one or none."""
-    return b"\n" if last and last != b"\n" else b""
-
-
-def _sha256(data: bytes) -> str:
-    # The version of a file on a store without ETags: its content (the same bytes are the same version).
-    return hashlib.sha256(data).hexdigest()
-
-
-# Serialises check-then-act on filesystems that offer nothing better, among this process's threads.
-_IN_PROCESS = threading.Lock()
-
-
-class ReplacePaused(ConcurrentWriteError):
-    """A compare-and-replace on local disk ran past its time bound after its rename: this process was
-    paused in it, and a waiter may have replaced the file meanwhile, so what it replaced is not known."""
-
-
-# The compare-and-replace's time bounds on local disk (issue 23.5). Its critical section is a read of a
-# small file and a rename (the new bytes are fsynced before it): a holder longer than HOLD_S was paused
-# there (SIGSTOP, a frozen VM). A waiter polls the flock for WAIT_S > HOLD_S, then goes on without it,
-# so that no paused process blocks a takeover for longer; the paused one, when it runs again, finds its
-# bound exceeded and either writes nothing (before its rename) or reports ReplacePaused (after it).
-REPLACE_HOLD_S, REPLACE_WAIT_S = 1.0, 2.5
-TEST_HOLD_ENV = "ANDREA_TEST_REPLACE_HELD"  # tests only: a file created while the flock is held
-
-
-class _DirectoryLock:
-    """flock(2) on a directory (an fd the path layer opened), held for at most REPLACE_HOLD_S and waited
-    for at most REPLACE_WAIT_S: serialises the processes of this kernel that compare-and-replace a file
-    in it (renewal, takeover) without adding a file to the run directory, and without letting a paused
-    holder block the others."""
-
-    def __init__(self, folder_fd: int):
-        # A description of its own (flock is per open file description), of the folder the path layer
-        # reached without following a link.
-        self.fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=folder_fd)
-        self.guarded = False
-
-    def __enter__(self) -> _DirectoryLock:
-        deadline = time.monotonic() + REPLACE_WAIT_S
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self.guarded = True
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    break  # its holder is paused past its own bound: it will write nothing now
-                time.sleep(0.01)
-        self.since = time.monotonic()
-        held = os.environ.get(TEST_HOLD_ENV)
-        if held:
-            with open(held, "a"):
-                pass
-            time.sleep(REPLACE_HOLD_S / 2)
-        return self
-
-    def within_bound(self) -> bool:
-        return time.monotonic() - self.since < REPLACE_HOLD_S
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)  # closing drops the flock
-
-
 def _check_checkpoint_header(path: str, header: bytes, size: int) -> None:
     # The header first: a file whose size is not the 8 + 12 n its header promises is refused before
     # its body is read (a 3 GiB file claiming n = 1 would otherwise be read whole).
@@ -1117,7 +443,6 @@ def _check_checkpoint_header(path: str, header: bytes, size: int) -> None:
             raise CheckpointError(path, f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required")
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 SECRET_FILES = (LOCK,)  # the lock holds the trainer's nonce: readable by its owner only
 
 
@@ -1128,32 +453,3 @@ def _bound_of(name: str) -> str:
 
 def _mode(name: str) -> int:
     return 0o600 if name in SECRET_FILES else 0o666  # 0o666 less the umask, as open() makes files
-
-
-def _create_temp(dfd: int, base: str, mode: int) -> tuple[str, int]:
-    """(name, fd) of a new temporary file beside `base` in folder `dfd`: `.BASE.tmp.PID.RANDOM`,
-    created with O_EXCL and O_NOFOLLOW, so nothing planted in advance is ever written through. The fd
-    holds the file's flock: keep it open until the rename, so that no lock holder's
-    `discard_incomplete_writes` takes the write for a dead one's (`_writer_gone`)."""
-    if os.environ.get(TEST_FIXED_TEMPS_ENV):
-        tmp = f".{base}.tmp.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode, dir_fd=dfd)
-    else:
-        tmp = f".{base}.tmp.{os.getpid()}.{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, mode, dir_fd=dfd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # blocking: a sweep that looks at it holds it only for a moment
-    except OSError:
-        os.close(fd)
-        raise
-    return tmp, fd
-
-
-def _fsync_dir(folder: str) -> None:
-    # The rename is durable only once the directory entry is: without this a power cut can lose it.
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
