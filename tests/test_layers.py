@@ -10,7 +10,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "andrea_core"
-GROUND = {"config", "model_config", "checkpoint", "signals", "pdeathsig", "command", "bounded", "untrusted"}
+GROUND = {
+    "config",
+    "model_config",
+    "checkpoint",
+    "signals",
+    "pdeathsig",
+    "command",
+    "bounded",
+    "untrusted",
+    "atomic",
+    "faults",
+    "poll",
+}
 # What each layer may import, besides itself.
 MAY_IMPORT = {
     "ground": {"ground"},
