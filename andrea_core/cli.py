@@ -15,14 +15,14 @@ import re
 import sys
 import time
 
-from andrea_core import signals
+from andrea_core import faults, signals
 
 
 def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
     """ANDREA_TEST_STARTUP_DELAY=<seconds>: with the handlers installed and nothing else done yet, say
     so and wait up to that long, or until a stop signal arrives. A test can then land a signal inside
     the start-up window for certain instead of racing the torch import. Unset: no effect."""
-    delay = float(os.environ.get("ANDREA_TEST_STARTUP_DELAY") or 0)
+    delay = faults.startup_delay()
     if delay <= 0:
         return
     print("andrea: start-up held (ANDREA_TEST_STARTUP_DELAY): signal handlers installed", flush=True)

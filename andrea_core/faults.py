@@ -9,6 +9,7 @@ route first, and the hook only acts where that route stops. Never set in product
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 PREFIX = "ANDREA_TEST_"
@@ -23,7 +24,7 @@ REPLACE_HELD = PREFIX + "REPLACE_HELD"
 # planted once the safe create (O_EXCL | O_NOFOLLOW) has refused it (run/store.py, _create_temp).
 FIXED_TEMP_NAMES = PREFIX + "FIXED_TEMP_NAMES"
 
-# The hooks of the modules above run/ (read there today; they move here as their owners take them up):
+# The hooks of the modules above run/:
 STARTUP_DELAY = PREFIX + "STARTUP_DELAY"  # cli: hold start-up this many seconds, handlers installed
 PIVOT_KILL_AFTER = PREFIX + "PIVOT_KILL_AFTER"  # ops/pivot: SIGKILL this process after the named step
 FORK_KILL_AFTER = PREFIX + "FORK_KILL_AFTER"  # ops/fork: die right after writing BRANCH/FILE
@@ -36,6 +37,18 @@ def value(name: str) -> str | None:
     if not name.startswith(PREFIX):
         raise ValueError(f"{name}: a test hook's name starts with {PREFIX}")
     return os.environ.get(name) or None
+
+
+def die_at(hook: str, point: str) -> None:
+    """This process dies by SIGKILL right here when hook `hook` names `point`, as a machine losing its
+    power or a worker killed outright would (PIVOT_KILL_AFTER, FORK_KILL_AFTER). Unset: no effect."""
+    if value(hook) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def startup_delay() -> float:
+    """STARTUP_DELAY's seconds (0 when unset)."""
+    return float(value(STARTUP_DELAY) or 0)
 
 
 def test_host() -> str | None:

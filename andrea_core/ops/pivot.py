@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from andrea_core import faults
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
 from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
 from andrea_core.data.policy import Policy, load_policy, parse_policy
@@ -58,16 +59,13 @@ from andrea_core.run.record import read_run
 from andrea_core.run.rundir import LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 from andrea_core.run.target import check_max_steps, read_target, set_target
 
-KILL_ENV = "ANDREA_TEST_PIVOT_KILL_AFTER"  # tests only: SIGKILL this process after the named step
-
 Log = Callable[[str], None]
 
 
 def _kill_point(name: str) -> None:
     """ANDREA_TEST_PIVOT_KILL_AFTER=<step name> (or archive-move-N): the pivot's process dies right
     there, as a worker killed outright would. Unset: no effect."""
-    if os.environ.get(KILL_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    faults.die_at(faults.PIVOT_KILL_AFTER, name)
 
 
 @dataclass
