@@ -286,8 +286,15 @@ class Trainer:
             self.log(f"the sample audit of step {self.start_step} is missing: auditing it now")
             self.auditor.audit(self.start_step)
         # The divergence guard (guard.py): its events shape which batches and learning rates come next.
+        # guard.jsonl is replayed as input: each line checked against the run, each obeyed one logged.
         self.guard = Guard(
-            self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
+            self.run,
+            self.cfg.train.guard,
+            self.cfg.model.vocab_size,
+            self.log,
+            self.world.is_main,
+            horizon=self.max_steps,
+            start_step=self.start_step,
         )
         self.guard.restart(self.start_step, self.data.store.phase.start_step)
         self.autocast = (
