@@ -138,7 +138,8 @@ class Detector:
 
     def __init__(self, cfg: GuardConfig, vocab_size: int):
         self.cfg = cfg
-        self.ceiling = cfg.loss_ceiling * math.log(vocab_size)
+        self.uniform = math.log(vocab_size)  # the loss of a uniform guess
+        self.ceiling = cfg.loss_ceiling * self.uniform
         self.reset()
 
     def reset(self) -> None:
@@ -146,12 +147,14 @@ class Detector:
         self.loss: dict[str | None, _Series] = {}  # per arm
         self.level: dict[str | None, _Level] = {}  # per arm: the sustained-rise rule
         # Every arm's losses together: what an arm with too little history of its own (a new arm after a
-        # pivot) is judged against. A pivot's new data may move the loss; less than x loss_ratio and
-        # loss_floor nats is a level shift, not a spike (docs/design.md "The divergence guard").
+        # pivot) is judged against. A pivot's new data may move the loss: above the spike threshold of
+        # this window but no worse than a uniform guess (ln vocab_size) it is a level shift, not a spike
+        # (docs/design.md "The divergence guard": continuity and level shifts).
         self.pooled = _Series(c.window, c.loss_mads, c.loss_ratio, c.loss_floor, c.min_history)
         self.grad = _Series(c.window, c.grad_mads, c.grad_ratio, c.grad_floor, c.min_history)
         self.streak = 0  # spiking steps in a row, so far
         self.streak_start = 0
+        self.rise_from = 0  # the sustained-rise rule judges only the steps after it (replay's floor)
 
     def keep(self) -> int:
         """How many of an arm's newest steps (and of all arms') its state depends on."""
@@ -159,10 +162,13 @@ class Detector:
         rise = c.rise_span + c.rise_horizon + c.rise_steps if c.rise_steps else 0
         return max(c.window, rise) + c.consecutive
 
-    def replay(self, history: list[tuple[int, float, float, str | None]]) -> None:
+    def replay(self, history: list[tuple[int, float, float, str | None]], floor: int = 0) -> None:
         """Rebuild the state the live run had after the last of `history` ((step, loss, grad norm, arm)
-        of the canonical history, oldest first); a NaN grad norm (not logged) is left out."""
+        of the canonical history, oldest first); a NaN grad norm (not logged) is left out. The spike
+        rules carry on across `floor` (a fork point, a pivot boundary); the sustained-rise rule starts
+        again after it (`rise_from`): a pivot's new data may settle at another level."""
         self.reset()
+        self.rise_from = floor
         keep = self.keep()
         chosen = set(range(max(0, len(history) - keep), len(history)))
         per_arm: dict[str | None, int] = {}
@@ -192,6 +198,8 @@ class Detector:
         young = len(series.values) < c.min_history
         judged = series.judge(loss, self.pooled if young else None)
         self.pooled.judge(loss)
+        if young and judged is not None and loss <= self.uniform:
+            judged = None  # new data may be harder, not worse than a guess: a level shift, not a spike
         if judged is None and loss > self.ceiling:
             judged = (_median(series.values), self.ceiling)
         if judged is not None:
@@ -201,7 +209,7 @@ class Detector:
             if judged is not None:
                 spikes.append(("grad-norm-spike", grad_norm, *judged))
         rise = None
-        if c.rise_steps:
+        if c.rise_steps and step > self.rise_from:
             level = self.level.get(arm)
             if level is None:
                 level = self.level[arm] = _Level(c.rise_span, c.rise_horizon, c.rise_margin, c.rise_steps)
@@ -257,6 +265,13 @@ class Guard:
         # as a pivot or a fork that set it F times higher would train (a pivot cannot set it).
         factor, _, after = (os.environ.get("ANDREA_TEST_GUARD_LR_TIMES") or "").partition("@")
         self.test_lr = (float(factor), int(after or 0)) if factor else None
+        # ANDREA_TEST_GUARD_NOISE=oscillate@S or drift@S:L (tests only): after step S the batch's targets
+        # are replaced by uniformly random tokens, on 2 of every 3 steps (a loss that oscillates) or for
+        # a share of the tokens rising from 0 to 1 over L steps (a loss that drifts up): real steps on
+        # corrupted data, deterministic in the step.
+        kind, _, at = (os.environ.get("ANDREA_TEST_GUARD_NOISE") or "").partition("@")
+        start, _, length = at.partition(":")
+        self.test_noise = (kind, int(start), int(length or 1)) if kind else None
 
     @property
     def enabled(self) -> bool:
@@ -282,12 +297,25 @@ class Guard:
         self.floor = max(phase_start, parent_step)
         self.branch = lineage if lineage.get("parent") is not None else None
         history = [(e.step, e.loss, e.grad_norm, e.arm) for e in read_history(self.run) if e.step <= step]
-        self.detector.replay(history)
+        self.detector.replay(history, self.floor)
 
     def branch_stops(self, d: Divergence) -> bool:
         """A divergence in a fork branch, past its fork point, under train.guard.in_branch "stop"."""
         parent_step = (self.branch or {}).get("parent_step") or 0
         return self.branch is not None and self.cfg.in_branch == "stop" and d.step > parent_step
+
+    def corrupt(self, step: int, y: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The test hook ANDREA_TEST_GUARD_NOISE: the targets of `step`, some replaced by random tokens."""
+        if self.test_noise is None or step <= self.test_noise[1]:
+            return y
+        kind, start, length = self.test_noise
+        share = (
+            (1.0 if (step - start) % 3 else 0.0) if kind == "oscillate" else min(1.0, (step - start) / length)
+        )
+        g = torch.Generator().manual_seed(step)
+        noise = torch.randint(0, vocab_size, y.shape, generator=g)
+        mask = torch.rand(y.shape, generator=g) < share
+        return torch.where(mask.to(y.device), noise.to(y.device, y.dtype), y)
 
     def poison(self, step: int, model: torch.nn.Module) -> None:
         """The test hook: a NaN in the first gradient when step's batch is a poisoned one."""

@@ -652,6 +652,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             arm, x, y = self.batches.take(step)
+            if self.guard.test_noise is not None:  # tests only (guard.py: ANDREA_TEST_GUARD_NOISE)
+                y = self.guard.corrupt(step, y, self.cfg.model.vocab_size)
             seed_step(step_seed(t.seed, step), self.device)
             current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y, step), self.grad_norm))
             if previous is not None:
