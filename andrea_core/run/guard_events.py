@@ -129,7 +129,8 @@ def replayable_events(
     event (`_event`) and one of this run's: its number above the one before, a rollback to the initial
     weights, to `start_step` or to a step R whose history restarts at R + 1 in .loss.json (a rollback
     opens a segment there; a fork copies the segments up to its fork point), a cooldown of at most
-    max(horizon, its step) x 2^level steps (`horizon`: the run's target length). Any other line is
+    max(horizon, its step) x 2^level steps (`horizon`: the run's length, the longest of its target,
+    its learning-rate schedule and its guard's cooldown_steps). Any other line is
     skipped with one warning naming the file and the line, never obeyed."""
     if not run.exists(GUARD_LOG):
         return []

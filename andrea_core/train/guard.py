@@ -242,15 +242,16 @@ class Guard:
         horizon: int | None = None,
         start_step: int = 0,
     ):
-        """`horizon` (the run's target length) and `start_step` (the checkpoint it starts from): the
-        trainer's replay of guard.jsonl, each line checked against the run and each obeyed one logged
-        (guard_events.replayable_events); None reads the events as a report does."""
+        """`horizon` (the run's length: its target, or its schedule's when longer) and `start_step`
+        (the checkpoint it starts from): the trainer's replay of guard.jsonl, each line checked against
+        the run and each obeyed one logged (guard_events.replayable_events); None reads the events as a
+        report does."""
         self.run, self.cfg, self.log = run, cfg, log
         self.writes = writes  # rank 0 records events; the other ranks decide the same, in memory
         if horizon is None:
             self.events: list[GuardEvent] = read_events(run, warn=log)
         else:
-            self.events = replayable_events(run, horizon, start_step, warn=log)
+            self.events = replayable_events(run, max(horizon, cfg.cooldown_steps), start_step, warn=log)
             for e in self.events:
                 log(f"guard: replaying {describe_event(e)} ({GUARD_LOG})")
         self.remedies = Remedies(self.events)

@@ -293,7 +293,7 @@ class Trainer:
             self.cfg.model.vocab_size,
             self.log,
             self.world.is_main,
-            horizon=self.max_steps,
+            horizon=max(self.max_steps, self.cfg.train.lr_decay_steps),
             start_step=self.start_step,
         )
         self.guard.restart(self.start_step, self.data.store.phase.start_step)
