@@ -16,11 +16,9 @@ def test_close_marks_share_one_label():
         Mark(230, "guard-stop", "guard stop (loss-spike)"),
     ]
     groups = label_groups(marks, span=240)
-    assert [(step, [m.step for m in group]) for step, group in groups] == [
-        (120, [120, 124, 129]),
-        (230, [230]),
-    ]
-    # At ten times the span, 4.8 steps apart is no longer close: each its own label.
+    expected = [(120, [120, 124]), (129, [129]), (230, [230])]  # 4.8 steps: 2% of 240
+    assert [(step, [m.step for m in group]) for step, group in groups] == expected
+    # At 1%, 2.4 steps, none is close: each its own label.
     assert len(label_groups(marks[:3], span=240, gap=0.01)) == 3
 
 
