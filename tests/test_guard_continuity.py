@@ -107,14 +107,15 @@ def test_oscillation_and_drift_through_the_trainer(parent, noise, within):
 
 def test_a_non_finite_step_under_tight_retention_rolls_back_to_a_kept_checkpoint(tmp_path):
     """The issue's case 3: checkpoints every 10, the default retention (newest 5), a NaN gradient at data
-    position 85. Retention kept the guard's rollback point (10: at least 69 steps before 81), so the
-    rollback goes there, not to the initial weights (today: step 0, checkpoints 40..80 set aside)."""
+    position 85. No checkpoint is left 50 steps before it (the run is younger than the rollback point
+    retention keeps: 69 steps back), so the rollback goes to the oldest kept one before the spike, 40,
+    not to the initial weights (today: step 0, checkpoints 40..80 set aside)."""
     cfg = tiny_config(tmp_path, train__checkpoint_every=10, train__max_steps=100, train__log_every=50)
     run = tmp_path / "run"
     proc = train(run, "--config", cfg, ANDREA_TEST_GUARD_NAN_AT="85")
     (event,) = read_events(RunDir(str(run)))
-    assert (event.kind, event.step, event.rolled_back_to) == ("non-finite-grad-norm", 85, 10)
-    assert "back to step_000010.bin" in proc.stdout + proc.stderr
+    assert (event.kind, event.step, event.rolled_back_to) == ("non-finite-grad-norm", 85, 40)
+    assert "back to step_000040.bin" in proc.stdout + proc.stderr
 
 
 def test_restart_replays_what_came_before_its_floor(parent, tmp_path):

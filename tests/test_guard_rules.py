@@ -225,11 +225,16 @@ def test_escalation_compounds_within_the_window_only(tmp_path):
 
 
 def test_the_floor_keeps_a_rollback_inside_its_own_timeline(tmp_path):
-    """A branch forked at 200 never goes back to the initial weights (its parent's), only to its own
-    checkpoints; a run from step 0 with nothing far enough back does."""
+    """A branch forked at 200 never goes back past its fork point: with nothing rollback_margin back,
+    to the oldest of its own checkpoints; with none of its own, it stops. A run from step 0 with no
+    checkpoint before the spike goes back to the initial weights; with one, to its oldest (not step 0
+    and every step since: the issue's case 3)."""
     d = Divergence("loss-spike", 215, 213, 9.0, 3.0, 6.0)
-    assert planned(tmp_path, [], d, [200, 210], 200).rolled_back_to == 200
-    assert planned(tmp_path, [], d, [200, 210], 0).rolled_back_to == 0
+    assert planned(tmp_path, [], d, [150, 200, 210], 200).rolled_back_to == 200
+    assert planned(tmp_path, [], d, [150], 200).action == "stop"
+    assert planned(tmp_path, [], d, [], 0).rolled_back_to == 0
+    assert planned(tmp_path, [], d, [170, 180, 190], 0).rolled_back_to == 170
+    assert planned(tmp_path, [], d, [100, 170, 180], 0).rolled_back_to == 100
 
 
 def test_the_cooldown_ends_where_the_event_says():

@@ -336,8 +336,10 @@ class Guard:
 
     def plan(self, d: Divergence, checkpoints: list[int], floor: int) -> GuardEvent:
         """The event answering `d`: a rollback to the newest of `checkpoints` (valid, oldest first) at
-        least rollback_margin steps before the spike began, escalated by the rollbacks before it in its
-        region; or the stop, past the bound or with nothing to roll back to. `floor`: the oldest step
+        least rollback_margin steps before the spike began (none: the oldest one before the spike; none
+        at all: the initial weights of a run from step 0), escalated by the rollbacks before it in its
+        region; or the stop, past the bound, in a fork branch under in_branch "stop", or with nothing to
+        roll back to. `floor`: the oldest step
         this run may go back to (its fork point or its phase's start: before it the run was another)."""
         c = self.cfg
         region = [e for e in self.events if e.action == "rollback" and e.step >= d.step - c.rollback_window]
@@ -347,10 +349,15 @@ class Guard:
         target: int | None
         if far:
             target = far[-1]
+        elif allowed:
+            # None far enough back (retention keeps one once the run is rollback_reach steps long):
+            # the oldest kept checkpoint of this timeline before the spike, rather than the initial
+            # weights and every step since (docs/design.md "A rollback point always exists").
+            target = allowed[0]
         elif floor == 0:
             target = 0  # the initial weights: a pure function of the seed
         else:
-            target = allowed[0] if allowed else None  # the phase's first checkpoint, however near
+            target = None
         stop = level >= c.max_rollbacks or target is None or self.branch_stops(d)
         return GuardEvent(
             number=max((e.number for e in self.events), default=0) + 1,
