@@ -3,7 +3,7 @@ a fork and a pivot that set the learning rate 300x are caught within a few steps
 its divergence is its result), a pivot to other data fires nothing, oscillation and drift are caught,
 and a non-finite step under checkpoints every 10 with the default retention rolls back to a kept
 checkpoint, not to the initial weights. The runs start from copies of the session's trained reference
-(andrea-tiny to step 300, checkpoints 100, 200, 300: conftest.tiny_reference)."""
+(andrea-tiny to step 300, checkpoints 100, 200, 300: tests/guard_parent.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import _env, andrea
+from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 from tiny import tiny_config
 
 from andrea_core.config import GuardConfig
@@ -29,8 +30,8 @@ def train(run: Path, *args: str, check: bool = True, **extra: str):
 
 
 @pytest.fixture
-def parent(tiny_reference, tmp_path) -> Path:
-    shutil.copytree(tiny_reference, tmp_path / "parent")
+def parent(guard_parent, tmp_path) -> Path:
+    shutil.copytree(guard_parent, tmp_path / "parent")
     return tmp_path / "parent"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import andrea
+from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 
 from andrea_core.config import GuardConfig, RetentionConfig
 from andrea_core.run.guard_events import GuardEvent, Remedies, lr_changes, replayable_events
@@ -113,9 +114,9 @@ def test_a_loss_above_the_ceiling_is_a_spike_with_no_history():
     assert (d.kind, d.step, d.spike_start, d.threshold) == ("loss-spike", 3, 1, pytest.approx(8.3178, 1e-4))
 
 
-def test_a_real_clean_run_fires_nothing(tiny_reference):
+def test_a_real_clean_run_fires_nothing(guard_parent):
     """The 300 measured steps of andrea-tiny (warm-up included), per arm as the trainer feeds them."""
-    history = read_history(RunDir(str(tiny_reference)))
+    history = read_history(RunDir(str(guard_parent)))
     d = Detector(G, VOCAB)
     assert [d.observe(e.step, e.loss, e.grad_norm, e.arm) for e in history] == [None] * len(history)
 
@@ -153,12 +154,12 @@ def test_replay_mid_rise_is_the_live_state():
         )
 
 
-def test_after_a_fork_a_blow_up_is_judged_against_the_parent(tiny_reference):
+def test_after_a_fork_a_blow_up_is_judged_against_the_parent(guard_parent):
     """The issue's case 1, measured losses: the parent's history (andrea-tiny to 300) and then losses
     like those its train.lr=1.0 branch logged (6-12, then about 4: below the ceiling after the first).
     With the parent's history the detector flags them at the third step; started empty (today's
     Guard.restart of a branch), only steps above the ceiling can count and it never fires."""
-    parent = [(e.step, e.loss, e.grad_norm, e.arm) for e in read_history(RunDir(str(tiny_reference)))]
+    parent = [(e.step, e.loss, e.grad_norm, e.arm) for e in read_history(RunDir(str(guard_parent)))]
     arm = parent[-1][3]
     branch = [9.1, 7.9, 6.4, 6.1, 5.2, 4.8, 4.6, 4.4] + [4.2] * 40
     d = Detector(G, VOCAB)
@@ -269,8 +270,8 @@ def test_retention_keeps_the_guards_rollback_point():
 
 
 @pytest.fixture
-def reference_copy(tiny_reference, tmp_path) -> RunDir:
-    shutil.copytree(tiny_reference, tmp_path / "run")
+def reference_copy(guard_parent, tmp_path) -> RunDir:
+    shutil.copytree(guard_parent, tmp_path / "run")
     return RunDir(str(tmp_path / "run"))
 
 
