@@ -117,7 +117,8 @@ def scenarios(args: argparse.Namespace, root: Path) -> None:
     base = {"train.num_threads": args.threads, "train.checkpoint_every": 10, "train.log_every": 100}
     sane = load_run_config(args.config).train.lr
     parent = root / "parent"
-    train(write_config(root, "parent", args.config, {**base, "train.max_steps": 300}), parent, args.device)
+    every = {**base, "train.max_steps": 300, "retention.keep_last": None}  # the fork point 200 kept
+    train(write_config(root, "parent", args.config, every), parent, args.device)
 
     def copy(name: str) -> Path:
         shutil.copytree(parent, root / name)
