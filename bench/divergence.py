@@ -237,6 +237,31 @@ def clean(args: argparse.Namespace, root: Path) -> None:
             f"{grad['mads'][0]:.1f} MADs at {grad['mads'][1]} (grad_mads {g.grad_mads})"
         )
     print(f"  highest loss {max(e.loss for e in history):.3f} (loss_ceiling: {g.loss_ceiling} x ln(vocab))")
+    rise, at = rise_headroom([(e.arm, e.loss) for e in history], g)
+    print(
+        f"  loss level (mean of {g.rise_span}) at most +{rise:.3f} nats above its best of the last "
+        f"{g.rise_horizon} steps, at step {at} (rise_margin {g.rise_margin}, for {g.rise_steps} steps)"
+    )
+
+
+def rise_headroom(values: list[tuple[str | None, float]], g) -> tuple[float, int]:
+    """The sustained-rise rule's worst step: the largest excess of an arm's level over its best, and where."""
+    from collections import deque
+
+    values_by: dict = {}
+    levels_by: dict = {}
+    worst = (0.0, 0)
+    for i, (arm, v) in enumerate(values, start=1):
+        vals = values_by.setdefault(arm, deque(maxlen=g.rise_span))
+        levels = levels_by.setdefault(arm, deque(maxlen=g.rise_horizon))
+        vals.append(v)
+        if len(vals) < g.rise_span:
+            continue
+        level = sum(vals) / len(vals)
+        if levels:
+            worst = max(worst, (level - min(levels), i))
+        levels.append(level)
+    return worst
 
 
 def main() -> None:
