@@ -289,3 +289,14 @@ def test_d_long_clean_runs_fire_no_event(tmp_path):
     history = read_history(RunDir(str(run)))
     assert [e.step for e in history] == list(range(1, 1501))
     assert not (run / GUARD_LOG).exists()
+
+
+def test_the_trainer_logs_each_event_it_replays(recovered, tmp_path):
+    """Issue 41: the record is input, and the trainer says what it obeys: one line per replayed event."""
+    run = tmp_path / "run"
+    shutil.copytree(recovered, run)
+    proc = train(run, "--max-steps", "62")
+    assert (
+        "guard: replaying event 1: non-finite-grad-norm at step 25 (since step 25): rolled back to step 10, "
+        "skipped 15 batches, lr x0.3 for steps 11..1010 (guard.jsonl)"
+    ) in proc.stdout + proc.stderr
