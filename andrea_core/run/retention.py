@@ -79,10 +79,6 @@ def plan_retention(
     (rollback_reach): the guard's rollback point is kept too."""
     keep: dict[int, list[str]] = defaultdict(list)
     older = [s for s in steps if s <= newest]
-    if reach is not None:
-        far = [s for s in older if s <= newest + 1 - reach]
-        if far:
-            keep[far[-1]].append(f"the guard's rollback point (at least {reach} steps back)")
     if cfg.keep_last is None:
         for s in older:
             keep[s].append("keep_last is null (keep all)")
@@ -96,6 +92,9 @@ def plan_retention(
             keep[s].extend(protected[s])
         if s > newest:
             keep[s].append("newer than the newest valid checkpoint (kept as evidence)")
+    far = [s for s in older if reach is not None and s <= newest + 1 - reach]
+    if far and far[-1] not in keep:  # named only where it is what keeps the checkpoint
+        keep[far[-1]].append(f"the guard's rollback point (at least {reach} steps back)")
     return RetentionPlan(
         newest, {s: keep[s] for s in steps if s in keep}, [s for s in steps if s not in keep]
     )
