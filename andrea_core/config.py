@@ -78,9 +78,13 @@ class GuardConfig:
     `loss_floor` above it (the ratio and the floor keep a tiny run's noise from ever firing); likewise
     the gradient norm (before clipping). `consecutive` such steps in a row, or one non-finite loss or
     gradient norm, is a divergence. The loss is judged against the steps of its own arm (arms differ in
-    difficulty), and a loss above `loss_ceiling` times ln(model.vocab_size), far worse than predicting
-    every token as equally likely, is a spike whatever came before. Defaults from measured clean runs
-    (README "When a run diverges")."""
+    difficulty; an arm with fewer than `min_history` steps of its own, a new arm after a pivot, against
+    all arms' last `window`), and a loss above `loss_ceiling` times ln(model.vocab_size), far worse than
+    predicting every token as equally likely, is a spike whatever came before (no history needed).
+    Spikes that come and go (oscillation) and a slow drift are the sustained-rise rule's: the loss's
+    level, the mean of its arm's last `rise_span` steps, above the lowest level of its last
+    `rise_horizon` steps by more than `rise_margin` nats for `rise_steps` steps in a row. Defaults from
+    measured clean runs (README "When a run diverges")."""
 
     enabled: bool = True
     window: int = 100  # steps in the running median and MAD
@@ -93,6 +97,14 @@ class GuardConfig:
     grad_mads: float = 30.0
     grad_ratio: float = 5.0
     grad_floor: float = 1.0
+    rise_span: int = 50  # steps in the loss's level (a mean, per arm)
+    rise_horizon: int = 500  # the level's best is the lowest of its last this many steps
+    rise_margin: float = 1.0  # nats above that best
+    rise_steps: int = 20  # steps in a row above it that make a divergence (0: the rule is off)
+    # A fork branch that diverges: "stop" (exit 3: its divergence is the experiment's result, said as
+    # "diverged at step N under train.lr=..."), or "remedy" (rolls back and remedies like a main run;
+    # guard.jsonl records the learning rate it went on at, and from which step).
+    in_branch: str = "stop"
     # The rollback: the newest valid checkpoint at least this many steps before the spike began.
     rollback_margin: int = 50
     skip_batches: bool = True  # skip the batches from the checkpoint to the divergence (data continues)
@@ -306,6 +318,17 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
         (g.cooldown_steps >= 0, "train.guard.cooldown_steps", "must be >= 0"),
         (g.max_rollbacks >= 1, "train.guard.max_rollbacks", "must be >= 1"),
         (g.rollback_window > 0, "train.guard.rollback_window", "must be positive"),
+        (g.rise_span >= 2, "train.guard.rise_span", "must be >= 2"),
+        (g.rise_horizon >= 1, "train.guard.rise_horizon", "must be >= 1"),
+        (g.rise_margin > 0, "train.guard.rise_margin", "must be > 0 (nats)"),
+        (g.rise_steps >= 0, "train.guard.rise_steps", "must be >= 0 (0: no sustained-rise rule)"),
+        (g.in_branch in ("stop", "remedy"), "train.guard.in_branch", "must be 'stop' or 'remedy'"),
+        (
+            g.lr_scale**g.max_rollbacks >= 1e-6,
+            "train.guard.lr_scale",
+            f"to the power train.guard.max_rollbacks ({g.max_rollbacks}) must be at least 1e-6 (the "
+            "smallest learning-rate factor guard.jsonl may carry)",
+        ),
         (
             g.skip_batches or g.lr_scale < 1,
             "train.guard",

@@ -171,8 +171,10 @@ def test_a_a_learning_rate_far_too_high_recovers_and_finishes_near_a_sane_run(tm
     events = read_events(RunDir(str(high)))
     assert events and all(e.action == "rollback" for e in events)
     first = events[0]
-    # In warm-up, long before step 50: no checkpoint is rollback_margin steps back, so the initial weights.
-    assert first.kind == "loss-spike" and first.step < 50 and first.rolled_back_to == 0
+    # In warm-up, long before step 50: no checkpoint is rollback_margin steps back, so the oldest one
+    # before the spike (issue 41), or the initial weights before checkpoint 10.
+    oldest = 10 if first.spike_start > 10 else 0
+    assert first.kind == "loss-spike" and first.step < 50 and first.rolled_back_to == oldest
     assert first.value > first.threshold and first.value > 1.5 * math.log(256)  # worse than uniform
     assert RunDir(str(high)).checkpoint_steps()[-1] == 300
 
@@ -195,10 +197,12 @@ def test_e_the_bound_stops_with_its_own_status_and_systemd_does_not_restart_on_i
     events = facts(run)
     assert [(e["action"], e["step"], e["rolled_back_to"], e["level"], e["skip"]) for e in events] == [
         ("rollback", 15, 10, 0, 5),  # step 11 then draws position 16: poisoned
-        ("rollback", 11, 0, 1, 22),  # nothing 5 steps before 11 but the initial weights; twice the skip
-        ("stop", 1, None, 2, 0),  # a third in the region: the bound
+        # Nothing 5 steps before 11: the oldest checkpoint before it (issue 41: not the initial weights);
+        # twice the skip, from 10 (replacing the first event's): step 13 draws position 15, poisoned.
+        ("rollback", 11, 10, 1, 2),
+        ("stop", 13, None, 2, 0),  # a third in the region: the bound
     ]
-    assert line.startswith("andrea: diverged again at step 1 (non-finite-grad-norm")
+    assert line.startswith("andrea: diverged again at step 13 (non-finite-grad-norm")
     for named in (
         "event 1: non-finite-grad-norm at step 15, back to 10",
         "event 2:",
@@ -285,3 +289,14 @@ def test_d_long_clean_runs_fire_no_event(tmp_path):
     history = read_history(RunDir(str(run)))
     assert [e.step for e in history] == list(range(1, 1501))
     assert not (run / GUARD_LOG).exists()
+
+
+def test_the_trainer_logs_each_event_it_replays(recovered, tmp_path):
+    """Issue 41: the record is input, and the trainer says what it obeys: one line per replayed event."""
+    run = tmp_path / "run"
+    shutil.copytree(recovered, run)
+    proc = train(run, "--max-steps", "62")
+    assert (
+        "guard: replaying event 1: non-finite-grad-norm at step 25 (since step 25): rolled back to step 10, "
+        "skipped 15 batches, lr x0.3 for steps 11..1010 (guard.jsonl)"
+    ) in proc.stdout + proc.stderr

@@ -7,6 +7,13 @@ inputs: the data position a step draws its batch from and its learning-rate fact
 of (step, these events), so a resume replays every remedy exactly (`Remedies`). A crash mid-append
 leaves a torn last line: readers skip it, the next append terminates it first. A fork copies the events
 up to its fork point (`events_up_to`); a pivot leaves the file as it is.
+
+The file is input like every run file: a line is obeyed only if it is an event this guard could have
+written (`_event`: counts in range, lr_scale in [MIN_LR_SCALE, 1], a level below its number, a skip no
+larger than its escalated distance) and, for the trainer that replays it, one of this run's
+(`replayable_events`: numbers increasing, a rollback to a step where the run's history restarts, a
+cooldown bounded by the run's length). Any other line is skipped with a warning naming the file and the
+line: never obeyed.
 """
 
 from __future__ import annotations
@@ -16,11 +23,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from andrea_core.run.loss_log import JSON_LINE_ERRORS, well_formed_lines
-from andrea_core.run.rundir import GUARD_LOG, RunDir
+from andrea_core.run.loss_log import JSON_LINE_ERRORS, json_lines, parse_entries, well_formed_lines
+from andrea_core.run.rundir import GUARD_LOG, LOSS_LOG, RunDir
 
 FORMAT = 1
-KINDS = ("non-finite-loss", "non-finite-grad-norm", "loss-spike", "grad-norm-spike")
+# "loss-rise": the loss's level (the mean of its last rise_span steps) above its best by rise_margin for
+# rise_steps steps in a row: oscillation and drift (guard.py).
+KINDS = ("non-finite-loss", "non-finite-grad-norm", "loss-spike", "grad-norm-spike", "loss-rise")
+# The smallest learning-rate factor an event may carry: no guard setting reaches it (config.py refuses
+# lr_scale ** max_rollbacks below it); a factor under it would train nothing and call the run healthy.
+MIN_LR_SCALE = 1e-6
+MAX_LEVEL = 62  # an escalation level beyond any max_rollbacks (2**level stays an exact integer)
 ACTIONS = ("rollback", "stop")
 
 
@@ -73,9 +86,83 @@ def _event(obj: Any) -> GuardEvent:
         raise ValueError(f"unknown action {e.action!r} or kind {e.kind!r}")
     if rollback != (e.rolled_back_to is not None) or (rollback and not 0 <= e.rolled_back_to < e.step):
         raise ValueError("a rollback names a checkpoint before its step; a stop names none")
-    if not (0 < e.lr_scale <= 1) or e.spike_start > e.step:
-        raise ValueError("lr_scale outside (0, 1] or a spike that starts after its step")
+    if not (MIN_LR_SCALE <= e.lr_scale <= 1) or e.spike_start > e.step:
+        raise ValueError(f"lr_scale outside [{MIN_LR_SCALE:g}, 1] or a spike that starts after its step")
+    if e.number < 1 or e.level >= e.number or e.level > MAX_LEVEL:
+        raise ValueError(f"level {e.level} is not below the event's number {e.number}")
+    if rollback and e.skip > (e.step - e.rolled_back_to) * 2**e.level:
+        raise ValueError(f"skip {e.skip} beyond its escalated distance (step - rolled_back_to) x 2^level")
+    if not rollback and (e.skip or e.cooldown or e.lr_scale != 1):
+        raise ValueError("a stop carries no remedy")
     return e
+
+
+def lr_changes(events: list[GuardEvent]) -> list[tuple[int, int, float]]:
+    """What the events did to the learning rate of the run's canonical timeline: (first step, last
+    step, factor) for each stretch trained at a factor below 1, in step order (`Remedies`). For a report
+    that says under which settings a run actually trained after its divergences."""
+    remedies = Remedies(events)
+    out = []
+    for e in sorted(remedies.active, key=lambda a: a.rolled_back_to):
+        if e.lr_scale < 1 and e.cooldown:
+            out.append((e.rolled_back_to + 1, e.rolled_back_to + e.cooldown, e.lr_scale))
+    return out
+
+
+def describe_event(e: GuardEvent) -> str:
+    """One line: what the event detected and what was done (status, reports, the trainer's replay log)."""
+    if e.action == "stop":
+        return f"event {e.number}: {e.kind} at step {e.step}: stopped the run"
+    remedy = [f"rolled back to step {e.rolled_back_to}"]
+    if e.skip:
+        remedy.append(f"skipped {e.skip} batches")
+    if e.lr_scale < 1 and e.cooldown:
+        first = e.rolled_back_to + 1
+        remedy.append(f"lr x{e.lr_scale:.3g} for steps {first}..{first + e.cooldown - 1}")
+    return f"event {e.number}: {e.kind} at step {e.step} (since step {e.spike_start}): {', '.join(remedy)}"
+
+
+def replayable_events(
+    run: RunDir, horizon: int, start_step: int, warn: Callable[[str], None]
+) -> list[GuardEvent]:
+    """The events a trainer starting at checkpoint `start_step` obeys, in file order: each line is an
+    event (`_event`) and one of this run's: its number above the one before, a rollback to the initial
+    weights, to `start_step` or to a step R whose history restarts at R + 1 in .loss.json (a rollback
+    opens a segment there; a fork copies the segments up to its fork point), a cooldown of at most
+    max(horizon, its step) x 2^level steps (`horizon`: the run's length, the longest of its target,
+    its learning-rate schedule and its guard's cooldown_steps). Any other line is
+    skipped with one warning naming the file and the line, never obeyed."""
+    if not run.exists(GUARD_LOG):
+        return []
+    where = run.path(GUARD_LOG)
+    parsed, bad = json_lines(run.read_bounded(GUARD_LOG))
+    if bad:
+        lines = ", ".join(map(str, bad))
+        warn(f"{where}: skipped {len(bad)} malformed line(s) (torn by a crash?): lines {lines}")
+    restarts = {0, start_step}
+    if run.exists(LOSS_LOG) and parsed:
+        first: dict[int, int] = {}
+        for entry in parse_entries(run.read_bounded(LOSS_LOG, "ANDREA_MAX_LOSS_LOG_BYTES"))[0]:
+            first[entry.segment] = min(first.get(entry.segment, entry.step), entry.step)
+        restarts |= {s - 1 for s in first.values()}
+    out: list[GuardEvent] = []
+    for number, value in parsed:
+        try:
+            e = _event(value)
+            if out and e.number <= out[-1].number:
+                raise ValueError(f"number {e.number} after event {out[-1].number}: not in order")
+            if e.rolled_back_to is not None and e.rolled_back_to not in restarts:
+                raise ValueError(
+                    f"rolled_back_to {e.rolled_back_to}: the run's history never restarted after that step "
+                    "(no checkpoint of this run was rolled back to there)"
+                )
+            if e.cooldown > max(horizon, e.step) * 2**e.level:
+                raise ValueError(f"cooldown {e.cooldown} beyond the run's length ({horizon} steps) x 2^level")
+        except JSON_LINE_ERRORS as err:
+            warn(f"{where}: line {number}: not obeyed, skipped: {err}")
+            continue
+        out.append(e)
+    return out
 
 
 def read_events(run: RunDir, warn: Callable[[str], None] | None = None) -> list[GuardEvent]:

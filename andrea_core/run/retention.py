@@ -7,7 +7,10 @@ parameters). A checkpoint stays if it is
   - a pivot boundary (its archive/phase_NNN_step_SSSSSS folder names it): where a phase starts,
   - the checkpoint of a pivot under way (pivot.json, written before the pivot stops the trainer),
   - a fork point: a step in forks.jsonl, or for a branch the parent_step its lineage records,
-  - newer than the newest valid checkpoint (a bad file is evidence; it is never deleted here).
+  - newer than the newest valid checkpoint (a bad file is evidence; it is never deleted here),
+  - the divergence guard's rollback point: the newest checkpoint at least `rollback_reach` steps before
+    the step after the newest (train.guard.rollback_margin plus the steps a divergence may have begun
+    before it is detected: `rollback_reach`), so that a rollback always has a checkpoint of its own.
 Nothing is deleted before the newest checkpoint has been read back and validated, so that no run is
 ever left with only a broken checkpoint. Only top-level checkpoints are considered: archive/ and
 refused/ are never touched.
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
-from andrea_core.config import RetentionConfig
+from andrea_core.config import GuardConfig, RetentionConfig
 from andrea_core.run.lineage import fork_records, phases
 from andrea_core.run.pivot_journal import pivot_protected_steps
 from andrea_core.run.record import read_run
@@ -56,10 +59,24 @@ def protected_steps(run: RunDir, steps: list[int] | None = None) -> dict[int, li
     return dict(protected)
 
 
+def rollback_reach(guard: GuardConfig) -> int | None:
+    """How far before the step after the newest checkpoint the guard's rollback point must be: its
+    margin, plus the steps a divergence may have begun before it is detected (a spike's `consecutive`,
+    a rise's `rise_steps`); None with the guard off."""
+    if not guard.enabled:
+        return None
+    return guard.rollback_margin + max(guard.consecutive, guard.rise_steps) - 1
+
+
 def plan_retention(
-    steps: list[int], cfg: RetentionConfig, protected: dict[int, list[str]], newest: int
+    steps: list[int],
+    cfg: RetentionConfig,
+    protected: dict[int, list[str]],
+    newest: int,
+    reach: int | None = None,
 ) -> RetentionPlan:
-    """Pure: which of `steps` stay and which go, given the newest valid checkpoint `newest`."""
+    """Pure: which of `steps` stay and which go, given the newest valid checkpoint `newest`; `reach`
+    (rollback_reach): the guard's rollback point is kept too."""
     keep: dict[int, list[str]] = defaultdict(list)
     older = [s for s in steps if s <= newest]
     if cfg.keep_last is None:
@@ -75,6 +92,9 @@ def plan_retention(
             keep[s].extend(protected[s])
         if s > newest:
             keep[s].append("newer than the newest valid checkpoint (kept as evidence)")
+    far = [s for s in older if reach is not None and s <= newest + 1 - reach]
+    if far and far[-1] not in keep:  # named only where it is what keeps the checkpoint
+        keep[far[-1]].append(f"the guard's rollback point (at least {reach} steps back)")
     return RetentionPlan(
         newest, {s: keep[s] for s in steps if s in keep}, [s for s in steps if s not in keep]
     )
@@ -92,6 +112,10 @@ def apply_retention(
     written (the trainer's case), read back before anything is deleted; None finds and validates the
     newest valid one (the `andrea gc` case)."""
     steps = run.checkpoint_steps()
+    try:
+        reach = rollback_reach(read_run(run).config.train.guard)
+    except FileNotFoundError:  # no run.yaml: no guard to keep a rollback point for
+        reach = None
     if newest is None:
         ckpt = run.newest_valid_checkpoint(n_params, warn=log)
         if ckpt is None:
@@ -104,7 +128,7 @@ def apply_retention(
         # on an object store) before them: a fork records its step in forks.jsonl and then checks it
         # is still here, so the shorter that time, the fewer records a pass can miss
         # (ops.fork.confirm_fork_point waits out the rest).
-        rules = plan_retention(steps, cfg, {}, newest)
+        rules = plan_retention(steps, cfg, {}, newest, reach)
         if not rules.delete:
             return rules
         try:
@@ -113,7 +137,7 @@ def apply_retention(
             log(f"warning: retention deletes nothing: the newest checkpoint does not read back valid ({e})")
             why = ["kept: the newest checkpoint does not read back valid"]
             return RetentionPlan(newest, {s: rules.keep.get(s, why) for s in steps}, [])
-    plan = plan_retention(steps, cfg, protected_steps(run, steps), newest)
+    plan = plan_retention(steps, cfg, protected_steps(run, steps), newest, reach)
     if dry_run or not plan.delete:
         return plan
     for step in plan.delete:

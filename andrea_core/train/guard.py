@@ -1,14 +1,17 @@
 """The divergence guard (train.guard): notices a diverging step, decides the rollback and its remedy,
-and stops the run at its bound.
+and stops the run at its bound (in a fork branch, by default, at its first divergence: its result).
 
 The trainer consults it at three points: `check` when a step's loss and gradient norm reach the host
 (one step late), `data_step` and `lr_factor` for every step it trains. A divergence is a non-finite
-loss or gradient norm, or `consecutive` steps whose loss (or norm) is far above a robust running
+loss or gradient norm; or `consecutive` steps whose loss (or norm) is far above a robust running
 statistic of the steps before: the median of the last `window`, plus `loss_mads` median absolute
-deviations, and at least `loss_ratio` times the median and `loss_floor` above it. What the guard
-decides is appended to guard.jsonl (guard_events.py) before it takes effect, and the detector's state
-is rebuilt from .loss.json's canonical history at every start and rollback, so that a resume, whatever
-moment it came at, replays the same decisions: the run stays bit-exact.
+deviations, and at least `loss_ratio` times the median and `loss_floor` above it (a loss above the
+ceiling is such a spike whatever came before); or a sustained rise: the loss's level (the mean of its
+last `rise_span` steps) above the best level of its last `rise_horizon` by `rise_margin` for
+`rise_steps` steps in a row (oscillation, drift). What the guard decides is appended to guard.jsonl
+(guard_events.py) before it takes effect, and the detector's state is rebuilt from .loss.json's
+canonical history (a fork's parent's and a closed phase's steps included) at every start and rollback,
+so that a resume, whatever moment it came at, replays the same decisions: the run stays bit-exact.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import torch
 
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, restore
 from andrea_core.config import GuardConfig
-from andrea_core.run.guard_events import GuardEvent, Remedies, append_event, read_events
+from andrea_core.run.guard_events import (
+    GuardEvent,
+    Remedies,
+    append_event,
+    describe_event,
+    read_events,
+    replayable_events,
+)
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import GUARD_LOG, RunDir
@@ -55,6 +65,8 @@ class DivergedTooOften(Exception):
 
 
 def describe(kind: str, value: float, statistic: float | None, threshold: float | None) -> str:
+    if kind == "loss-rise":
+        return f"loss level {value:.4g} > threshold {threshold:.4g} (its best level {statistic:.4g})"
     what = "loss" if kind.endswith("loss") or kind == "loss-spike" else "gradient norm"
     if statistic is None:
         return f"{what} {value}"
@@ -74,40 +86,90 @@ class _Series:
         self.values: deque[float] = deque(maxlen=window)
         self.mads, self.ratio, self.floor, self.min_history = mads, ratio, floor, min_history
 
-    def judge(self, value: float) -> tuple[float, float] | None:
-        """(median, threshold) if `value` spikes above the values before it; then remember it."""
-        verdict = None
-        if len(self.values) >= self.min_history:
-            med = _median(self.values)
-            mad = _median(abs(v - med) for v in self.values)
-            threshold = max(med + self.mads * mad, med * self.ratio, med + self.floor)
-            if value > threshold:
-                verdict = (med, threshold)
+    def threshold(self) -> tuple[float, float] | None:
+        """(median, threshold) of the values so far; None before `min_history` of them."""
+        if len(self.values) < self.min_history:
+            return None
+        med = _median(self.values)
+        mad = _median(abs(v - med) for v in self.values)
+        return med, max(med + self.mads * mad, med * self.ratio, med + self.floor)
+
+    def judge(self, value: float, against: _Series | None = None) -> tuple[float, float] | None:
+        """(median, threshold) if `value` spikes above the values before it (or `against`'s, when
+        given); then remember it."""
+        bound = (against or self).threshold()
         self.values.append(value)
-        return verdict
+        return bound if bound is not None and value > bound[1] else None
+
+
+class _Level:
+    """The sustained-rise rule for one arm's loss: its level (the mean of its last `span` values), the
+    lowest level of its last `horizon` steps, and the steps in a row the level has been above that
+    best by more than `margin`. A function of the arm's last span + horizon + steps values."""
+
+    def __init__(self, span: int, horizon: int, margin: float, steps: int):
+        self.values: deque[float] = deque(maxlen=span)
+        self.levels: deque[float] = deque(maxlen=horizon)
+        self.margin, self.steps = margin, steps
+        self.streak, self.streak_start = 0, 0
+
+    def judge(self, step: int, value: float) -> tuple[float, float, float, int] | None:
+        """(level, best, threshold, first step above it) once the level has stayed above its best for
+        `steps` steps in a row; then remember `value`."""
+        self.values.append(value)
+        if len(self.values) < (self.values.maxlen or 0):
+            return None
+        level = math.fsum(self.values) / len(self.values)
+        best = min(self.levels, default=level)
+        self.levels.append(level)
+        if level <= best + self.margin:
+            self.streak = 0
+            return None
+        if self.streak == 0:
+            self.streak_start = step
+        self.streak += 1
+        return (level, best, best + self.margin, self.streak_start) if self.streak >= self.steps else None
 
 
 class Detector:
     """The guard's running statistics. Its state after a history is a function of each arm's last
-    `window + consecutive` steps and the last `window + consecutive` steps overall (`replay`)."""
+    `window + consecutive` steps (`rise_span + rise_horizon + rise_steps` when longer) and the last
+    `window + consecutive` steps overall (`replay`)."""
 
     def __init__(self, cfg: GuardConfig, vocab_size: int):
         self.cfg = cfg
-        self.ceiling = cfg.loss_ceiling * math.log(vocab_size)
+        self.uniform = math.log(vocab_size)  # the loss of a uniform guess
+        self.ceiling = cfg.loss_ceiling * self.uniform
         self.reset()
 
     def reset(self) -> None:
         c = self.cfg
         self.loss: dict[str | None, _Series] = {}  # per arm
+        self.level: dict[str | None, _Level] = {}  # per arm: the sustained-rise rule
+        # Every arm's losses together: what an arm with too little history of its own (a new arm after a
+        # pivot) is judged against. A pivot's new data may move the loss: above the spike threshold of
+        # this window but no worse than a uniform guess (ln vocab_size) it is a level shift, not a spike
+        # (docs/design.md "The divergence guard": continuity and level shifts).
+        self.pooled = _Series(c.window, c.loss_mads, c.loss_ratio, c.loss_floor, c.min_history)
         self.grad = _Series(c.window, c.grad_mads, c.grad_ratio, c.grad_floor, c.min_history)
         self.streak = 0  # spiking steps in a row, so far
         self.streak_start = 0
+        self.rise_from = 0  # the sustained-rise rule judges only the steps after it (replay's floor)
 
-    def replay(self, history: list[tuple[int, float, float, str | None]]) -> None:
+    def keep(self) -> int:
+        """How many of an arm's newest steps (and of all arms') its state depends on."""
+        c = self.cfg
+        rise = c.rise_span + c.rise_horizon + c.rise_steps if c.rise_steps else 0
+        return max(c.window, rise) + c.consecutive
+
+    def replay(self, history: list[tuple[int, float, float, str | None]], floor: int = 0) -> None:
         """Rebuild the state the live run had after the last of `history` ((step, loss, grad norm, arm)
-        of the canonical history, oldest first); a NaN grad norm (not logged) is left out."""
+        of the canonical history, oldest first); a NaN grad norm (not logged) is left out. The spike
+        rules carry on across `floor` (a fork point, a pivot boundary); the sustained-rise rule starts
+        again after it (`rise_from`): a pivot's new data may settle at another level."""
         self.reset()
-        keep = self.cfg.window + self.cfg.consecutive
+        self.rise_from = floor
+        keep = self.keep()
         chosen = set(range(max(0, len(history) - keep), len(history)))
         per_arm: dict[str | None, int] = {}
         for i in range(len(history) - 1, -1, -1):
@@ -133,7 +195,11 @@ class Detector:
                 c.window, c.loss_mads, c.loss_ratio, c.loss_floor, c.min_history
             )
         spikes = []
-        judged = series.judge(loss)
+        young = len(series.values) < c.min_history
+        judged = series.judge(loss, self.pooled if young else None)
+        self.pooled.judge(loss)
+        if young and judged is not None and loss <= self.uniform:
+            judged = None  # new data may be harder, not worse than a guess: a level shift, not a spike
         if judged is None and loss > self.ceiling:
             judged = (_median(series.values), self.ceiling)
         if judged is not None:
@@ -142,16 +208,25 @@ class Detector:
             judged = self.grad.judge(grad_norm)
             if judged is not None:
                 spikes.append(("grad-norm-spike", grad_norm, *judged))
+        rise = None
+        if c.rise_steps and step > self.rise_from:
+            level = self.level.get(arm)
+            if level is None:
+                level = self.level[arm] = _Level(c.rise_span, c.rise_horizon, c.rise_margin, c.rise_steps)
+            rise = level.judge(step, loss)
         if not spikes:
             self.streak = 0
-            return None
-        if self.streak == 0:
-            self.streak_start = step
-        self.streak += 1
-        if self.streak < c.consecutive:
-            return None
-        kind, value, med, threshold = spikes[0]
-        return Divergence(kind, step, self.streak_start, value, med, threshold)
+        else:
+            if self.streak == 0:
+                self.streak_start = step
+            self.streak += 1
+            if self.streak >= c.consecutive:
+                kind, value, med, threshold = spikes[0]
+                return Divergence(kind, step, self.streak_start, value, med, threshold)
+        if rise is not None:
+            value, best, threshold, since = rise
+            return Divergence("loss-rise", step, since, value, best, threshold)
+        return None
 
 
 class Guard:
@@ -164,17 +239,40 @@ class Guard:
         vocab_size: int,
         log: Callable[[str], None] = print,
         writes: bool = True,
+        horizon: int | None = None,
+        start_step: int = 0,
     ):
+        """`horizon` (the run's length: its target, or its schedule's when longer) and `start_step`
+        (the checkpoint it starts from): the trainer's replay of guard.jsonl, each line checked against
+        the run and each obeyed one logged (guard_events.replayable_events); None reads the events as a
+        report does."""
         self.run, self.cfg, self.log = run, cfg, log
         self.writes = writes  # rank 0 records events; the other ranks decide the same, in memory
-        self.events: list[GuardEvent] = read_events(run, warn=log)
+        if horizon is None:
+            self.events: list[GuardEvent] = read_events(run, warn=log)
+        else:
+            self.events = replayable_events(run, max(horizon, cfg.cooldown_steps), start_step, warn=log)
+            for e in self.events:
+                log(f"guard: replaying {describe_event(e)} ({GUARD_LOG})")
         self.remedies = Remedies(self.events)
         self.detector = Detector(cfg, vocab_size)
         self.floor = 0  # the oldest step this run may roll back to (restart)
+        self.branch: dict | None = None  # a fork branch's lineage (restart): its divergence is its result
         # ANDREA_TEST_GUARD_NAN_AT=P[,P...] (tests only): the batches at these data positions make the
         # step's gradient NaN, a poisoned batch; the guard then skips it like any other.
         raw = os.environ.get("ANDREA_TEST_GUARD_NAN_AT") or ""
         self.poisoned = {int(p) for p in raw.split(",") if p.strip()}
+        # ANDREA_TEST_GUARD_LR_TIMES=F@S (tests only): the learning rate times F for the steps after S,
+        # as a pivot or a fork that set it F times higher would train (a pivot cannot set it).
+        factor, _, after = (os.environ.get("ANDREA_TEST_GUARD_LR_TIMES") or "").partition("@")
+        self.test_lr = (float(factor), int(after or 0)) if factor else None
+        # ANDREA_TEST_GUARD_NOISE=oscillate@S or drift@S:L (tests only): after step S the batch's targets
+        # are replaced by uniformly random tokens, on 2 of every 3 steps (a loss that oscillates) or for
+        # a share of the tokens rising from 0 to 1 over L steps (a loss that drifts up): real steps on
+        # corrupted data, deterministic in the step.
+        kind, _, at = (os.environ.get("ANDREA_TEST_GUARD_NOISE") or "").partition("@")
+        start, _, length = at.partition(":")
+        self.test_noise = (kind, int(start), int(length or 1)) if kind else None
 
     @property
     def enabled(self) -> bool:
@@ -184,19 +282,41 @@ class Guard:
         return self.remedies.data_step(step)
 
     def lr_factor(self, step: int) -> float:
-        return self.remedies.lr_factor(step)
+        factor = self.remedies.lr_factor(step)
+        if self.test_lr is not None and step > self.test_lr[1]:
+            factor *= self.test_lr[0]
+        return factor
 
     def restart(self, step: int, phase_start: int) -> None:
         """At a start from checkpoint `step` (or a rollback to it): the detector as the uninterrupted
-        run had it, from .loss.json's canonical history of this phase. Before `floor` the run was under
-        another policy or was its parent: neither its losses nor its checkpoints are this run's."""
-        self.floor = max(phase_start, read_run(self.run).lineage.get("parent_step") or 0)
-        history = [
-            (e.step, e.loss, e.grad_norm, e.arm)
-            for e in read_history(self.run)
-            if self.floor < e.step <= step
-        ]
-        self.detector.replay(history)
+        run had it, from .loss.json's canonical history up to `step`: a fork's parent's steps and a
+        closed phase's too, so that the first steps after a fork, a pivot or a rollback are judged
+        against what came before. `floor` is where this run's own timeline begins (its fork point or
+        its phase's start): it never rolls back past it."""
+        lineage = read_run(self.run).lineage
+        parent_step = lineage.get("parent_step") or 0
+        self.floor = max(phase_start, parent_step)
+        self.branch = lineage if lineage.get("parent") is not None else None
+        history = [(e.step, e.loss, e.grad_norm, e.arm) for e in read_history(self.run) if e.step <= step]
+        self.detector.replay(history, self.floor)
+
+    def branch_stops(self, d: Divergence) -> bool:
+        """A divergence in a fork branch, past its fork point, under train.guard.in_branch "stop"."""
+        parent_step = (self.branch or {}).get("parent_step") or 0
+        return self.branch is not None and self.cfg.in_branch == "stop" and d.step > parent_step
+
+    def corrupt(self, step: int, y: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The test hook ANDREA_TEST_GUARD_NOISE: the targets of `step`, some replaced by random tokens."""
+        if self.test_noise is None or step <= self.test_noise[1]:
+            return y
+        kind, start, length = self.test_noise
+        share = (
+            (1.0 if (step - start) % 3 else 0.0) if kind == "oscillate" else min(1.0, (step - start) / length)
+        )
+        g = torch.Generator().manual_seed(step)
+        noise = torch.randint(0, vocab_size, y.shape, generator=g)
+        mask = torch.rand(y.shape, generator=g) < share
+        return torch.where(mask.to(y.device), noise.to(y.device, y.dtype), y)
 
     def poison(self, step: int, model: torch.nn.Module) -> None:
         """The test hook: a NaN in the first gradient when step's batch is a poisoned one."""
@@ -216,8 +336,10 @@ class Guard:
 
     def plan(self, d: Divergence, checkpoints: list[int], floor: int) -> GuardEvent:
         """The event answering `d`: a rollback to the newest of `checkpoints` (valid, oldest first) at
-        least rollback_margin steps before the spike began, escalated by the rollbacks before it in its
-        region; or the stop, past the bound or with nothing to roll back to. `floor`: the oldest step
+        least rollback_margin steps before the spike began (none: the oldest one before the spike; none
+        at all: the initial weights of a run from step 0), escalated by the rollbacks before it in its
+        region; or the stop, past the bound, in a fork branch under in_branch "stop", or with nothing to
+        roll back to. `floor`: the oldest step
         this run may go back to (its fork point or its phase's start: before it the run was another)."""
         c = self.cfg
         region = [e for e in self.events if e.action == "rollback" and e.step >= d.step - c.rollback_window]
@@ -227,11 +349,16 @@ class Guard:
         target: int | None
         if far:
             target = far[-1]
+        elif allowed:
+            # None far enough back (retention keeps one once the run is rollback_reach steps long):
+            # the oldest kept checkpoint of this timeline before the spike, rather than the initial
+            # weights and every step since (docs/design.md "A rollback point always exists").
+            target = allowed[0]
         elif floor == 0:
             target = 0  # the initial weights: a pure function of the seed
         else:
-            target = allowed[0] if allowed else None  # the phase's first checkpoint, however near
-        stop = level >= c.max_rollbacks or target is None
+            target = None
+        stop = level >= c.max_rollbacks or target is None or self.branch_stops(d)
         return GuardEvent(
             number=max((e.number for e in self.events), default=0) + 1,
             action="stop" if stop else "rollback",
@@ -273,6 +400,18 @@ class Guard:
         )
 
     def stop_line(self, e: GuardEvent) -> str:
+        if self.branch is not None and self.cfg.in_branch == "stop" and e.step > self.floor:
+            overrides = self.branch.get("overrides") or {}
+            under = ", ".join(f"{k}={v}" for k, v in overrides.items()) or "no overrides"
+            return (
+                f"diverged at step {e.step} under {under} "
+                f"({e.kind}: {describe(e.kind, e.value, e.statistic, e.threshold)}; since step "
+                f"{e.spike_start}, a branch of {self.branch.get('parent')} at step "
+                f"{self.branch.get('parent_step')}): in a fork branch the divergence is the result, "
+                f"nothing is remedied; stopping (exit {EXIT_DIVERGED}, event {e.number} in "
+                f"{self.run.path(GUARD_LOG)}). To let the guard roll back and remedy instead: "
+                f"--set train.guard.in_branch=remedy when forking"
+            )
         region = [
             x for x in self.events if x.action == "rollback" and x.step >= e.step - self.cfg.rollback_window
         ]

@@ -288,8 +288,15 @@ class Trainer:
             self.log(f"the sample audit of step {self.start_step} is missing: auditing it now")
             self.auditor.audit(self.start_step)
         # The divergence guard (guard.py): its events shape which batches and learning rates come next.
+        # guard.jsonl is replayed as input: each line checked against the run, each obeyed one logged.
         self.guard = Guard(
-            self.run, self.cfg.train.guard, self.cfg.model.vocab_size, self.log, self.world.is_main
+            self.run,
+            self.cfg.train.guard,
+            self.cfg.model.vocab_size,
+            self.log,
+            self.world.is_main,
+            horizon=max(self.max_steps, self.cfg.train.lr_decay_steps),
+            start_step=self.start_step,
         )
         self.guard.restart(self.start_step, self.data.store.phase.start_step)
         self.autocast = (
@@ -656,6 +663,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             arm, x, y = self.batches.take(step)
+            if self.guard.test_noise is not None:  # tests only (guard.py: ANDREA_TEST_GUARD_NOISE)
+                y = self.guard.corrupt(step, y, self.cfg.model.vocab_size)
             seed_step(step_seed(t.seed, step), self.device)
             current = _StepLoss(step, arm, lr, *self._send_home(self._step(x, y, step), self.grad_norm))
             if previous is not None:
