@@ -30,6 +30,8 @@ PIVOT_KILL_AFTER = PREFIX + "PIVOT_KILL_AFTER"  # ops/pivot: SIGKILL this proces
 FORK_KILL_AFTER = PREFIX + "FORK_KILL_AFTER"  # ops/fork: die right after writing BRANCH/FILE
 GUARD_NAN_AT = PREFIX + "GUARD_NAN_AT"  # train/guard: the batches at these data positions poison a step
 GUARD_SIGNAL = PREFIX + "GUARD_SIGNAL"  # train/guard: POINT:SIGNAL, this process signals itself there
+GUARD_LR_TIMES = PREFIX + "GUARD_LR_TIMES"  # train/guard: F@S, the learning rate times F after step S
+GUARD_NOISE = PREFIX + "GUARD_NOISE"  # train/guard: oscillate@S or drift@S:L, corrupted targets after S
 
 
 def value(name: str) -> str | None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from andrea_core import faults
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, restore
 from andrea_core.config import GuardConfig
 from andrea_core.run.guard_events import (
@@ -260,17 +261,17 @@ class Guard:
         self.branch: dict | None = None  # a fork branch's lineage (restart): its divergence is its result
         # ANDREA_TEST_GUARD_NAN_AT=P[,P...] (tests only): the batches at these data positions make the
         # step's gradient NaN, a poisoned batch; the guard then skips it like any other.
-        raw = os.environ.get("ANDREA_TEST_GUARD_NAN_AT") or ""
+        raw = faults.value(faults.GUARD_NAN_AT) or ""
         self.poisoned = {int(p) for p in raw.split(",") if p.strip()}
         # ANDREA_TEST_GUARD_LR_TIMES=F@S (tests only): the learning rate times F for the steps after S,
         # as a pivot or a fork that set it F times higher would train (a pivot cannot set it).
-        factor, _, after = (os.environ.get("ANDREA_TEST_GUARD_LR_TIMES") or "").partition("@")
+        factor, _, after = (faults.value(faults.GUARD_LR_TIMES) or "").partition("@")
         self.test_lr = (float(factor), int(after or 0)) if factor else None
         # ANDREA_TEST_GUARD_NOISE=oscillate@S or drift@S:L (tests only): after step S the batch's targets
         # are replaced by uniformly random tokens, on 2 of every 3 steps (a loss that oscillates) or for
         # a share of the tokens rising from 0 to 1 over L steps (a loss that drifts up): real steps on
         # corrupted data, deterministic in the step.
-        kind, _, at = (os.environ.get("ANDREA_TEST_GUARD_NOISE") or "").partition("@")
+        kind, _, at = (faults.value(faults.GUARD_NOISE) or "").partition("@")
         start, _, length = at.partition(":")
         self.test_noise = (kind, int(start), int(length or 1)) if kind else None
 
@@ -495,7 +496,7 @@ def roll_back(trainer: Any, d: Divergence) -> int:
 def _test_signal(point: str) -> None:
     """ANDREA_TEST_GUARD_SIGNAL=<point>:<SIGNAL> (tests only): this process sends itself SIGNAL at that
     moment of a rollback (set-aside, recorded, restored), as a kill or a stop would land there."""
-    raw = os.environ.get("ANDREA_TEST_GUARD_SIGNAL") or ""
+    raw = faults.value(faults.GUARD_SIGNAL) or ""
     where, _, name = raw.partition(":")
     if where == point:
         os.kill(os.getpid(), getattr(signal, name))
