@@ -8,11 +8,20 @@ split only while every branch splits its arms as the parent does: a branch that 
 other identities (a wider folder: trained_on_held_out), is refused naming the branch and the arm, not
 scored on data it trained on.
 
-The leader has the lowest mean held-out loss; the margin is its lead over the runner-up, and the noise is
-the standard error of the paired per-sequence difference (same sequences, so the sequence-to-sequence
-spread cancels). The leader is named the winner only when the margin exceeds SIGNIFICANCE x the noise;
-otherwise there is no winner ("no winner: within noise"). Training-loss figures (final, EMA, spread) are
-reported beside it.
+Every branch is scored at one step: the newest past the fork for which each of its runs has a valid
+checkpoint (ConfigError names the run that falls short, and what to run, when there is none); every
+column of the report is of that step.
+
+A branch is one run, or `replicates` runs identical but for their data order (fork --replicates). The
+leader has the lowest held-out loss (mean over its runs); the margin is its lead over the runner-up.
+The noise of the margin has two parts: training (how much a run's held-out loss moves with its data
+order: the spread of the replicates, pooled over the ranked branches) and held-out sampling (the
+standard error of the paired per-sequence difference). The leader is the winner only when the margin
+exceeds Student's t critical value (two-sided, LEVEL) times the noise; one run a branch measures no
+training noise, so it names no winner. Without a winner the verdict says what would decide it. A
+branch in which the divergence guard acted after the fork did not train under its overrides alone:
+it is shown with its events and ranked apart, never the winner. Training-loss figures (final, EMA,
+spread) are reported beside it.
 
 Every string that comes from an input (run URLs, branch, arm and policy names, overrides, error texts)
 reaches the markdown report escaped (markdown_text, markdown_code): it is shown, never interpreted as a
@@ -646,11 +655,19 @@ def what_would_decide(c: Comparison, variance: float, n_ranked: int) -> str:
 # --- the report ------------------------------------------------------------------------------------
 
 
+def plot_text(text: str) -> str:
+    """An input-derived string as matplotlib shows it literally: "$" would start mathtext (a forged
+    name such as "$\\undefinedcommand$" makes savefig raise) and a leading "_" hides a legend entry."""
+    text = text.replace("$", r"\$")
+    return " " + text if text.startswith("_") else text
+
+
 def legend_label(c: Comparison, b: BranchResult) -> str:
-    """A branch's name in the plot: "(winner)" only for a winner beyond the noise. Shown as text: a
-    leading "_" would hide it from the legend and "$" start matplotlib's mathtext."""
-    name = b.name.replace("$", r"\$")
-    name = " " + name if name.startswith("_") else name
+    """A branch's name in the plot (plot_text): "(winner)" only for a winner beyond the noise,
+    "(diverged)" for a branch the divergence guard acted in (ranked apart)."""
+    name = plot_text(b.name)
+    if b.diverged is not None:
+        return f"{name} (diverged)"
     return f"{name} (winner)" if b.name == c.winner else name
 
 
@@ -689,6 +706,12 @@ def comparison_figure(c: Comparison):
         smooth = ema_curve(losses, start=lead_smooth[-1]) if lead_smooth else ema_curve(losses)
         ax.plot(steps, losses, color=color, lw=0.6, alpha=0.35)
         ax.plot(steps, smooth, color=color, lw=1.8, label=legend_label(c, b))
+        # The guard's events of replicate 0 (the curve drawn): a marker each, no text, so that any
+        # number of them stays legible; which they were is in the report's table.
+        at = {e.step: v for e, v in zip(b.history, smooth, strict=True)}
+        marks = [e["step"] for e in b.guard_events if e.get("replicate", 0) == 0 and e["step"] in at]
+        if marks:
+            ax.plot(marks, [at[m] for m in marks], ls="none", marker="x", ms=7, mew=2, color=color)
     ax.axvline(c.fork_step, color="0.5", ls="--", lw=1)
     for _, boundary in c.pivots:
         if shown and c.parent_history[shown[0]].step <= boundary < c.fork_step:
@@ -711,13 +734,14 @@ def comparison_figure(c: Comparison):
             # The noise the verdict weighs the margin against: each bar's standard error.
             yerr=[b.val_stderr.get(a, 0.0) for a in c.arms],
             capsize=3,
-            label=b.name,
+            label=legend_label(c, b),
             color=f"C{c.branches.index(b)}",
         )
     bx.set_xticks(x + width * (len(scored) - 1) / 2, c.arms, fontsize=8)
-    title = "held-out loss per arm (same batches; bars: ±1 standard error)"
+    title = "held-out loss per arm (same batches; bars: ±1 held-out sampling standard error)"
     if c.margin is not None and c.noise is not None:
-        title += f"\npaired margin {c.margin:.4f} vs noise ±{c.noise:.4f} (winner needs > {SIGNIFICANCE:g}x)"
+        needs = f"winner needs > {c.critical:.2f}x" if c.critical else "training noise unmeasured: no winner"
+        title += f"\nat step {c.step}: margin {c.margin:.4f} vs noise ±{c.noise:.4f} ({needs})"
     bx.set(ylabel="held-out loss")
     bx.set_title(title, fontsize=9)
     lows = [v - b.val_stderr.get(a, 0.0) for b in scored for a, v in b.val_loss.items()]
@@ -768,23 +792,43 @@ def headline(c: Comparison) -> str:
     if c.winner:
         return f"**Winner: {markdown_code(c.winner)}**."
     if c.margin is not None:
-        return "**No winner: within noise.**"
+        return "**No winner: within noise.**" if c.critical else "**No winner: training noise unmeasured.**"
     return "**No winner.**"
 
 
+def guard_lines(b: BranchResult) -> list[str]:
+    """Each of a branch's own divergence-guard events, in words (the settings it trained under after)."""
+    out = []
+    for e in b.guard_events:
+        who = f" (replicate {e['replicate']})" if b.replicates > 1 else ""
+        if e["action"] == "rollback":
+            start = e["rolled_back_to"] + 1
+            what = (
+                f"rolled back to step {e['rolled_back_to']}; lr x{e['lr_scale']:.3g} for steps {start}"
+                f"..{start + e['cooldown'] - 1}, {e['skip']} batches skipped"
+            )
+        else:
+            what = "stopped (the guard's bound was reached)"
+        out.append(f"{e['kind']} at step {e['step']}{who}: {what}")
+    return out
+
+
 def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
-    """The audit report: verdict first, then the figures behind it. `plot_src` is an image URL or a
-    data URI (the Prefect UI shows data URIs inside markdown artifacts). Every input-derived string is
-    escaped (markdown_text, markdown_code)."""
+    """The audit report: verdict first, then the figures behind it, the noise's parts and the test.
+    `plot_src` is an image URL or a data URI (the Prefect UI shows data URIs inside markdown
+    artifacts). Every input-derived string is escaped (markdown_text, markdown_code)."""
+    at = f"step {c.step}" if c.step is not None else "no step"
     lines = [
         f"# Audit fork of {markdown_code(c.parent)} at step {c.fork_step}",
         "",
         f"{headline(c)} {markdown_text(c.verdict)}",
         "",
-        "| branch | overrides | trained to | final loss | EMA loss | train noise | held-out loss | "
-        + " | ".join(f"held-out {markdown_code(a, in_table=True)}" for a in c.arms)
-        + " |",
-        "|---" * (7 + len(c.arms)) + "|",
+        f"Every column is of {at}: the newest step past the fork for which every run of every ranked "
+        "branch has a valid checkpoint.",
+        "",
+        "| branch | overrides | runs (held-out each) | scored at | final loss | EMA loss | loss spread | "
+        "held-out loss | " + " | ".join(f"held-out {markdown_code(a, in_table=True)}" for a in c.arms) + " |",
+        "|---" * (8 + len(c.arms)) + "|",
     ]
     for b in c.branches:
         overrides = (
@@ -795,9 +839,13 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
             name = f"**{name}**"
         if b.problem:
             name += f" ({markdown_text(b.problem)})"
+        elif b.diverged:
+            name += " (diverged: ranked apart)"
+        each = ", ".join(_fmt(v) for v in b.replicate_val)
         cells = [
             name,
             overrides,
+            f"{b.replicates}" + (f": {each}" if each else ""),
             str(b.trained_to) if b.trained_to is not None else "n/a",
             _fmt(b.final_loss),
             _fmt(b.ema_loss),
@@ -806,32 +854,57 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
             *(_fmt(b.val_loss.get(a)) for a in c.arms),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    trained = ", ".join(
+        f"{markdown_text(b.name)}{'' if b.replicates == 1 else f' r{r.replicate}'} {r.trained_to}"
+        for b in c.branches
+        for r in b.runs
+    )
     lines += [
+        "",
+        f"Trained to (newest checkpoint of each run): {trained}. Final and EMA loss: the training loss "
+        f"logged at {at} and its EMA from the fork to it (means over a branch's runs); loss spread: the "
+        "standard deviation of the training loss over its last 50 steps.",
         "",
         f"Held-out data: {c.val_sequences} sequences of {c.block_size} tokens from the validation split of "
         f"each arm under the parent's data settings, the same for every branch. No branch trained on it: "
         f"every branch splits its arms as the parent does (a branch that changes "
         f"{' or '.join('data.' + f for f in SPLIT_FIELDS)}, or whose arms read the held-out documents' "
-        f"files under other paths, is refused). Margin: the runner-up's mean "
-        f"held-out loss minus the leader's ({_fmt(c.margin)}); noise: standard error of the paired "
-        f"per-sequence difference ({_fmt(c.noise)}). A margin above {SIGNIFICANCE:g}x the noise names a "
-        f"winner; below, there is no winner (within noise).",
+        f"files under other paths, is refused).",
+        "",
+        "| the verdict's noise | standard error |",
+        "|---|---|",
+        "| held-out sampling (paired per-sequence difference, leader vs runner-up) | "
+        f"{_fmt(c.noise_held_out)} |",
+        f"| training (data order: the replicates' spread, {c.df or 0} degrees of freedom) | "
+        f"{_fmt(c.noise_training) if c.df else 'unmeasured (one run a branch)'} |",
+        f"| both (the margin's standard error) | {_fmt(c.noise)} |",
+        "",
+        f"Margin: the runner-up's held-out loss minus the leader's ({_fmt(c.margin)}). Test: {c.test}: "
+        + (
+            f"a winner when the margin exceeds {c.critical:.2f}x the noise (Student's t, {c.df} degrees of "
+            f"freedom), so that branches differing only in their data order name one in at most "
+            f"{c.level:.0%} of forks."
+            if c.critical
+            else "it needs two or more runs a branch (andrea fork --replicates)."
+        ),
         "",
     ]
-    rolled = [b for b in c.branches if b.guard_events]
-    for b in rolled:
-        events = "; ".join(
-            f"{e['kind']} at step {e['step']}, "
-            + (f"rolled back to {e['rolled_back_to']}" if e["action"] == "rollback" else "stopped")
-            for e in b.guard_events
-        )
-        lines += [f"Branch {markdown_code(b.name)} rolled back (divergence guard): {events}.", ""]
-    if not rolled:
-        lines += ["No branch rolled back (divergence guard).", ""]
+    if c.to_decide:
+        lines += [f"What would decide it: {markdown_text(c.to_decide)}.", ""]
+    acted = [b for b in c.branches if b.guard_events]
+    for b in acted:
+        lines += [f"Divergence guard in {markdown_code(b.name)} (ranked apart: it did not train under its "
+                  f"overrides alone): " + markdown_text("; ".join(guard_lines(b))) + ".", ""]  # fmt: skip
+    if not acted:
+        lines += ["The divergence guard acted in no branch.", ""]
     if plot_src:
         lines += [f"![training and held-out loss of the branches]({plot_src})", ""]
     lines += ["Branch run directories (lineage in each `run.yaml`):", ""]
-    lines += [f"- {markdown_code(b.name)}: {markdown_code(b.url)}" for b in c.branches]
+    lines += [
+        f"- {markdown_code(b.name)}: "
+        + ", ".join(markdown_code(r.url) for r in b.runs or [RunScore(b.url, 0, 0, None)])
+        for b in c.branches
+    ]
     return "\n".join(lines) + "\n"
 
 
