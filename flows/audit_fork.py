@@ -78,9 +78,12 @@ def audit_fork(
             if url not in short:
                 get_run_logger().info(f"branch {name} is already trained to step {trained_to(url)}")
                 continue
+            if branch in failed:  # one run of a branch failed: the branch is out, its others untrained
+                get_run_logger().info(f"{name} not trained: branch {branch} failed ({failed[branch]})")
+                continue
             outcome = run_trainer(url, max_steps=target, device=device, pace=pace)
-            if not outcome["ok"]:  # named by its branch: a replicate's failure is its branch's
-                failed[branch] = f"{name}: {outcome['summary']}" if branch != name else outcome["summary"]
+            if not outcome["ok"]:  # its summary names the run (the replicate's folder)
+                failed[branch] = outcome["summary"]
     comparison = compare_branches(parent.url, forked["branches"], forked["step"], val_sequences, failed)
     where = publish_fork_report(comparison, report_dir)
     message = f"{comparison.verdict}. Report {where['report']}, plot {where['plot']}"
