@@ -111,7 +111,8 @@ def summarize(rows: list[dict], a) -> str:
         f"{len(ab)} A/B forks (lr default vs 1e-4, seed 5000+j)"
     )
     lines.append(
-        "| held-out seqs an arm | rule | A/A false winners | 95% interval | A/B right way | 95% interval | A/B wrong way |"
+        "| held-out seqs an arm | rule | A/A false winners | 95% interval | A/B right way | 95% interval "
+        "| A/B wrong way |"
     )
     lines.append("|---|---|---|---|---|---|---|")
     for n in a.val:
@@ -140,13 +141,15 @@ def summarize(rows: list[dict], a) -> str:
             ho = [r[str(n)]["noise_held_out"] for r in rows if r[str(n)]["noise_held_out"] is not None]
             if tr:
                 lines.append(
-                    f"noise parts at {n}: training ±{sum(tr) / len(tr):.4f}, held-out ±{sum(ho) / len(ho):.4f} (mean)"
+                    f"noise parts at {n}: training ±{sum(tr) / len(tr):.4f}, "
+                    f"held-out ±{sum(ho) / len(ho):.4f} (mean)"
                 )
         margins = [abs(r[str(a.val[-1])]["margin"] or 0) for r in aa]
         abm = [r[str(a.val[-1])]["margin"] for r in ab]
         if margins:
             lines.append(
-                f"A/A |margin| at {a.val[-1]}: median {sorted(margins)[len(margins) // 2]:.4f}, max {max(margins):.4f}"
+                f"A/A |margin| at {a.val[-1]}: median {sorted(margins)[len(margins) // 2]:.4f}, "
+                f"max {max(margins):.4f}"
             )
         if abm:
             lines.append(
