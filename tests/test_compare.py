@@ -132,6 +132,10 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
         "non-finite-grad-norm at step 120: rolled back to step 100; "
         f"lr x{scale:.3g} for steps 101..{100 + cooldown}"
     ) in md
+    under = f"lr x{scale:.3g} for steps 101..{100 + cooldown}" + (
+        f", data positions {skip} ahead from step 101 on" if skip else ""
+    )
+    assert p.trained_under == [under] and f"It trained under: {under}." in md
     assert "Divergence guard in `base`" not in md
     legend = [t.get_text() for t in comparison_figure(c).axes[0].get_legend().get_texts()]
     assert legend == ["parent", "base (winner)", "frozen", "poisoned (diverged)"]

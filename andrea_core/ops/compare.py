@@ -55,7 +55,7 @@ from andrea_core.ops.fork import (
     check_destination,
     replicate_url,
 )
-from andrea_core.run.guard_events import GuardEvent, read_events
+from andrea_core.run.guard_events import GuardEvent, Remedies, read_events
 from andrea_core.run.lineage import branch_of, phases
 from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.run.record import read_run
@@ -105,6 +105,9 @@ class BranchResult:
     # Not None: the guard acted in this branch after the fork, so it did not train under its overrides
     # alone; what it trained under instead (ranked apart from the others, never the winner).
     diverged: str | None = None
+    # The remedies in force on the scored timeline (guard_events.Remedies: a later rollback to an
+    # earlier step abandons an earlier one's): the settings the branch trained under after its events.
+    trained_under: list[str] = field(default_factory=list)
     replicates: int = 1
     replicate_val: list[float] = field(default_factory=list)  # held-out mean of each replicate
     runs: list[RunScore] = field(default_factory=list)
@@ -409,6 +412,8 @@ def compare_branches(
             result.runs.append(RunScore(run.url, replicate, seed, steps[-1] if steps else None))
             events = [e for e in read_events(run, warn=warn) if is_own_event(e, fork_step)]
             result.guard_events += [{**asdict(e), "replicate": replicate} for e in events]
+            who = f"replicate {replicate}: " if len(members) > 1 else ""
+            result.trained_under += [who + remedy_text(e) for e in Remedies(events).active]
         if failed and name in failed:
             result.problem = failed[name]
         elif all(r.trained_to is None or r.trained_to <= fork_step for r in result.runs):
@@ -467,6 +472,14 @@ def expand_replicates(branch_urls: list[str]) -> dict[str, list[tuple[RunDir, in
                 found[r] = run
         out[name] = [(found[r], r) for r in sorted(found)]
     return out
+
+
+def remedy_text(e: GuardEvent) -> str:
+    """A rollback's remedy in words: the learning rate's factor, the steps it held, batches skipped."""
+    start = e.rolled_back_to + 1
+    return f"lr x{e.lr_scale:.3g} for steps {start}..{start + e.cooldown - 1}" + (
+        f", data positions {e.skip} ahead from step {start} on" if e.skip else ""
+    )
 
 
 def diverged_summary(b: BranchResult) -> str | None:
@@ -893,8 +906,13 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
         lines += [f"What would decide it: {markdown_text(c.to_decide)}.", ""]
     acted = [b for b in c.branches if b.guard_events]
     for b in acted:
-        lines += [f"Divergence guard in {markdown_code(b.name)} (ranked apart: it did not train under its "
-                  f"overrides alone): " + markdown_text("; ".join(guard_lines(b))) + ".", ""]  # fmt: skip
+        under = f" It trained under: {markdown_text('; '.join(b.trained_under))}." if b.trained_under else ""
+        events = markdown_text("; ".join(guard_lines(b)))
+        lines += [
+            f"Divergence guard in {markdown_code(b.name)} (ranked apart: it did not train under its "
+            f"overrides alone): {events}.{under}",
+            "",
+        ]
     if not acted:
         lines += ["The divergence guard acted in no branch.", ""]
     if plot_src:
