@@ -411,7 +411,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps({**summary, **paths}, indent=1, default=str))
     else:
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
-        print(f"{comparison.verdict}\nmargin {fmt(comparison.margin)}, noise {fmt(comparison.noise)}")
+        c = comparison
+        print(f"{c.verdict}\nmargin {fmt(c.margin)}, noise {fmt(c.noise)} (training {fmt(c.noise_training)}, "
+              f"held-out {fmt(c.noise_held_out)}) at step {c.step}")  # fmt: skip
         print(f"report {paths['report']}, plot {paths['plot']}")
     return 0
 

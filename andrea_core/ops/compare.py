@@ -546,6 +546,11 @@ def _score_at_common_step(
     short = [(b, r) for b, r in runs if newest[r.url] != target]
     name = lambda b, r: b.name if b.replicates == 1 else f"{b.name} (replicate {r.replicate})"  # noqa: E731
     held = "; ".join(f"{name(b, r)} holds {sorted(listed[r.url]) or 'none'}" for b, r in runs)
+    if not short:  # every run lists the same newest, and no step common to all reads back valid
+        raise ConfigError(
+            f"compare: no step past the fork point {fork_step} has a valid checkpoint in every branch "
+            f"({held}; the refused ones are named above): train the branches on to a new checkpoint"
+        )
     raise ConfigError(
         f"compare: no step past the fork point {fork_step} has a valid checkpoint in every branch ({held}); "
         f"{', '.join(name(b, r) for b, r in short) or 'a branch'} falls short of step {target}: run "
