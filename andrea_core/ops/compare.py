@@ -759,7 +759,7 @@ def comparison_figure(c: Comparison):
     title = "held-out loss per arm (same batches; bars: ±1 held-out sampling standard error)"
     if c.margin is not None and c.noise is not None:
         needs = f"winner needs > {c.critical:.2f}x" if c.critical else "training noise unmeasured: no winner"
-        title += f"\nat step {c.step}: margin {c.margin:.4f} vs noise ±{c.noise:.4f} ({needs})"
+        title += f"\npaired margin {c.margin:.4f} vs noise ±{c.noise:.4f} at step {c.step} ({needs})"
     bx.set(ylabel="held-out loss")
     bx.set_title(title, fontsize=9)
     lows = [v - b.val_stderr.get(a, 0.0) for b in scored for a, v in b.val_loss.items()]
