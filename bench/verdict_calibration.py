@@ -93,6 +93,8 @@ def one_fork(work: Path, parent: str, kind: str, i: int, a: dict) -> dict:
             "noise_training": c.noise_training,
             "noise_held_out": c.noise_held_out,
             "critical": c.critical,
+            "df": c.df,
+            "df_held_out": c.df_held_out,
             "step": c.step,
             "today": role(today(c, *names)),
             "compare_s": time.perf_counter() - t0,
@@ -101,7 +103,24 @@ def one_fork(work: Path, parent: str, kind: str, i: int, a: dict) -> dict:
     return out
 
 
+def rescore(rows: list[dict], a) -> None:
+    """Each fork's verdict under the rule in ops/compare.py now (verdict_test), from its stored parts:
+    forks made by an earlier version of the rule are judged as the present one would judge them."""
+    for r in rows:
+        for n in a.val:
+            x = r[str(n)]
+            if x["noise_training"] is None:
+                continue
+            df = x.get("df") or 2 * (a.replicates - 1)
+            df_held_out = x.get("df_held_out") or n - 1
+            x["noise"], x["df_effective"], x["critical"], significant = compare.verdict_test(
+                x["margin"], x["noise_training"], df, x["noise_held_out"], df_held_out
+            )
+            x["winner"] = x["leader"] if significant else None
+
+
 def summarize(rows: list[dict], a) -> str:
+    rescore(rows, a)
     lines = []
     aa = [r for r in rows if r["kind"] == "AA"]
     ab = [r for r in rows if r["kind"] == "AB"]

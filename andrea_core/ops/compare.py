@@ -68,8 +68,8 @@ SPLIT_FIELDS = ("val_fraction", "max_source_bytes")
 UNTRAINED = "untrained: no checkpoint past the fork point"
 TEST = (
     "two-sample t-test on the replicates' held-out means (training noise: their spread, pooled over "
-    "the ranked branches) plus the held-out sampling noise of the paired per-sequence difference; "
-    f"two-sided, level {LEVEL:g}"
+    "the ranked branches) plus the held-out sampling noise of the paired per-sequence difference, "
+    f"Welch-Satterthwaite degrees of freedom; two-sided, level {LEVEL:g}"
 )
 
 
@@ -132,6 +132,8 @@ class Comparison:
     noise_held_out: float | None = None  # held-out sampling: the paired per-sequence difference's
     noise_training: float | None = None  # training (data order): from the replicates' spread
     df: int | None = None  # degrees of freedom of the training noise's estimate
+    df_held_out: int | None = None  # of the held-out part's (held-out sequences - 1)
+    df_effective: float | None = None  # of both together (Welch-Satterthwaite): the t test's
     critical: float | None = None  # the margin must exceed critical x noise to name a winner
     test: str = TEST
     level: float = LEVEL
@@ -159,7 +161,7 @@ class Comparison:
 # --- the test's arithmetic ------------------------------------------------------------------------
 
 
-def t_sf(t: float, df: int) -> float:
+def t_sf(t: float, df: float) -> float:
     """P(T > t) for Student's t with `df` degrees of freedom (Simpson's rule over its density)."""
     if t < 0:
         return 1.0 - t_sf(-t, df)
@@ -167,7 +169,7 @@ def t_sf(t: float, df: int) -> float:
         return 0.0
     log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
     # Integrate the density over [0, t] in the variable u = atan(x): smooth and bounded for any t.
-    top, n = math.atan(t), 2000
+    top, n = math.atan(t), 400
     h = top / n
 
     def f(u: float) -> float:
@@ -178,7 +180,7 @@ def t_sf(t: float, df: int) -> float:
     return max(0.0, 0.5 - total * h / 3)
 
 
-def t_critical(df: int, level: float = LEVEL) -> float:
+def t_critical(df: float, level: float = LEVEL) -> float:
     """The two-sided critical value: P(|T| > c) = level for Student's t with `df` degrees of freedom."""
     lo, hi = 0.0, 1.0
     while t_sf(hi, df) > level / 2:
@@ -187,6 +189,27 @@ def t_critical(df: int, level: float = LEVEL) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if t_sf(mid, df) > level / 2 else (lo, mid)
     return (lo + hi) / 2
+
+
+def satterthwaite(noise_training: float, df: int, noise_held_out: float, df_held_out: int) -> float:
+    """The degrees of freedom of a sum of two independently estimated variances (Welch-Satterthwaite):
+    between the smaller of the two and their sum, the part that dominates deciding."""
+    vt, vh = noise_training**2, noise_held_out**2
+    if vt + vh == 0:
+        return float(df)
+    return (vt + vh) ** 2 / (vt**2 / df + (vh**2 / df_held_out if df_held_out else 0.0))
+
+
+def verdict_test(
+    margin: float, noise_training: float, df: int, noise_held_out: float, df_held_out: int
+) -> tuple[float, float, float, bool]:
+    """(noise, effective degrees of freedom, critical value, significant) of a margin whose noise is
+    training (`df` degrees of freedom) and held-out sampling (`df_held_out`): a winner when the margin
+    exceeds Student's t two-sided LEVEL critical value times the noise."""
+    noise = math.hypot(noise_training, noise_held_out)
+    df_effective = satterthwaite(noise_training, df, noise_held_out, df_held_out)
+    critical = t_critical(df_effective)
+    return noise, df_effective, critical, margin > critical * noise
 
 
 def pooled_training_variance(branches: list[BranchResult]) -> tuple[float | None, int]:
@@ -609,6 +632,7 @@ def _name_winner(c: Comparison) -> None:
     c.runner_up = second.name
     c.margin = float(second.val_mean - best.val_mean)
     c.noise_held_out = float(diff.std(ddof=1) / math.sqrt(diff.size))
+    c.df_held_out = diff.size - 1
     variance, c.df = pooled_training_variance(ranked)
     figures = (
         f"held-out loss {best.val_mean:.4f} vs {second.val_mean:.4f} for {second.name} at step {c.step}; "
@@ -629,9 +653,9 @@ def _name_winner(c: Comparison) -> None:
         c.verdict += "; " + c.to_decide
         return
     c.noise_training = math.sqrt(variance * (1 / len(best.replicate_val) + 1 / len(second.replicate_val)))
-    c.noise = math.hypot(c.noise_training, c.noise_held_out)
-    c.critical = t_critical(c.df)
-    c.significant = c.margin > c.critical * c.noise
+    c.noise, c.df_effective, c.critical, c.significant = verdict_test(
+        c.margin, c.noise_training, c.df, c.noise_held_out, c.df_held_out
+    )
     ratio = c.margin / c.noise if c.noise > 0 else math.inf
     figures += (
         f", noise ±{c.noise:.4f} (training ±{c.noise_training:.4f} from {best.replicates}+"
@@ -654,9 +678,8 @@ def what_would_decide(c: Comparison, variance: float, n_ranked: int) -> str:
     k = c.df // n_ranked + 1  # replicates a branch now
     if c.margin > 0:
         for more in range(k + 1, MAX_REPLICATES + 1):
-            df = n_ranked * (more - 1)
-            noise = math.hypot(math.sqrt(variance * 2 / more), c.noise_held_out)
-            if c.margin > t_critical(df) * noise:
+            training = math.sqrt(variance * 2 / more)
+            if verdict_test(c.margin, training, n_ranked * (more - 1), c.noise_held_out, c.df_held_out)[3]:
                 out.append(f"at this lead and spread, {more} replicates a branch would decide it")
                 break
         else:
@@ -899,9 +922,9 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
         "",
         f"Margin: the runner-up's held-out loss minus the leader's ({_fmt(c.margin)}). Test: {c.test}: "
         + (
-            f"a winner when the margin exceeds {c.critical:.2f}x the noise (Student's t, {c.df} degrees of "
-            f"freedom), so that branches differing only in their data order name one in at most "
-            f"{c.level:.0%} of forks."
+            f"a winner when the margin exceeds {c.critical:.2f}x the noise (Student's t, "
+            f"{c.df_effective:.1f} degrees of freedom: training {c.df}, held-out {c.df_held_out}), so that "
+            f"branches differing only in their data order name one in at most {c.level:.0%} of forks."
             if c.critical
             else "it needs two or more runs a branch (andrea fork --replicates)."
         ),
