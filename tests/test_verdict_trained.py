@@ -16,6 +16,8 @@ from andrea_core.ops.compare import compare_branches
 from andrea_core.ops.fork import BranchSpec, fork
 from andrea_core.run.rundir import RunDir
 
+pytestmark = pytest.mark.slow  # nine runs of 100 steps: ~2 minutes on an idle 2-core machine
+
 SEEDS = (11, 12)
 ONE_THREAD = {"train.num_threads": 1}  # on a small shared machine one thread is fastest
 
