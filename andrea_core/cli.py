@@ -386,17 +386,30 @@ class _BranchAction(argparse.Action):
 
 def cmd_fork(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.ops.fork import BranchSpec, fork
+    from andrea_core.ops.fork import DEFAULT_REPLICATES, BranchSpec, fork
 
+    replicates = DEFAULT_REPLICATES if args.replicates is None else args.replicates
     if not args.branches:
         return _refuse(ValueError("fork: name one or more branches (--branch NAME [--set key=value ...])"))
     specs = [BranchSpec(b["name"], b["overrides"]) for b in args.branches]
     try:
-        urls = fork(args.run_dir, specs, args.step, log=lambda msg: print(msg, file=sys.stderr))
+        urls = fork(
+            args.run_dir, specs, args.step, log=lambda msg: print(msg, file=sys.stderr), replicates=replicates
+        )
     except CheckpointError as e:
         return _refuse(e)
-    for spec, url in zip(specs, urls, strict=True):
-        print(f"{spec.name}: {url}")
+    # One line a branch (its replicate 0: the folder to name to `andrea compare`), its replicates after.
+    for i, spec in enumerate(specs):
+        runs = urls[i * replicates : (i + 1) * replicates]
+        print(f"{spec.name}: {runs[0]}")
+        for r, url in enumerate(runs[1:], 1):
+            print(f"  replicate {r}: {url}", file=sys.stderr)
+    if replicates > 1:
+        print(
+            f"train every run (each branch's {replicates} replicates) the same steps, then "
+            "`andrea compare` the branches' folders: their replicates are found beside them",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -417,7 +430,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps({**summary, **paths}, indent=1, default=str))
     else:
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
-        print(f"{comparison.verdict}\nmargin {fmt(comparison.margin)}, noise {fmt(comparison.noise)}")
+        c = comparison
+        print(f"{c.verdict}\nmargin {fmt(c.margin)}, noise {fmt(c.noise)} (training {fmt(c.noise_training)}, "
+              f"held-out {fmt(c.noise_held_out)}) at step {c.step}")  # fmt: skip
         print(f"report {paths['report']}, plot {paths['plot']}")
     return 0
 
@@ -546,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="branches",
         metavar="KEY=VALUE",
         help="a run-config override of the branch named before it (value: a YAML scalar)",
+    )
+    fo.add_argument(
+        "--replicates",
+        type=int,
+        help="runs a branch, identical but for their data order: the verdict's training noise "
+        "(default: ops/fork.DEFAULT_REPLICATES, 3; with 1 no winner can be named)",
     )
     fo.set_defaults(fn=cmd_fork, branches=[])
 

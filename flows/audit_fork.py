@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
 from andrea_core.ops.compare import default_report_dir
+from andrea_core.ops.fork import DEFAULT_REPLICATES
 from andrea_core.run.rundir import RunDir
 from tasks.artifacts import publish_fork_report, run_name
 from tasks.fork import (
@@ -48,18 +49,21 @@ def audit_fork(
     slot_timeout_s: float | None = 60.0,
     val_sequences: int = 32,
     report_dir: str | None = None,
+    replicates: int = DEFAULT_REPLICATES,
 ) -> State:
     """Fork `run_dir` at `step` (default: its newest valid checkpoint) into `branches` (tasks.fork.Branch),
     e.g. [{"name": "base"}, {"name": "low-lr", "overrides": {"train.lr": 3e-4}}], train each `steps` steps
     and publish the comparison (markdown report with the plot, and the plot) as artifacts and files
-    in `report_dir` (default: beside the parent, "<run>-fork<step>-report")."""
+    in `report_dir` (default: beside the parent, "<run>-fork<step>-report"). Each branch is
+    `replicates` runs over other data orders: the verdict's training noise (ops/compare.py); 1 trains
+    a branch once and names no winner."""
     parent = RunDir(run_dir)
     # A malformed parameter fails here, before anything is written (a misspelled key or a bad branch
     # name earlier still: Prefect validates `branches` against Branch before the flow starts).
     specs = branch_specs(branches)
-    check_audit_parameters(parent.url, specs, steps, val_sequences, report_dir)
+    check_audit_parameters(parent.url, specs, steps, val_sequences, report_dir, replicates)
     with holding_gpu_slot(gpu_slot, device, slot_timeout_s):
-        forked = copy_checkpoint_into_branches(parent.url, specs, step)
+        forked = copy_checkpoint_into_branches(parent.url, specs, step, replicates)
         target = forked["step"] + steps
         report_dir = report_dir or default_report_dir(parent.url, forked["step"])
         short = [u for u in forked["branches"] if (trained_to(u) or 0) < target]
@@ -70,13 +74,16 @@ def audit_fork(
                 data=forked,
             )
         failed = {}
-        for name, url in zip(forked["names"], forked["branches"], strict=True):
+        for name, branch, url in zip(forked["names"], forked["of"], forked["branches"], strict=True):
             if url not in short:
                 get_run_logger().info(f"branch {name} is already trained to step {trained_to(url)}")
                 continue
+            if branch in failed:  # one run of a branch failed: the branch is out, its others untrained
+                get_run_logger().info(f"{name} not trained: branch {branch} failed ({failed[branch]})")
+                continue
             outcome = run_trainer(url, max_steps=target, device=device, pace=pace)
-            if not outcome["ok"]:
-                failed[name] = outcome["summary"]
+            if not outcome["ok"]:  # its summary names the run (the replicate's folder)
+                failed[branch] = outcome["summary"]
     comparison = compare_branches(parent.url, forked["branches"], forked["step"], val_sequences, failed)
     where = publish_fork_report(comparison, report_dir)
     message = f"{comparison.verdict}. Report {where['report']}, plot {where['plot']}"

@@ -51,20 +51,27 @@ def branch_specs(branches: list[Branch]) -> list[fork.BranchSpec]:
 
 @task(name="check-audit-parameters", cache_policy=NO_CACHE)
 def check_audit_parameters(
-    run_dir: str, branches: list[fork.BranchSpec], steps: int, val_sequences: int, report_dir: str | None
+    run_dir: str,
+    branches: list[fork.BranchSpec],
+    steps: int,
+    val_sequences: int,
+    report_dir: str | None,
+    replicates: int = fork.DEFAULT_REPLICATES,
 ) -> None:
     """Refuse bad parameters before anything is written (compare.check_audit)."""
+    fork.check_replicates(replicates)
     compare.check_audit(run_dir, branches, steps, val_sequences, report_dir)
 
 
 @task(name="copy-checkpoint-into-branches", cache_policy=NO_CACHE)
 def copy_checkpoint_into_branches(
-    run_dir: str, specs: list[fork.BranchSpec], step: int | None = None
+    run_dir: str, specs: list[fork.BranchSpec], step: int | None = None, replicates: int = 1
 ) -> dict:
-    """One branch run directory per spec from the parent's checkpoint at `step` (default: the newest
-    valid one), lineage in each run.yaml. The parent only gains a line in forks.jsonl. A fork that was
-    already made (same step, same branch names) is not made twice: whatever it left unfinished is
-    completed (fork.fork), and `already` says so."""
+    """`replicates` run directories per spec from the parent's checkpoint at `step` (default: the
+    newest valid one), lineage in each run.yaml; `branches`, `names` and `of` (its branch) list every
+    run. The parent only gains a line in forks.jsonl. A fork that was already made (same step, same
+    branch names) is not made twice: whatever it left unfinished is completed (fork.fork), and
+    `already` says so."""
     logger = get_run_logger()
     parent = RunDir(run_dir)
     if step is None:
@@ -72,14 +79,19 @@ def copy_checkpoint_into_branches(
         if newest is None:
             raise CheckpointError(parent.url, "no valid checkpoint to fork from")
         step = newest.step
-    names = [s.name for s in specs]
+    names = [fork.replicate_label(s.name, r) for s in specs for r in range(replicates)]
     already = any(r.get("step") == step and r.get("names") == names for r in fork.fork_records(parent))
     urls = fork.fork(
-        parent.url, specs, step, log=lambda m: (logger.warning if m.startswith("warning") else logger.info)(m)
+        parent.url,
+        specs,
+        step,
+        log=lambda m: (logger.warning if m.startswith("warning") else logger.info)(m),
+        replicates=replicates,
     )
     for name, url in zip(names, urls, strict=True):
         logger.info(f"branch {name}: {url} (from step {step}{', made before' if already else ''})")
-    return {"step": step, "branches": urls, "names": names, "already": already}
+    of = [s.name for s in specs for _ in range(replicates)]  # each run's branch
+    return {"step": step, "branches": urls, "names": names, "of": of, "already": already}
 
 
 def trained_to(url: str) -> int | None:

@@ -296,6 +296,8 @@ def test_fork_and_compare_from_the_shell_and_a_fork_killed_mid_copy(trained, tmp
         str(parent),
         "--step",
         "100",
+        "--replicates",  # one run a branch: two to train here (the verdict's noise: test_verdict.py)
+        "1",
         "--branch",
         "base",
         "--branch",

@@ -1,9 +1,8 @@
-"""Audit-fork comparison (andrea_core.ops.compare): real branches trained from one checkpoint, scored on the
-same held-out batches; and the winner's margin and noise on known numbers."""
+"""Audit-fork comparison (andrea_core.ops.compare): real branches (two replicates each) trained from one
+checkpoint, scored on the same held-out batches at one step; the winner's margin and noise on known
+numbers; a branch the divergence guard acted in, named and ranked apart (issue 41.4)."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -14,10 +13,8 @@ from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import read_policy
 from andrea_core.model.gpt import GPT
 from andrea_core.ops.compare import (
-    BranchResult,
-    Comparison,
-    _name_winner,
     compare_branches,
+    comparison_figure,
     plot_comparison,
     png_data_uri,
     report_markdown,
@@ -37,10 +34,10 @@ def forked(tmp_path_factory):
     parent = RunDir(folder / "parent")
     andrea("train", "--config", tiny_config(folder), "--run-dir", parent.url, "--max-steps", "100")
     branches = [BranchSpec("base"), BranchSpec("frozen", {"train.lr": 1e-9, "train.min_lr": 0.0})]
-    urls = fork(parent.url, branches, 100)
+    urls = fork(parent.url, branches, 100, replicates=2)
     for url in urls:
         andrea("train", "--run-dir", url, "--max-steps", "160")
-    return parent, urls
+    return parent, [urls[0], urls[2]]  # replicate 0 of each: compare finds the others
 
 
 def test_compare_names_the_branch_that_learns(forked):
@@ -48,11 +45,13 @@ def test_compare_names_the_branch_that_learns(forked):
     c = compare_branches(parent.url, urls, 100, val_sequences=16)
     assert c.arms == ["stdlib-code"] and c.fork_step == 100
     base, frozen = c.branch("base"), c.branch("frozen")
-    assert base.trained_to == frozen.trained_to == 160
+    assert c.step == base.trained_to == frozen.trained_to == 160
+    assert [r.url for r in base.runs] == [urls[0], urls[0] + ".r1"] and base.replicates == 2
     assert [e.step for e in base.history] == list(range(101, 161))
     assert c.winner == "base" and c.runner_up == "frozen" and c.significant
     assert c.margin == pytest.approx(frozen.val_mean - base.val_mean)
-    assert 0 < c.noise < c.margin / 2
+    assert base.val_mean == pytest.approx(np.mean(base.replicate_val)) and len(set(base.replicate_val)) == 2
+    assert c.df == 2 and 0 < c.noise_training and 0 < c.noise_held_out and c.critical * c.noise < c.margin
     assert c.verdict.startswith("base converges best")
     assert frozen.overrides == {"train.lr": 1e-9, "train.min_lr": 0.0}
 
@@ -71,7 +70,7 @@ def test_held_out_loss_is_the_checkpoints_own(forked):
     with torch.no_grad():
         _, loss = model(x, y)
     # Bit for bit on the CPU: the same weights, batch and reduction give the same float.
-    assert c.branch("base").val_loss["stdlib-code"] == float(sequence_losses(model, x, y).mean())
+    assert c.branch("base").runs[0].val_mean == float(sequence_losses(model, x, y).mean())
     # The per-sequence losses average to the model's own loss (another reduction order: to rounding).
     assert sequence_losses(model, x, y).mean() == pytest.approx(loss.item(), rel=1e-6)
 
@@ -84,10 +83,10 @@ def test_report_and_plot(forked):
     md = report_markdown(c, png_data_uri(png))
     assert md.startswith(f"# Audit fork of `{parent.url}` at step 100")
     assert "**Winner: `base`**" in md
-    assert "| **base** | (none) | 160 |" in md
+    assert "| **base** | (none) | 2: " in md and " | 160 | " in md
     assert "`train.lr=1e-09`" in md
     assert "](data:image/png;base64,iVBORw0KGgo" in md
-    assert all(f"`{u}`" in md for u in urls)
+    assert all(f"`{u}`" in md and f"`{u}.r1`" in md for u in urls)
     assert c.to_dict()["winner"] == "base" and "history" not in c.to_dict()["branches"][0]
 
 
@@ -100,49 +99,45 @@ def test_a_branch_that_failed_is_reported_not_ranked(forked):
     assert "(trainer exited 1)" in report_markdown(c)
 
 
-def _result(name: str, per_sequence: list[float]) -> BranchResult:
-    values = np.asarray(per_sequence)
-    return BranchResult(name, name, {}, val_loss={"a": float(values.mean())}, val_mean=float(values.mean()),
-                        per_sequence=values)  # fmt: skip
-
-
-def test_margin_and_noise_are_paired():
-    """Sequences differ in difficulty far more than the branches do; pairing cancels that spread."""
-    hard_and_easy = [1.0, 3.0, 1.5, 2.5, 2.0, 4.0]
-    better = _result("better", hard_and_easy)
-    worse = _result(
-        "worse", [v + d for v, d in zip(hard_and_easy, [0.10, 0.12, 0.08, 0.11, 0.09, 0.10], strict=True)]
-    )
-    c = Comparison("p", 10, ["a"], 6, 64, [worse, better])
-    _name_winner(c)
-    diffs = np.array([0.10, 0.12, 0.08, 0.11, 0.09, 0.10])
-    assert c.winner == "better" and c.runner_up == "worse"
-    assert c.margin == pytest.approx(diffs.mean())
-    assert c.noise == pytest.approx(diffs.std(ddof=1) / math.sqrt(6))
-    assert c.significant  # unpaired, the spread of 1.0..4.0 would have drowned a 0.1 lead
-
-    tie = _result(
-        "tie", [v + d for v, d in zip(hard_and_easy, [0.2, -0.2, 0.1, -0.15, 0.05, 0.02], strict=True)]
-    )
-    c = Comparison("p", 10, ["a"], 6, 64, [tie, better])
-    _name_winner(c)
-    assert c.winner is None and c.leader == "better" and not c.significant
-    assert c.verdict.startswith("no winner: within noise")
-
-
-def test_the_report_says_which_branch_rolled_back(forked, tmp_path):
+def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path):
     """A branch whose batch at data position 120 poisons its gradient: the divergence guard rolls it back
-    to its fork point; the report says so (issue 27), and that the others did not."""
+    to its fork point and trains it on at a cooled learning rate. It did not train under its overrides
+    alone: the report, the JSON and the plot name its event and the settings after it, and it is
+    ranked apart, never the winner, however low its loss (issue 41.4)."""
     parent, urls = forked
     (poisoned,) = fork(parent.url, [BranchSpec("poisoned", {"train.guard.rollback_margin": 10})], 100)
     env = {**_env(), "ANDREA_TEST_GUARD_NAN_AT": "120"}
     andrea("train", "--run-dir", poisoned, "--max-steps", "160", env=env)
     c = compare_branches(parent.url, [*urls, poisoned], 100, val_sequences=16)
-    (event,) = c.branch("poisoned").guard_events
+    p = c.branch("poisoned")
+    (event,) = p.guard_events
     assert (event["kind"], event["step"], event["rolled_back_to"]) == ("non-finite-grad-norm", 120, 100)
-    assert c.branch("base").guard_events == [] and c.branch("poisoned").trained_to == 160
+    assert c.branch("base").guard_events == [] and p.trained_to == 160 and c.step == 160
+    scale, cooldown, skip = event["lr_scale"], event["cooldown"], event["skip"]
+    assert 0 < scale < 1 and cooldown > 0
+    said = (
+        f"diverged at step 120 (non-finite-grad-norm), rolled back to 100, trained on at lr x{scale:.3g} "
+        f"from step 101 to {100 + cooldown}" + (f", {skip} batches skipped" if skip else "")
+    )
+    assert p.diverged == said and c.to_dict()["branches"][2]["diverged"] == said
+    # Ranked apart: the verdict is between base and frozen, and says why poisoned is not in it.
+    assert c.leader == "base" and c.runner_up == "frozen" and c.winner == "base"
+    assert c.verdict.endswith(
+        f" (not ranked, the divergence guard changed how they trained: poisoned: {said})"
+    )
     md = report_markdown(c)
-    assert "Branch `poisoned` rolled back (divergence guard): non-finite-grad-norm at step 120, " in md
-    assert "rolled back to 100." in md and "Branch `base`" not in md
+    assert "| poisoned (diverged: ranked apart) |" in md
+    assert (
+        "Divergence guard in `poisoned` (ranked apart: it did not train under its overrides alone): "
+        "non-finite-grad-norm at step 120: rolled back to step 100; "
+        f"lr x{scale:.3g} for steps 101..{100 + cooldown}"
+    ) in md
+    under = f"lr x{scale:.3g} for steps 101..{100 + cooldown}" + (
+        f", data positions {skip} ahead from step 101 on" if skip else ""
+    )
+    assert p.trained_under == [under] and f"It trained under: {under}." in md
+    assert "Divergence guard in `base`" not in md
+    legend = [t.get_text() for t in comparison_figure(c).axes[0].get_legend().get_texts()]
+    assert legend == ["parent", "base (winner)", "frozen", "poisoned (diverged)"]
     others = compare_branches(parent.url, urls, 100, val_sequences=16)
-    assert "No branch rolled back (divergence guard)." in report_markdown(others)
+    assert "The divergence guard acted in no branch." in report_markdown(others)

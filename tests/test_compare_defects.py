@@ -28,9 +28,11 @@ SEQS = [1.0, 3.0, 1.5, 2.5, 2.0, 4.0]
 
 
 def result(name: str, per_sequence: list[float], arm: str = "a") -> BranchResult:
+    """Three replicates 0.01 either side of the branch's mean (training noise +-0.0082 a margin)."""
     values = np.asarray(per_sequence)
-    return BranchResult(name, f"/runs/{name}", {}, val_loss={arm: float(values.mean())},
-                        val_mean=float(values.mean()), per_sequence=values)  # fmt: skip
+    mean = float(values.mean())
+    return BranchResult(name, f"/runs/{name}", {}, val_loss={arm: mean}, val_mean=mean, replicates=3,
+                        replicate_val=[mean - 0.01, mean, mean + 0.01], per_sequence=values)  # fmt: skip
 
 
 def within_noise() -> Comparison:
@@ -105,9 +107,9 @@ def test_an_untrained_branch_is_reported_untrained_without_the_parents_losses(un
     c = compare_branches(parent.url, urls, 200, val_sequences=4)
     for b in c.branches:
         assert b.history == [] and b.final_loss is None and b.ema_loss is None
-        assert b.problem == UNTRAINED and b.trained_to == 200
+        assert b.problem == UNTRAINED and b.trained_to is None and b.runs[0].trained_to == 200
     assert c.winner is None and c.verdict.startswith("no branch could be evaluated: a: untrained")
-    row = "| a (untrained: no checkpoint past the fork point) | (none) | 200 | n/a | n/a |"
+    row = "| a (untrained: no checkpoint past the fork point) | (none) | 1 | n/a | n/a | n/a |"
     assert row in report_markdown(c)
 
 
@@ -140,8 +142,8 @@ def test_inputs_are_escaped_in_the_report():
     assert "&lt;img src=x onerror=alert(1)&gt;" in html and "[x](javascript:alert(1))" in html
     assert "&lt;script&gt;alert(4)&lt;/script&gt;" in html
     # The table keeps its columns: a "|" inside a cell does not split it.
-    rows = html.split("<tr>")[2:]  # after the header row
-    assert len(rows) == 2 and all(row.count("<td") == 8 for row in rows), rows
+    rows = html.split("</table>")[0].split("<tr>")[2:]  # the branches' table, after its header row
+    assert len(rows) == 2 and all(row.count("<td") == 9 for row in rows), rows
 
 
 def test_the_trainer_status_artifact_escapes_its_inputs():

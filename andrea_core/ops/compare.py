@@ -8,11 +8,20 @@ split only while every branch splits its arms as the parent does: a branch that 
 other identities (a wider folder: trained_on_held_out), is refused naming the branch and the arm, not
 scored on data it trained on.
 
-The leader has the lowest mean held-out loss; the margin is its lead over the runner-up, and the noise is
-the standard error of the paired per-sequence difference (same sequences, so the sequence-to-sequence
-spread cancels). The leader is named the winner only when the margin exceeds SIGNIFICANCE x the noise;
-otherwise there is no winner ("no winner: within noise"). Training-loss figures (final, EMA, spread) are
-reported beside it.
+Every branch is scored at one step: the newest past the fork for which each of its runs has a valid
+checkpoint (ConfigError names the run that falls short, and what to run, when there is none); every
+column of the report is of that step.
+
+A branch is one run, or `replicates` runs identical but for their data order (fork --replicates). The
+leader has the lowest held-out loss (mean over its runs); the margin is its lead over the runner-up.
+The noise of the margin has two parts: training (how much a run's held-out loss moves with its data
+order: the spread of the replicates, pooled over the ranked branches) and held-out sampling (the
+standard error of the paired per-sequence difference). The leader is the winner only when the margin
+exceeds Student's t critical value (two-sided, LEVEL) times the noise; one run a branch measures no
+training noise, so it names no winner. Without a winner the verdict says what would decide it. A
+branch in which the divergence guard acted after the fork did not train under its overrides alone:
+it is shown with its events and ranked apart, never the winner. Training-loss figures (final, EMA,
+spread) are reported beside it.
 
 Every string that comes from an input (run URLs, branch, arm and policy names, overrides, error texts)
 reaches the markdown report escaped (markdown_text, markdown_code): it is shown, never interpreted as a
@@ -33,42 +42,75 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from andrea_core.checkpoint import restore
+from andrea_core.checkpoint import CheckpointError, restore
 from andrea_core.config import ConfigError, RunConfig
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import CORPUS_KINDS, ArmSpec, Policy, SourceUnavailable, load_policy, read_policy
 from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
-from andrea_core.ops.fork import BranchSpec, check_destination
-from andrea_core.run.guard_events import GuardEvent, read_events
-from andrea_core.run.lineage import phases
+from andrea_core.ops.fork import (
+    DEFAULT_REPLICATES,
+    MAX_REPLICATES,
+    BranchSpec,
+    check_destination,
+    replicate_url,
+)
+from andrea_core.run.guard_events import GuardEvent, Remedies, read_events
+from andrea_core.run.lineage import branch_of, phases
 from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.run.record import read_run
-from andrea_core.run.rundir import RunDir
+from andrea_core.run.rundir import RUN_YAML, RunDir
 from andrea_core.train.optim import build_optimizer
 
-SIGNIFICANCE = 2.0  # a margin above this many standard errors is called a winner, not noise
+LEVEL = 0.05  # the false-winner rate the verdict is calibrated to (two-sided: either branch may lead)
 # The data settings that decide which tokens of an arm are held out: a branch must share the parent's.
 SPLIT_FIELDS = ("val_fraction", "max_source_bytes")
 UNTRAINED = "untrained: no checkpoint past the fork point"
+TEST = (
+    "two-sample t-test on the replicates' held-out means (training noise: their spread, pooled over "
+    "the ranked branches) plus the held-out sampling noise of the paired per-sequence difference, "
+    f"Student's t with the training part's degrees of freedom; two-sided, level {LEVEL:g}"
+)
+
+
+@dataclass
+class RunScore:
+    """One replicate run of a branch, scored at the comparison's step."""
+
+    url: str
+    replicate: int
+    seed: int
+    trained_to: int | None  # its newest checkpoint (valid or not)
+    val_mean: float | None = None  # its held-out loss at the scored step (mean over arms)
+    final_loss: float | None = None  # its training loss logged at the scored step
+    per_sequence: np.ndarray | None = field(default=None, repr=False)  # its held-out loss per sequence
 
 
 @dataclass
 class BranchResult:
     name: str
-    url: str
+    url: str  # replicate 0's run
     overrides: dict
-    trained_to: int | None = None  # step of the newest valid checkpoint
-    final_loss: float | None = None  # training loss of the last logged step
-    ema_loss: float | None = None  # EMA (alpha 0.05) of the training loss since the fork
-    train_noise: float | None = None  # std of the training loss over the last `window` steps
-    val_loss: dict[str, float] = field(default_factory=dict)  # held-out loss per arm
+    trained_to: int | None = None  # the step it is scored at (the comparison's common step)
+    final_loss: float | None = None  # training loss logged at that step (mean over replicates)
+    ema_loss: float | None = None  # EMA (alpha 0.05) of the training loss from the fork to that step
+    train_noise: float | None = None  # std of the training loss over the last `window` steps to it
+    val_loss: dict[str, float] = field(default_factory=dict)  # held-out loss per arm (replicate mean)
     val_mean: float | None = None  # mean over arms
-    val_stderr: dict[str, float] = field(default_factory=dict)  # standard error of each arm's mean
+    val_stderr: dict[str, float] = field(default_factory=dict)  # held-out sampling error of each arm's
     problem: str | None = None  # why the branch is out of the running
     # The divergence guard's events of the branch itself (guard.jsonl, after the fork point): a branch
     # that rolled back trained a remedied timeline (batches skipped, a cooled learning rate).
     guard_events: list[dict] = field(default_factory=list)
+    # Not None: the guard acted in this branch after the fork, so it did not train under its overrides
+    # alone; what it trained under instead (ranked apart from the others, never the winner).
+    diverged: str | None = None
+    # The remedies in force on the scored timeline (guard_events.Remedies: a later rollback to an
+    # earlier step abandons an earlier one's): the settings the branch trained under after its events.
+    trained_under: list[str] = field(default_factory=list)
+    replicates: int = 1
+    replicate_val: list[float] = field(default_factory=list)  # held-out mean of each replicate
+    runs: list[RunScore] = field(default_factory=list)
     history: list[LossEntry] = field(default_factory=list, repr=False)
     per_sequence: np.ndarray | None = field(default=None, repr=False)  # held-out loss per sequence
 
@@ -81,13 +123,23 @@ class Comparison:
     val_sequences: int  # per arm
     block_size: int
     branches: list[BranchResult]
+    step: int | None = None  # the one step every branch is scored at (every column is of it)
     winner: str | None = None  # the leader, only when its margin is beyond the noise
     leader: str | None = None  # the lowest held-out loss, winner or not
     runner_up: str | None = None
     margin: float | None = None
-    noise: float | None = None
+    noise: float | None = None  # the standard error of the margin: both parts below together
+    noise_held_out: float | None = None  # held-out sampling: the paired per-sequence difference's
+    noise_training: float | None = None  # training (data order): from the replicates' spread
+    df: int | None = None  # degrees of freedom of the training noise's estimate
+    df_held_out: int | None = None  # of the held-out part's (held-out sequences - 1)
+    df_effective: float | None = None  # the t test's: the training part's (conservative)
+    critical: float | None = None  # the margin must exceed critical x noise to name a winner
+    test: str = TEST
+    level: float = LEVEL
     significant: bool = False
     verdict: str = ""
+    to_decide: str | None = None  # when there is no winner: what would decide it, with numbers
     parent_history: list[LossEntry] = field(default_factory=list, repr=False)
     pivots: list[tuple[int, int]] = field(default_factory=list)  # the parent's (phase, boundary step)
 
@@ -101,7 +153,64 @@ class Comparison:
         out["branches"] = [
             {k: v for k, v in dataclasses.asdict(b).items() if k not in skip} for b in self.branches
         ]
+        for b in out["branches"]:
+            b["runs"] = [{k: v for k, v in r.items() if k != "per_sequence"} for r in b["runs"]]
         return out
+
+
+# --- the test's arithmetic ------------------------------------------------------------------------
+
+
+def t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with `df` degrees of freedom (Simpson's rule over its density)."""
+    if t < 0:
+        return 1.0 - t_sf(-t, df)
+    if math.isinf(t):
+        return 0.0
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    # Integrate the density over [0, t] in the variable u = atan(x): smooth and bounded for any t.
+    top, n = math.atan(t), 400
+    h = top / n
+
+    def f(u: float) -> float:
+        x = math.tan(u)
+        return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df)) * (1 + x * x)
+
+    total = f(0) + f(top) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n))
+    return max(0.0, 0.5 - total * h / 3)
+
+
+def t_critical(df: float, level: float = LEVEL) -> float:
+    """The two-sided critical value: P(|T| > c) = level for Student's t with `df` degrees of freedom."""
+    lo, hi = 0.0, 1.0
+    while t_sf(hi, df) > level / 2:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_sf(mid, df) > level / 2 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def verdict_test(
+    margin: float, noise_training: float, df: int, noise_held_out: float, df_held_out: int
+) -> tuple[float, float, float, bool]:
+    """(noise, degrees of freedom, critical value, significant) of a margin whose noise is training
+    (`df` degrees of freedom) and held-out sampling (`df_held_out`): a winner when the margin exceeds
+    Student's t two-sided LEVEL critical value times the noise. The t is the training part's df, not
+    the Welch-Satterthwaite combination of both (between df and df + df_held_out): measured on 40 A/A
+    forks (bench/README.md) that named 3 false winners at 256 held-out sequences, this 1."""
+    noise = math.hypot(noise_training, noise_held_out)
+    df_effective = float(df)
+    critical = t_critical(df_effective)
+    return noise, df_effective, critical, margin > critical * noise
+
+
+def pooled_training_variance(branches: list[BranchResult]) -> tuple[float | None, int]:
+    """The variance of one run's held-out loss over data orders, pooled over `branches`' replicates,
+    and its degrees of freedom (sum of replicates - 1); (None, 0) when no branch has two."""
+    ss = sum(float(np.sum((np.array(b.replicate_val) - np.mean(b.replicate_val)) ** 2)) for b in branches)
+    df = sum(len(b.replicate_val) - 1 for b in branches)
+    return (ss / df if df else None), df
 
 
 def evaluation_policy(policies: list[Policy], parent: Policy | None = None) -> Policy:
@@ -282,19 +391,22 @@ def compare_branches(
     failed: dict[str, str] | None = None,
     warn: Callable[[str], None] = print,
 ) -> Comparison:
-    """Score every branch on the same held-out batches and name the one that converges.
+    """Score every branch on the same held-out batches, at one step, and name the one that converges.
 
-    `failed` maps branch names to why their trainer did not finish (they are reported, not ranked)."""
+    `branch_urls` are runs of one fork; a branch forked with replicates is all its replicates (those
+    not named are found beside replicate 0: expand_replicates). Every branch is scored at the newest
+    step each of its runs has a valid checkpoint for (or ConfigError names the one that falls short
+    and what to run). `failed` maps branch names to why their trainer did not finish (they are
+    reported, not ranked), as does a branch in which the divergence guard acted (`diverged`)."""
     parent = RunDir(parent_url)
     parent_cfg = read_run(parent).config
-    branches = [RunDir(u) for u in branch_urls]
-    records = [read_run(b) for b in branches]
-    names = [r.lineage.get("branch") or b.url for b, r in zip(branches, records, strict=True)]
-    policies = {name: read_policy(b) for name, b in zip(names, branches, strict=True)}
+    groups = expand_replicates(branch_urls)
+    runs = [run for members in groups.values() for run, _ in members]
+    records = {run.url: read_run(run) for run in runs}
+    firsts = {name: members[0][0] for name, members in groups.items()}
+    policies = {name: read_policy(run) for name, run in firsts.items()}
     parent_policy = read_policy(parent)
-    check_held_out(
-        parent_cfg, {n: r.config for n, r in zip(names, records, strict=True)}, policies, parent_policy
-    )
+    check_held_out(parent_cfg, {n: records[r.url].config for n, r in firsts.items()}, policies, parent_policy)
     policy = evaluation_policy(list(policies.values()), parent_policy)
     data = DataPipeline(parent_cfg, policy, warn, run_tokenizer(parent, parent_cfg))
     arms = list(data.arms)
@@ -305,84 +417,291 @@ def compare_branches(
     optimizer = build_optimizer(model, parent_cfg.train, "cpu")  # restore() fills m and v too
     model.eval()
 
-    results = []
-    for run, record in zip(branches, records, strict=True):
-        name = record.lineage.get("branch") or run.url.rsplit("/", 1)[-1]
-        result = BranchResult(name, run.url, dict(record.lineage.get("overrides") or {}))
-        result.history = [e for e in read_history(run) if e.step > fork_step]
-        losses = [e.loss for e in result.history]
-        if losses:
-            result.final_loss = losses[-1]
-            result.ema_loss = ema(losses)
-            result.train_noise = float(np.std(losses[-window:], ddof=1)) if len(losses) > 1 else None
-        result.guard_events = [asdict(e) for e in read_events(run, warn=warn) if is_own_event(e, fork_step)]
-        ckpt = run.newest_valid_checkpoint(model.n_params, warn=warn)
+    results: list[BranchResult] = []
+    for name, members in groups.items():
+        first = members[0][0]
+        result = BranchResult(name, first.url, dict(records[first.url].lineage.get("overrides") or {}))
+        result.replicates = len(members)
+        for run, replicate in members:
+            steps = run.checkpoint_steps(warn=warn)
+            seed = records[run.url].config.train.seed
+            result.runs.append(RunScore(run.url, replicate, seed, steps[-1] if steps else None))
+            events = [e for e in read_events(run, warn=warn) if is_own_event(e, fork_step)]
+            result.guard_events += [{**asdict(e), "replicate": replicate} for e in events]
+            who = f"replicate {replicate}: " if len(members) > 1 else ""
+            result.trained_under += [who + remedy_text(e) for e in Remedies(events).active]
         if failed and name in failed:
             result.problem = failed[name]
-        if ckpt is None or ckpt.step <= fork_step:
-            result.problem = result.problem or UNTRAINED
-        if ckpt is not None:
-            result.trained_to = ckpt.step
-            restore(ckpt, model, optimizer)
-            per_arm = {arm: sequence_losses(model, *batches[arm]) for arm in arms}
-            result.val_loss = {arm: float(v.mean()) for arm, v in per_arm.items()}
-            result.val_stderr = {
-                arm: float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
-                for arm, v in per_arm.items()
-            }
-            result.val_mean = float(np.mean(list(result.val_loss.values())))
-            result.per_sequence = np.concatenate([per_arm[arm] for arm in arms])
+        elif all(r.trained_to is None or r.trained_to <= fork_step for r in result.runs):
+            result.problem = UNTRAINED
+        result.diverged = diverged_summary(result)
         results.append(result)
 
     comparison = Comparison(parent.url, fork_step, arms, val_sequences, parent_cfg.model.block_size, results)
+    scored = [b for b in results if b.problem is None]
+    if scored:
+        comparison.step = _score_at_common_step(scored, fork_step, model, optimizer, batches, arms, warn)
+    for b in results:
+        _training_figures(b, comparison.step, fork_step, window)
     comparison.parent_history = [e for e in read_history(parent) if e.step <= fork_step]
     comparison.pivots = phases(parent)
     _name_winner(comparison)
     return comparison
 
 
+def expand_replicates(branch_urls: list[str]) -> dict[str, list[tuple[RunDir, int]]]:
+    """The runs of each branch named by `branch_urls`, replicate 0 first: a run's lineage says which
+    branch and replicate it is (lineage.branch_of, checked); the replicates a fork made that are not
+    named are taken from beside replicate 0 (fork.replicate_url). A replicate missing, named twice,
+    or of another branch is refused naming it."""
+    groups: dict[str, dict[int, RunDir]] = {}
+    counts: dict[str, int] = {}
+    for url in branch_urls:
+        run = RunDir(url)
+        of = branch_of(run)
+        name = of.name or run.url.rstrip("/").rsplit("/", 1)[-1]
+        if counts.setdefault(name, of.replicates) != of.replicates:
+            raise ConfigError(
+                f"{run.url}: branch {name!r} has runs of {counts[name]} and {of.replicates} replicates"
+            )
+        if groups.setdefault(name, {}).get(of.replicate, run).url != run.url:
+            raise ConfigError(
+                f"{run.url}: replicate {of.replicate} of branch {name!r} is named twice "
+                f"(also {groups[name][of.replicate].url})"
+            )
+        groups[name][of.replicate] = run
+    out = {}
+    for name, found in groups.items():
+        if 0 not in found:
+            raise ConfigError(f"branch {name!r}: name its replicate 0 (its own run directory) to compare it")
+        for r in range(1, counts[name]):
+            if r not in found:
+                run = RunDir(replicate_url(found[0].url, r))
+                if not run.exists(RUN_YAML):
+                    raise ConfigError(
+                        f"branch {name!r}: replicate {r} of {counts[name]} is missing ({run.url}): rerun the "
+                        "fork (same step and branch names) to complete it"
+                    )
+                of = branch_of(run)
+                if (of.name, of.replicate) != (name, r):
+                    raise ConfigError(f"{run.path(RUN_YAML)}: not replicate {r} of branch {name!r}")
+                found[r] = run
+        out[name] = [(found[r], r) for r in sorted(found)]
+    return out
+
+
+def remedy_text(e: GuardEvent) -> str:
+    """A rollback's remedy in words: the learning rate's factor, the steps it held, batches skipped."""
+    start = e.rolled_back_to + 1
+    return f"lr x{e.lr_scale:.3g} for steps {start}..{start + e.cooldown - 1}" + (
+        f", data positions {e.skip} ahead from step {start} on" if e.skip else ""
+    )
+
+
+def diverged_summary(b: BranchResult) -> str | None:
+    """What a branch in which the divergence guard acted after the fork trained under instead of its
+    overrides alone (run/guard_events.Remedies: the learning rate's factor and from which step), in
+    words; None when the guard never acted there."""
+    if not b.guard_events:
+        return None
+    parts = []
+    for e in b.guard_events:
+        who = f"replicate {e['replicate']} " if b.replicates > 1 else ""
+        if e["action"] == "rollback":
+            start, end = e["rolled_back_to"] + 1, e["rolled_back_to"] + e["cooldown"]
+            parts.append(
+                f"{who}diverged at step {e['step']} ({e['kind']}), rolled back to {e['rolled_back_to']}, "
+                f"trained on at lr x{e['lr_scale']:.3g} from step {start} to {end}"
+                + (f", {e['skip']} batches skipped" if e["skip"] else "")
+            )
+        else:
+            parts.append(f"{who}diverged at step {e['step']} ({e['kind']}): the guard stopped it")
+    return "; ".join(parts)
+
+
+def _score_at_common_step(
+    scored: list[BranchResult],
+    fork_step: int,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    batches: dict,
+    arms: list[str],
+    warn: Callable[[str], None],
+) -> int:
+    """Score every run of `scored` at the newest step past the fork for which each of them has a valid
+    checkpoint; return that step. None such: ConfigError names the run that falls short and what to run."""
+    runs = [(b, r) for b in scored for r in b.runs]
+    listed = {r.url: {s for s in RunDir(r.url).checkpoint_steps() if s > fork_step} for _, r in runs}
+    common = sorted(set.intersection(*listed.values()), reverse=True)
+    for step in common:
+        per_run: dict[str, dict[str, np.ndarray]] = {}
+        for _, r in runs:
+            try:
+                ckpt = RunDir(r.url).read_checkpoint(step, model.n_params)
+            except CheckpointError as e:
+                warn(f"refusing checkpoint {e}; scoring every branch at an earlier common step")
+                break
+            restore(ckpt, model, optimizer)
+            per_run[r.url] = {arm: sequence_losses(model, *batches[arm]) for arm in arms}
+        else:
+            for b in scored:
+                scores = [per_run[r.url] for r in b.runs]
+                for r, sc in zip(b.runs, scores, strict=True):
+                    r.val_mean = float(np.mean([v.mean() for v in sc.values()]))
+                    r.per_sequence = np.concatenate([sc[arm] for arm in arms])
+                b.replicate_val = [r.val_mean for r in b.runs]
+                mean = {arm: np.mean([sc[arm] for sc in scores], axis=0) for arm in arms}
+                b.val_loss = {arm: float(v.mean()) for arm, v in mean.items()}
+                b.val_stderr = {arm: float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
+                                for arm, v in mean.items()}  # fmt: skip
+                b.val_mean = float(np.mean(list(b.val_loss.values())))
+                b.per_sequence = np.concatenate([mean[arm] for arm in arms])
+            return step
+    newest = {url: max(steps, default=None) for url, steps in listed.items()}
+    target = max(s for s in newest.values() if s is not None)
+    short = [(b, r) for b, r in runs if newest[r.url] != target]
+    name = lambda b, r: b.name if b.replicates == 1 else f"{b.name} (replicate {r.replicate})"  # noqa: E731
+    held = "; ".join(f"{name(b, r)} holds {sorted(listed[r.url]) or 'none'}" for b, r in runs)
+    if not short:  # every run lists the same newest, and no step common to all reads back valid
+        raise ConfigError(
+            f"compare: no step past the fork point {fork_step} has a valid checkpoint in every branch "
+            f"({held}; the refused ones are named above): train the branches on to a new checkpoint"
+        )
+    raise ConfigError(
+        f"compare: no step past the fork point {fork_step} has a valid checkpoint in every branch ({held}); "
+        f"{', '.join(name(b, r) for b, r in short) or 'a branch'} falls short of step {target}: run "
+        + "; ".join(f"andrea train --run-dir {r.url} --max-steps {target}" for _, r in short)
+    )
+
+
+def _training_figures(b: BranchResult, step: int | None, fork_step: int, window: int) -> None:
+    """The training-loss columns of `b`, of the scored `step` (every replicate's history up to it)."""
+    histories = []
+    for r in b.runs:
+        history = [
+            e for e in read_history(RunDir(r.url)) if e.step > fork_step and (step is None or e.step <= step)
+        ]
+        histories.append(history)
+        r.final_loss = history[-1].loss if history and (step is None or history[-1].step == step) else None
+    b.history = histories[0] if histories else []
+    losses = [e.loss for e in b.history]
+    finals = [r.final_loss for r in b.runs if r.final_loss is not None]
+    if finals:
+        b.final_loss = float(np.mean(finals))
+    if losses:
+        emas = [ema([e.loss for e in h]) for h in histories if h]
+        b.ema_loss = float(np.mean(emas))
+        b.train_noise = float(np.std(losses[-window:], ddof=1)) if len(losses) > 1 else None
+    b.trained_to = step if b.val_mean is not None else None
+
+
 def _name_winner(c: Comparison) -> None:
-    ranked = sorted((b for b in c.branches if b.problem is None), key=lambda b: b.val_mean)
+    """The verdict: the leader is the winner only when its margin over the runner-up exceeds the
+    two-sided t critical value times the noise, whose parts are held-out sampling and training."""
+    ranked = [b for b in c.branches if b.problem is None and b.diverged is None and b.val_mean is not None]
+    ranked.sort(key=lambda b: b.val_mean)
+    apart = [b for b in c.branches if b.problem is None and b.diverged is not None]
+    aside = (
+        " (not ranked, the divergence guard changed how they trained: "
+        + "; ".join(f"{b.name}: {b.diverged}" for b in apart)
+        + ")"
+        if apart
+        else ""
+    )
     if not ranked:
-        c.verdict = "no branch could be evaluated: " + "; ".join(f"{b.name}: {b.problem}" for b in c.branches)
+        why = [f"{b.name}: {b.problem or 'diverged: ' + str(b.diverged)}" for b in c.branches]
+        c.verdict = "no branch could be evaluated: " + "; ".join(why)
         return
     best = ranked[0]
     c.leader = best.name
     if len(ranked) == 1:
         c.verdict = (
             f"no winner: {best.name} is the only branch that trained (held-out loss {best.val_mean:.4f}), "
-            "nothing to compare it with"
+            f"nothing to compare it with{aside}"
         )
         return
     second = ranked[1]
     diff = second.per_sequence - best.per_sequence  # paired: the same held-out sequences
     c.runner_up = second.name
-    c.margin = float(diff.mean())
-    c.noise = float(diff.std(ddof=1) / math.sqrt(diff.size))
-    c.significant = c.margin > SIGNIFICANCE * c.noise
+    c.margin = float(second.val_mean - best.val_mean)
+    c.noise_held_out = float(diff.std(ddof=1) / math.sqrt(diff.size))
+    c.df_held_out = diff.size - 1
+    variance, c.df = pooled_training_variance(ranked)
     figures = (
-        f"held-out loss {best.val_mean:.4f} vs {second.val_mean:.4f} for {second.name}; "
-        f"margin {c.margin:.4f}, noise ±{c.noise:.4f}"
+        f"held-out loss {best.val_mean:.4f} vs {second.val_mean:.4f} for {second.name} at step {c.step}; "
+        f"margin {c.margin:.4f}"
+    )
+    if variance is None:
+        c.noise = c.noise_held_out
+        ratio = c.margin / c.noise if c.noise > 0 else math.inf
+        c.verdict = (
+            f"no winner: training noise unmeasured ({best.name} leads: {figures}, {ratio:.1f} held-out "
+            f"standard errors, but one run a branch cannot tell a better setting from a luckier data "
+            f"order){aside}"
+        )
+        c.to_decide = (
+            f"fork again with --replicates {DEFAULT_REPLICATES} (each branch trained {DEFAULT_REPLICATES} "
+            "times over other data orders; the verdict's test needs two or more runs a branch)"
+        )
+        c.verdict += "; " + c.to_decide
+        return
+    c.noise_training = math.sqrt(variance * (1 / len(best.replicate_val) + 1 / len(second.replicate_val)))
+    c.noise, c.df_effective, c.critical, c.significant = verdict_test(
+        c.margin, c.noise_training, c.df, c.noise_held_out, c.df_held_out
+    )
+    ratio = c.margin / c.noise if c.noise > 0 else math.inf
+    figures += (
+        f", noise ±{c.noise:.4f} (training ±{c.noise_training:.4f} from {best.replicates}+"
+        f"{second.replicates} replicates, held-out ±{c.noise_held_out:.4f}): {ratio:.1f} standard errors, "
+        f"a winner needs {c.critical:.2f}"
     )
     if c.significant:
         c.winner = best.name
-        ratio = c.margin / c.noise if c.noise > 0 else math.inf
-        c.verdict = f"{best.name} converges best: {figures} ({ratio:.1f} standard errors)"
-    else:
-        c.verdict = (
-            f"no winner: within noise ({best.name} leads: {figures}, under {SIGNIFICANCE:g} standard "
-            "errors); run the branches longer"
+        c.verdict = f"{best.name} converges best: {figures}{aside}"
+        return
+    c.to_decide = what_would_decide(c, variance, len(ranked))
+    c.verdict = f"no winner: within noise ({best.name} leads: {figures}){aside}; {c.to_decide}"
+
+
+def what_would_decide(c: Comparison, variance: float, n_ranked: int) -> str:
+    """In words, with numbers: the margin this noise needs, and the replicates (same margin and
+    spread) or held-out sequences that would make the present margin decisive."""
+    needed = c.critical * c.noise
+    out = [f"a lead of {needed:.4f} would be decisive at this noise"]
+    k = c.df // n_ranked + 1  # replicates a branch now
+    if c.margin > 0:
+        for more in range(k + 1, MAX_REPLICATES + 1):
+            training = math.sqrt(variance * 2 / more)
+            if verdict_test(c.margin, training, n_ranked * (more - 1), c.noise_held_out, c.df_held_out)[3]:
+                out.append(f"at this lead and spread, {more} replicates a branch would decide it")
+                break
+        else:
+            out.append(f"not even {MAX_REPLICATES} replicates a branch would, at this lead")
+    if c.noise_held_out > c.noise_training:
+        out.append(
+            "held-out sampling is the larger part: --val-sequences "
+            f"{min(4 * c.val_sequences, MAX_VAL_SEQUENCES)} halves it"
         )
+    out.append("or train longer, if the lead grows with the steps")
+    return "; ".join(out)
 
 
 # --- the report ------------------------------------------------------------------------------------
 
 
+def plot_text(text: str) -> str:
+    """An input-derived string as matplotlib shows it literally: "$" would start mathtext (a forged
+    name such as "$\\undefinedcommand$" makes savefig raise) and a leading "_" hides a legend entry."""
+    text = text.replace("$", r"\$")
+    return " " + text if text.startswith("_") else text
+
+
 def legend_label(c: Comparison, b: BranchResult) -> str:
-    """A branch's name in the plot: "(winner)" only for a winner beyond the noise. Shown as text: a
-    leading "_" would hide it from the legend and "$" start matplotlib's mathtext."""
-    name = b.name.replace("$", r"\$")
-    name = " " + name if name.startswith("_") else name
+    """A branch's name in the plot (plot_text): "(winner)" only for a winner beyond the noise,
+    "(diverged)" for a branch the divergence guard acted in (ranked apart)."""
+    name = plot_text(b.name)
+    if b.diverged is not None:
+        return f"{name} (diverged)"
     return f"{name} (winner)" if b.name == c.winner else name
 
 
@@ -421,6 +740,12 @@ def comparison_figure(c: Comparison):
         smooth = ema_curve(losses, start=lead_smooth[-1]) if lead_smooth else ema_curve(losses)
         ax.plot(steps, losses, color=color, lw=0.6, alpha=0.35)
         ax.plot(steps, smooth, color=color, lw=1.8, label=legend_label(c, b))
+        # The guard's events of replicate 0 (the curve drawn): a marker each, no text, so that any
+        # number of them stays legible; which they were is in the report's table.
+        at = {e.step: v for e, v in zip(b.history, smooth, strict=True)}
+        marks = [e["step"] for e in b.guard_events if e.get("replicate", 0) == 0 and e["step"] in at]
+        if marks:
+            ax.plot(marks, [at[m] for m in marks], ls="none", marker="x", ms=7, mew=2, color=color)
     ax.axvline(c.fork_step, color="0.5", ls="--", lw=1)
     for _, boundary in c.pivots:
         if shown and c.parent_history[shown[0]].step <= boundary < c.fork_step:
@@ -443,13 +768,14 @@ def comparison_figure(c: Comparison):
             # The noise the verdict weighs the margin against: each bar's standard error.
             yerr=[b.val_stderr.get(a, 0.0) for a in c.arms],
             capsize=3,
-            label=b.name,
+            label=legend_label(c, b),
             color=f"C{c.branches.index(b)}",
         )
     bx.set_xticks(x + width * (len(scored) - 1) / 2, c.arms, fontsize=8)
-    title = "held-out loss per arm (same batches; bars: ±1 standard error)"
+    title = "held-out loss per arm (same batches; bars: ±1 held-out sampling standard error)"
     if c.margin is not None and c.noise is not None:
-        title += f"\npaired margin {c.margin:.4f} vs noise ±{c.noise:.4f} (winner needs > {SIGNIFICANCE:g}x)"
+        needs = f"winner needs > {c.critical:.2f}x" if c.critical else "training noise unmeasured: no winner"
+        title += f"\npaired margin {c.margin:.4f} vs noise ±{c.noise:.4f} at step {c.step} ({needs})"
     bx.set(ylabel="held-out loss")
     bx.set_title(title, fontsize=9)
     lows = [v - b.val_stderr.get(a, 0.0) for b in scored for a, v in b.val_loss.items()]
@@ -500,23 +826,43 @@ def headline(c: Comparison) -> str:
     if c.winner:
         return f"**Winner: {markdown_code(c.winner)}**."
     if c.margin is not None:
-        return "**No winner: within noise.**"
+        return "**No winner: within noise.**" if c.critical else "**No winner: training noise unmeasured.**"
     return "**No winner.**"
 
 
+def guard_lines(b: BranchResult) -> list[str]:
+    """Each of a branch's own divergence-guard events, in words (the settings it trained under after)."""
+    out = []
+    for e in b.guard_events:
+        who = f" (replicate {e['replicate']})" if b.replicates > 1 else ""
+        if e["action"] == "rollback":
+            start = e["rolled_back_to"] + 1
+            what = (
+                f"rolled back to step {e['rolled_back_to']}; lr x{e['lr_scale']:.3g} for steps {start}"
+                f"..{start + e['cooldown'] - 1}, {e['skip']} batches skipped"
+            )
+        else:
+            what = "stopped (the guard's bound was reached)"
+        out.append(f"{e['kind']} at step {e['step']}{who}: {what}")
+    return out
+
+
 def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
-    """The audit report: verdict first, then the figures behind it. `plot_src` is an image URL or a
-    data URI (the Prefect UI shows data URIs inside markdown artifacts). Every input-derived string is
-    escaped (markdown_text, markdown_code)."""
+    """The audit report: verdict first, then the figures behind it, the noise's parts and the test.
+    `plot_src` is an image URL or a data URI (the Prefect UI shows data URIs inside markdown
+    artifacts). Every input-derived string is escaped (markdown_text, markdown_code)."""
+    at = f"step {c.step}" if c.step is not None else "no step"
     lines = [
         f"# Audit fork of {markdown_code(c.parent)} at step {c.fork_step}",
         "",
         f"{headline(c)} {markdown_text(c.verdict)}",
         "",
-        "| branch | overrides | trained to | final loss | EMA loss | train noise | held-out loss | "
-        + " | ".join(f"held-out {markdown_code(a, in_table=True)}" for a in c.arms)
-        + " |",
-        "|---" * (7 + len(c.arms)) + "|",
+        f"Every column is of {at}: the newest step past the fork for which every run of every ranked "
+        "branch has a valid checkpoint.",
+        "",
+        "| branch | overrides | runs (held-out each) | scored at | final loss | EMA loss | loss spread | "
+        "held-out loss | " + " | ".join(f"held-out {markdown_code(a, in_table=True)}" for a in c.arms) + " |",
+        "|---" * (8 + len(c.arms)) + "|",
     ]
     for b in c.branches:
         overrides = (
@@ -527,9 +873,13 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
             name = f"**{name}**"
         if b.problem:
             name += f" ({markdown_text(b.problem)})"
+        elif b.diverged:
+            name += " (diverged: ranked apart)"
+        each = ", ".join(_fmt(v) for v in b.replicate_val)
         cells = [
             name,
             overrides,
+            f"{b.replicates}" + (f": {each}" if each else ""),
             str(b.trained_to) if b.trained_to is not None else "n/a",
             _fmt(b.final_loss),
             _fmt(b.ema_loss),
@@ -538,32 +888,62 @@ def report_markdown(c: Comparison, plot_src: str | None = None) -> str:
             *(_fmt(b.val_loss.get(a)) for a in c.arms),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    trained = ", ".join(
+        f"{markdown_text(b.name)}{'' if b.replicates == 1 else f' r{r.replicate}'} {r.trained_to}"
+        for b in c.branches
+        for r in b.runs
+    )
     lines += [
+        "",
+        f"Trained to (newest checkpoint of each run): {trained}. Final and EMA loss: the training loss "
+        f"logged at {at} and its EMA from the fork to it (means over a branch's runs); loss spread: the "
+        "standard deviation of the training loss over its last 50 steps.",
         "",
         f"Held-out data: {c.val_sequences} sequences of {c.block_size} tokens from the validation split of "
         f"each arm under the parent's data settings, the same for every branch. No branch trained on it: "
         f"every branch splits its arms as the parent does (a branch that changes "
         f"{' or '.join('data.' + f for f in SPLIT_FIELDS)}, or whose arms read the held-out documents' "
-        f"files under other paths, is refused). Margin: the runner-up's mean "
-        f"held-out loss minus the leader's ({_fmt(c.margin)}); noise: standard error of the paired "
-        f"per-sequence difference ({_fmt(c.noise)}). A margin above {SIGNIFICANCE:g}x the noise names a "
-        f"winner; below, there is no winner (within noise).",
+        f"files under other paths, is refused).",
+        "",
+        "| the verdict's noise | standard error |",
+        "|---|---|",
+        "| held-out sampling (paired per-sequence difference, leader vs runner-up) | "
+        f"{_fmt(c.noise_held_out)} |",
+        f"| training (data order: the replicates' spread, {c.df or 0} degrees of freedom) | "
+        f"{_fmt(c.noise_training) if c.df else 'unmeasured (one run a branch)'} |",
+        f"| both (the margin's standard error) | {_fmt(c.noise)} |",
+        "",
+        f"Margin: the runner-up's held-out loss minus the leader's ({_fmt(c.margin)}). Test: {c.test}: "
+        + (
+            f"a winner when the margin exceeds {c.critical:.2f}x the noise (Student's t, {c.df} degrees of "
+            f"freedom, the training part's; the held-out part's {c.df_held_out} are not counted), so that "
+            f"branches differing only in their data order name one in at most {c.level:.0%} of forks."
+            if c.critical
+            else "it needs two or more runs a branch (andrea fork --replicates)."
+        ),
         "",
     ]
-    rolled = [b for b in c.branches if b.guard_events]
-    for b in rolled:
-        events = "; ".join(
-            f"{e['kind']} at step {e['step']}, "
-            + (f"rolled back to {e['rolled_back_to']}" if e["action"] == "rollback" else "stopped")
-            for e in b.guard_events
-        )
-        lines += [f"Branch {markdown_code(b.name)} rolled back (divergence guard): {events}.", ""]
-    if not rolled:
-        lines += ["No branch rolled back (divergence guard).", ""]
+    if c.to_decide:
+        lines += [f"What would decide it: {markdown_text(c.to_decide)}.", ""]
+    acted = [b for b in c.branches if b.guard_events]
+    for b in acted:
+        under = f" It trained under: {markdown_text('; '.join(b.trained_under))}." if b.trained_under else ""
+        events = markdown_text("; ".join(guard_lines(b)))
+        lines += [
+            f"Divergence guard in {markdown_code(b.name)} (ranked apart: it did not train under its "
+            f"overrides alone): {events}.{under}",
+            "",
+        ]
+    if not acted:
+        lines += ["The divergence guard acted in no branch.", ""]
     if plot_src:
         lines += [f"![training and held-out loss of the branches]({plot_src})", ""]
     lines += ["Branch run directories (lineage in each `run.yaml`):", ""]
-    lines += [f"- {markdown_code(b.name)}: {markdown_code(b.url)}" for b in c.branches]
+    lines += [
+        f"- {markdown_code(b.name)}: "
+        + ", ".join(markdown_code(r.url) for r in b.runs or [RunScore(b.url, 0, 0, None)])
+        for b in c.branches
+    ]
     return "\n".join(lines) + "\n"
 
 

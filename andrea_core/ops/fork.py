@@ -15,6 +15,12 @@ trains from scratch:
      the protections before it and may still delete it (confirm_fork_point waits that pass out);
   5. a trainer started on a branch whose lineage names a fork point it does not hold refuses to start
      (require_fork_point) instead of training from step 1.
+
+Replicates: with `replicates` K > 1 each branch is K runs, identical but for train.seed (replicate 0
+keeps the branch's seed and URL; replicate r trains with replicate_seed(seed, r) at "<url>.r<r>").
+Branches that share a seed share the data order of each replicate, so their replicate-r difference
+cancels the order's part; the spread over replicates is the training noise the verdict weighs
+(ops/compare.py).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name,
 from andrea_core.config import ConfigError, RetentionConfig, RunConfig, load_yaml
 from andrea_core.data.policy import load_policy, parse_policy
 from andrea_core.run.guard_events import events_up_to
-from andrea_core.run.lineage import fork_records
+from andrea_core.run.lineage import BRANCH_NAME_RE, check_branch_name, fork_records  # noqa: F401 (re-exported)
 from andrea_core.run.lock import read_lock, still_holds
 from andrea_core.run.record import config_differences, read_run, run_n_params
 from andrea_core.run.rundir import (
@@ -47,9 +53,7 @@ from andrea_core.run.rundir import (
 )
 from andrea_core.train.setup import create_run
 
-# Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
-BRANCH_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # fullmatch: no trailing newline
-# The same rule for a JSON schema (the Prefect parameter form), whose `pattern` is searched, not matched.
+# run/lineage.BRANCH_NAME_RE for a JSON schema (the Prefect parameter form): `pattern` is searched.
 BRANCH_NAME_SCHEMA = f"^{BRANCH_NAME_RE.pattern}$"
 
 
@@ -60,13 +64,29 @@ class BranchSpec:
     url: str | None = None  # default: beside the parent, "<parent>-<name>"
 
 
-def check_branch_name(name: Any, where: str = "branch") -> str:
-    if not isinstance(name, str) or not BRANCH_NAME_RE.fullmatch(name):
-        raise ConfigError(
-            f"{where}: name {name!r} is not allowed: use letters, digits, '-', '_' and '.' (not first), "
-            "at most 100 characters (it becomes part of the branch's path)"
-        )
-    return name
+DEFAULT_REPLICATES = 3  # runs a branch on the operator's paths (`andrea fork`, the audit-fork flow)
+MAX_REPLICATES = 64
+REPLICATE_SEED_STRIDE = 1_000_003
+
+
+def check_replicates(value: Any, where: str = "replicates") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_REPLICATES:
+        raise ConfigError(f"{where}: expected a whole number 1..{MAX_REPLICATES}, got {value!r}")
+    return value
+
+
+def replicate_seed(seed: int, replicate: int) -> int:
+    """train.seed of replicate `replicate` of a branch whose seed is `seed` (replicate 0: its own)."""
+    return (seed + replicate * REPLICATE_SEED_STRIDE) % 2**31 if replicate else seed
+
+
+def replicate_url(url: str, replicate: int) -> str:
+    """Replicate 0 is the branch's URL; replicate r, "<url>.r<r>" beside it."""
+    return url if replicate == 0 else f"{url.rstrip('/')}.r{replicate}"
+
+
+def replicate_label(name: str, replicate: int) -> str:
+    return name if replicate == 0 else f"{name}.r{replicate}"
 
 
 def check_destination(url: str, where: str) -> str:
@@ -91,15 +111,22 @@ class _Plan:
     branch: RunDir
     policy_text: str
     complete: bool  # a finished branch of this very fork: left as it is
+    replicate: int = 0
+    replicates: int = 1
 
 
 def fork(
-    parent_url: str, branches: list[BranchSpec], step: int | None = None, log: Callable[[str], None] = print
+    parent_url: str,
+    branches: list[BranchSpec],
+    step: int | None = None,
+    log: Callable[[str], None] = print,
+    replicates: int = 1,
 ) -> list[str]:
-    """Create one branch run directory per spec from the parent's checkpoint at `step` (default:
-    newest valid). Returns the branch URLs. Everything is validated before the first write; a rerun
-    of a fork that did not finish completes it. `log` gets what the fork waits for and a fork point
-    the parent could not be shown to keep (confirm_fork_point)."""
+    """Create `replicates` run directories per spec from the parent's checkpoint at `step` (default:
+    newest valid). Returns the run URLs, branch by branch, replicate 0 first. Everything is validated
+    before the first write; a rerun of a fork that did not finish completes it. `log` gets what the
+    fork waits for and a fork point the parent could not be shown to keep (confirm_fork_point)."""
+    check_replicates(replicates)
     parent = RunDir(parent_url)
     record = read_run(parent)
     n_params = run_n_params(record)
@@ -122,8 +149,13 @@ def fork(
     if ckpt is None:
         raise CheckpointError(parent.url, "no valid checkpoint to fork from")
     step = ckpt.step
-    names = [b.name for b in branches]
-    urls = [RunDir(b.url or default_branch_url(parent, step, b.name)).url for b in branches]
+    bases = [RunDir(b.url or default_branch_url(parent, step, b.name)).url for b in branches]
+    runs = [(b, r, RunDir(replicate_url(u, r)).url) for b, u in zip(branches, bases, strict=True)
+            for r in range(replicates)]  # fmt: skip
+    names = [replicate_label(b.name, r) for b, r, _ in runs]
+    urls = [u for _, _, u in runs]
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"fork of {parent.url}: two runs of this fork would share a folder: {urls}")
     earlier = next(
         (r for r in fork_records(parent) if r.get("step") == step and r.get("names") == names), None
     )
@@ -134,8 +166,11 @@ def fork(
         )
 
     plans = []
-    for spec, url in zip(branches, urls, strict=True):
+    for spec, replicate, url in runs:
         cfg = record.config.with_overrides(spec.overrides, f"branch {spec.name!r}")
+        if replicate:
+            seed = replicate_seed(cfg.train.seed, replicate)
+            cfg = cfg.with_overrides({"train.seed": seed}, f"branch {spec.name!r} replicate {replicate}")
         if cfg.model != record.config.model or cfg.data.tokenizer != record.config.data.tokenizer:
             raise ConfigError(
                 f"branch {spec.name!r}: a fork cannot change the model architecture or tokenizer"
@@ -148,12 +183,15 @@ def fork(
         else:
             policy_text = parent.read_text(POLICY_YAML)
         complete = _branch_state(branch, spec, parent, step, n_params, cfg, earlier is not None)
-        plans.append(_Plan(spec, cfg, branch, policy_text, complete))
+        plans.append(_Plan(spec, cfg, branch, policy_text, complete, replicate, replicates))
 
-    check_branches_change_training(record.config, parent.read_text(POLICY_YAML), plans, step)
+    firsts = [p for p in plans if p.replicate == 0]  # the operator's branches, as they were named
+    check_branches_change_training(record.config, parent.read_text(POLICY_YAML), firsts, step)
     if earlier is None:
         # The fork point is protected from here on, before anything is copied (retention reads this).
         line = {"step": step, "branches": urls, "names": names, "time": time.time()}
+        if replicates > 1:
+            line["replicates"] = replicates
         parent.append(FORKS, (json.dumps(line) + "\n").encode(), durable=True)
     for plan in plans:
         if not plan.complete:
@@ -348,6 +386,8 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
         "branch": plan.spec.name,
         "overrides": plan.spec.overrides,
     }
+    if plan.replicates > 1:  # a fork without replicates writes the lineage it always did
+        lineage.update(replicate=plan.replicate, replicates=plan.replicates, seed=plan.cfg.train.seed)
     # The weights only mean something with the parent's frozen tokenizer.
     tokenizer = parent.read_bytes(TOKENIZER_JSON) if parent.exists(TOKENIZER_JSON) else None
     create_run(branch, plan.cfg, plan.policy_text, lineage, tokenizer)

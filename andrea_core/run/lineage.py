@@ -3,7 +3,8 @@ made from it (forks.jsonl), each read here once, and the tree of both, recursive
 
 Built from the run directories alone (each branch's run.yaml lineage too), so that it works from any
 machine that can reach the run. Takes a RunDir or a URL; retention, the trainer and the pivot read
-phases and fork points from here.
+phases and fork points from here. A branch's name and replicate fields are read through
+branch_of, which checks them as a fork writes them (a forged run.yaml is refused naming the field).
 """
 
 from __future__ import annotations
@@ -21,9 +22,49 @@ from andrea_core.run.rundir import (
     ARCHIVE,
     FORKS,
     POLICY_YAML,
+    RUN_YAML,
     ProtocolNotAllowed,
     RunDir,
 )
+
+# Like an arm name: it becomes part of a path, so letters, digits, "-", "_" and "." (not leading) only.
+BRANCH_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # fullmatch: no trailing newline
+
+
+def check_branch_name(name: Any, where: str = "branch") -> str:
+    if not isinstance(name, str) or not BRANCH_NAME_RE.fullmatch(name):
+        raise ConfigError(
+            f"{where}: name {name!r} is not allowed: use letters, digits, '-', '_' and '.' (not first), "
+            "at most 100 characters (it becomes part of the branch's path)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class BranchOf:
+    """What a branch's run.yaml lineage says it is: its branch's name and which replicate it is."""
+
+    name: str | None  # None: no lineage.branch (a run forked before names were recorded)
+    replicate: int = 0
+    replicates: int = 1
+
+
+def branch_of(run: RunDir, lineage: dict | None = None) -> BranchOf:
+    """The branch name and replicate of `run` (its run.yaml's lineage, or `lineage` already read),
+    each checked as a fork writes it: a name that could not have been a branch name, or replicate
+    fields out of range, are refused naming run.yaml and the field."""
+    lineage = read_run(run).lineage if lineage is None else lineage
+    where = run.path(RUN_YAML)
+    name = lineage.get("branch")
+    if name is not None:
+        check_branch_name(name, f"{where}: lineage.branch")
+    replicates = lineage.get("replicates", 1)
+    replicate = lineage.get("replicate", 0)
+    if type(replicates) is not int or not 1 <= replicates <= 64:
+        raise ConfigError(f"{where}: lineage.replicates: expected a whole number 1..64, got {replicates!r}")
+    if type(replicate) is not int or not 0 <= replicate < replicates:
+        raise ConfigError(f"{where}: lineage.replicate: expected 0..{replicates - 1}, got {replicate!r}")
+    return BranchOf(name, replicate, replicates)
 
 
 @dataclass
@@ -111,7 +152,7 @@ def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
         run.url,
         record.lineage.get("parent"),
         record.lineage.get("parent_step"),
-        record.lineage.get("branch"),
+        branch_of(run, record.lineage).name,
         record.lineage.get("overrides") or {},
         steps[-1] if steps else None,
         tree,

@@ -1,0 +1,233 @@
+"""The audit fork's verdict (issue 42): its test on known numbers, pinned either side of its cut-off;
+the noise's parts in the verdict, the report and the JSON; one step for every branch (or a refusal
+naming the branch that falls short); and, item 15 of issue 43, a forged branch name."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from andrea_core.checkpoint import checkpoint_name, encode
+from andrea_core.config import ConfigError
+from andrea_core.ops.compare import (
+    LEVEL,
+    BranchResult,
+    Comparison,
+    _name_winner,
+    compare_branches,
+    plot_comparison,
+    report_markdown,
+    t_critical,
+)
+from andrea_core.ops.fork import BranchSpec, fork, replicate_seed
+from andrea_core.run.record import read_run
+from andrea_core.run.rundir import RunDir
+
+SEQS = np.array([1.0, 3.0, 1.5, 2.5, 2.0, 4.0, 2.2, 1.8])
+
+
+def branch(name: str, replicate_val: list[float], spread: list[float] | None = None) -> BranchResult:
+    """A branch whose runs scored `replicate_val`; its replicate-mean per-sequence losses are SEQS
+    moved to that mean, plus `spread` (the held-out sampling noise of a paired difference)."""
+    mean = float(np.mean(replicate_val))
+    per_sequence = SEQS - SEQS.mean() + mean + (np.asarray(spread) if spread is not None else 0.0)
+    return BranchResult(name, f"/runs/{name}", {}, val_loss={"a": mean}, val_mean=mean,
+                        replicates=len(replicate_val), replicate_val=list(replicate_val),
+                        per_sequence=per_sequence)  # fmt: skip
+
+
+def test_the_critical_values_are_students_t():
+    """Two-sided 5% points of Student's t, from the printed tables."""
+    assert LEVEL == 0.05
+    for df, table in ((1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423), (200, 1.9719)):
+        assert t_critical(df) == pytest.approx(table, abs=2e-4), df
+
+
+@pytest.mark.parametrize("factor, wins", [(1.02, True), (0.98, False)])
+def test_the_cut_off_is_the_t_critical_value_times_the_noise(factor, wins):
+    """Two branches of 3 replicates (training: 4 degrees of freedom) scored on 8 held-out sequences
+    (held-out: 7), the two parts of the noise equal; the t is the training part's, t(0.975, 4) =
+    2.7764 (Welch-Satterthwaite's 10.18 would give 2.2228). A margin 2% either side of 2.7764 x the
+    noise: moving LEVEL, the t quantile, a part of the noise or the degrees of freedom moves one of
+    these two cases across."""
+    d = 0.01
+    training = d * math.sqrt(2 / 3)  # pooled variance d^2 (each branch: +-d around its mean), 1/3 + 1/3
+    pattern = np.array([1.0, -1.0] * 4)
+    held_out = pattern * training * math.sqrt(8) / pattern.std(ddof=1)  # its standard error = training
+    noise = training * math.sqrt(2)
+    margin = factor * 2.7764 * noise
+    a = branch("a", [2.0 - d, 2.0, 2.0 + d])
+    b = branch("b", [2.0 + margin - d, 2.0 + margin, 2.0 + margin + d], spread=held_out)
+    c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a])
+    _name_winner(c)
+    assert (c.leader, c.runner_up, c.df, c.df_held_out) == ("a", "b", 4, 7)
+    assert c.margin == pytest.approx(margin, rel=1e-9)
+    assert c.noise_training == pytest.approx(training, rel=1e-9)
+    assert c.noise_held_out == pytest.approx(training, rel=1e-9)
+    assert c.noise == pytest.approx(noise, rel=1e-9)
+    assert c.df_effective == 4 and c.critical == pytest.approx(2.7764, abs=1e-4)
+    assert c.significant is wins and (c.winner == "a") is wins
+    if wins:
+        assert c.verdict.startswith("a converges best: held-out loss ") and c.to_decide is None
+        assert f"{factor * 2.7764:.1f} standard errors, a winner needs 2.78" in c.verdict
+    else:
+        assert c.verdict.startswith("no winner: within noise (a leads: ")
+        # What would decide it, with numbers: the lead this noise needs; the replicates that would.
+        assert c.to_decide.startswith(f"a lead of {c.critical * noise:.4f} would be decisive at this noise; ")
+        assert "at this lead and spread, 4 replicates a branch would decide it" in c.to_decide
+
+
+def test_without_held_out_noise_the_test_is_the_two_sample_t_test():
+    """Identical held-out differences on every sequence: only the training part, 4 degrees of freedom."""
+    d = 0.01
+    noise = d * math.sqrt(2 / 3)
+    for factor, wins in ((1.02, True), (0.98, False)):
+        margin = factor * 2.7764 * noise
+        a, b = (
+            branch("a", [2.0 - d, 2.0, 2.0 + d]),
+            branch("b", [2.0 + margin - d, 2.0 + margin, 2.0 + margin + d]),
+        )
+        c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a])
+        _name_winner(c)
+        assert c.noise_held_out == pytest.approx(0, abs=1e-12) and c.df_effective == pytest.approx(4)
+        assert c.critical == pytest.approx(2.7764, abs=1e-4) and (c.winner == "a") is wins
+
+
+def test_one_run_a_branch_names_no_winner_however_large_the_lead():
+    """Today's rule named a winner at 2 held-out standard errors; one run a branch measures nothing of
+    the training noise, so the verdict names none and says what would decide it."""
+    a, b = branch("a", [2.0]), branch("b", [2.5], spread=[0.01, -0.01] * 4)
+    c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a])
+    _name_winner(c)
+    assert c.winner is None and c.leader == "a" and c.df == 0 and c.noise_training is None
+    assert c.margin / c.noise > 100
+    assert c.verdict.startswith("no winner: training noise unmeasured (a leads: ")
+    assert c.to_decide.startswith("fork again with --replicates 3")
+    md = report_markdown(c)
+    assert "**No winner: training noise unmeasured.**" in md
+    assert "| training (data order: the replicates' spread, 0 degrees of freedom) | unmeasured" in md
+
+
+def test_the_json_and_the_report_carry_the_noise_parts_and_the_test():
+    a = branch("a", [2.00, 2.01, 1.99])
+    b = branch("b", [2.30, 2.31, 2.29], spread=[0.01, -0.01] * 4)
+    c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a], step=140)
+    _name_winner(c)
+    out = c.to_dict()
+    assert out["winner"] == "a" and out["step"] == 140 and out["df"] == 4 and out["level"] == 0.05
+    assert out["noise_training"] == pytest.approx(0.01 * math.sqrt(2 / 3))
+    both = math.hypot(out["noise_training"], out["noise_held_out"])
+    assert out["noise_held_out"] > 0 and out["noise"] == pytest.approx(both)
+    assert out["df_held_out"] == 7 and out["df_effective"] == 4
+    assert out["critical"] == pytest.approx(t_critical(out["df_effective"]))
+    assert out["test"].startswith("two-sample t-test")
+    assert [x["replicate_val"] for x in out["branches"]] == [[2.30, 2.31, 2.29], [2.00, 2.01, 1.99]]
+    assert [x["replicates"] for x in out["branches"]] == [3, 3]
+    md = report_markdown(c)
+    assert "Every column is of step 140: the newest step past the fork" in md
+    assert f"leader vs runner-up) | {c.noise_held_out:.4f} |" in md
+    assert (
+        f"| training (data order: the replicates' spread, 4 degrees of freedom) | {c.noise_training:.4f} |"
+        in md
+    )
+    assert "| 3: 2.0000, 2.0100, 1.9900 |" in md
+    assert (
+        "a winner when the margin exceeds 2.78x the noise (Student's t, 4 degrees of freedom, the training "
+        "part's; the held-out part's 7 are not counted)"
+    ) in md
+
+
+FORGED = r"$\sqrt{\frac{a}{b}}\undefinedcommand$"
+
+
+def test_a_name_that_is_mathtext_is_plotted_as_text():
+    """Issue 43.15: the held-out bars' legend took the branch name raw, and matplotlib's mathtext
+    raised on it (no report at all)."""
+    a = branch(FORGED, [2.0, 2.01])
+    b = branch("b", [2.3, 2.31])
+    c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a])
+    _name_winner(c)
+    assert plot_comparison(c)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_fork(tmp_path, steps: dict[str, list[int]], replicates: int = 1) -> tuple[RunDir, list[str]]:
+    """A fabricated parent (all-zero weights) forked at 100 into branches a and b (b at lr 1e-3), each
+    then holding checkpoints at `steps[name]` (written, not trained: the fork point's weights)."""
+    from test_retention import fabricated_run
+
+    parent = fabricated_run(str(tmp_path / "parent"), [100])
+    urls = fork(
+        parent.url, [BranchSpec("a"), BranchSpec("b", {"train.lr": 1e-3})], 100, replicates=replicates
+    )
+    flat = parent.read_checkpoint(100).flat
+    for url in urls:
+        name = read_run(RunDir(url)).lineage["branch"]
+        for step in steps[name]:
+            RunDir(url).write_atomic(checkpoint_name(step), encode(step, flat))
+    return parent, urls
+
+
+def test_branches_of_unequal_length_are_scored_at_their_newest_common_step(tmp_path):
+    parent, urls = _fake_fork(tmp_path, {"a": [120, 140], "b": [120, 140, 160, 180]})
+    c = compare_branches(parent.url, urls, 100, val_sequences=4)
+    assert c.step == 140 and [b.trained_to for b in c.branches] == [140, 140]
+    assert [r.trained_to for b in c.branches for r in b.runs] == [140, 180]
+    md = report_markdown(c)
+    assert (
+        "Every column is of step 140" in md
+        and "Trained to (newest checkpoint of each run): a 140, b 180." in md
+    )
+
+
+def test_branches_with_no_common_step_are_refused_naming_the_one_that_falls_short(tmp_path):
+    parent, urls = _fake_fork(tmp_path, {"a": [150], "b": [200]})
+    with pytest.raises(ConfigError) as e:
+        compare_branches(parent.url, urls, 100, val_sequences=4)
+    assert str(e.value) == (
+        "compare: no step past the fork point 100 has a valid checkpoint in every branch (a holds [150]; "
+        f"b holds [200]); a falls short of step 200: run andrea train --run-dir {urls[0]} --max-steps 200"
+    )
+
+
+def test_a_torn_common_checkpoint_moves_every_branch_to_the_previous_common_step(tmp_path):
+    parent, urls = _fake_fork(tmp_path, {"a": [120, 140], "b": [120, 140]}, replicates=2)
+    RunDir(urls[3]).write_atomic(checkpoint_name(140), b"torn")  # b's replicate 1
+    warned = []
+    c = compare_branches(parent.url, urls, 100, val_sequences=4, warn=warned.append)
+    assert c.step == 120 and all(r.val_mean is not None for b in c.branches for r in b.runs)
+    assert any("scoring every branch at an earlier common step" in w for w in warned)
+
+
+def test_a_fork_with_replicates(tmp_path):
+    """Replicate r of every branch shares one data order (seed + r x 1,000,003); replicate 0 is the
+    branch as a fork without replicates makes it; compare finds the replicates beside replicate 0."""
+    parent, urls = _fake_fork(tmp_path, {"a": [120], "b": [120]}, replicates=3)
+    base = f"{parent.url}-fork100"
+    assert urls == [f"{base}-a", f"{base}-a.r1", f"{base}-a.r2", f"{base}-b", f"{base}-b.r1", f"{base}-b.r2"]
+    seeds = [read_run(RunDir(u)).config.train.seed for u in urls]
+    assert seeds == [1337, 1337 + 1_000_003, 1337 + 2_000_006] * 2
+    assert replicate_seed(1337, 2) == 1337 + 2_000_006
+    lineage = read_run(RunDir(urls[4])).lineage
+    assert (lineage["branch"], lineage["replicate"], lineage["replicates"]) == ("b", 1, 3)
+    assert lineage["overrides"] == {"train.lr": 1e-3}
+    c = compare_branches(parent.url, [urls[0], urls[3]], 100, val_sequences=4)  # replicate 0s only
+    assert [[r.url for r in b.runs] for b in c.branches] == [urls[:3], urls[3:]]
+    assert c.df == 4 and c.step == 120
+    shutil.rmtree(urls[5])
+    with pytest.raises(
+        ConfigError, match=r"branch 'b': replicate 2 of 3 is missing \(.*-b\.r2\): rerun the fork"
+    ):
+        compare_branches(parent.url, [urls[0], urls[3]], 100, val_sequences=4)
+
+
+def test_a_forged_branch_name_in_run_yaml_is_refused_naming_the_field(tmp_path):
+    """Issue 43.15: lineage.branch is read as a fork writes it: a name no fork could have made."""
+    parent, urls = _fake_fork(tmp_path, {"a": [120], "b": [120]})
+    run = RunDir(urls[1])
+    text = run.read_text("run.yaml").replace("branch: b", "branch: '" + FORGED.replace("'", "''") + "'")
+    run.write_text("run.yaml", text)
+    with pytest.raises(ConfigError, match=r"run\.yaml: lineage\.branch: name .* is not allowed"):
+        compare_branches(parent.url, urls, 100, val_sequences=4)
