@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from andrea_core.ops.compare import markdown_text
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import ARCHIVE, RunDir
+from andrea_core.untrusted import markdown_text
 
 pytestmark = pytest.mark.slow
 

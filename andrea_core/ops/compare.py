@@ -34,7 +34,6 @@ import base64
 import dataclasses
 import io
 import math
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -61,6 +60,7 @@ from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import RUN_YAML, RunDir
 from andrea_core.train.optim import build_optimizer
+from andrea_core.untrusted import markdown_code, markdown_text  # the one sanitizer; re-exported
 
 LEVEL = 0.05  # the false-winner rate the verdict is calibrated to (two-sided: either branch may lead)
 # The data settings that decide which tokens of an arm are held out: a branch must share the parent's.
@@ -795,31 +795,6 @@ def png_data_uri(png: bytes) -> str:
 
 def _fmt(v: float | None, digits: int = 4) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
-
-
-# Markdown's inline syntax (links, images, emphasis, code, table cells, strikethrough); what matters only
-# at the start of a line (lists, headings) cannot occur: these strings are always placed mid-line.
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~])")
-
-
-def markdown_text(text: object) -> str:
-    """An input-derived string as plain markdown text: HTML and markdown syntax shown, never interpreted
-    (no link, image, raw HTML, emphasis or table cell break); one line."""
-    text = " ".join(str(text).split())
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return _MD_SPECIAL.sub(r"\\\1", text)
-
-
-def markdown_code(text: object, in_table: bool = False) -> str:
-    """An input-derived string as a markdown code span: shown verbatim, whatever backticks, brackets or
-    HTML it holds (the fence is longer than any run of backticks inside). In a table cell "|" is
-    escaped, which GitHub-flavoured markdown requires even inside code spans."""
-    text = " ".join(str(text).split())
-    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
-    if in_table:
-        text = text.replace("|", "\\|")
-    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def headline(c: Comparison) -> str:

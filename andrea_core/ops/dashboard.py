@@ -4,7 +4,7 @@ samples and the loss plot embedded. The Prefect train flow publishes it as the k
 `run-<name>-<digest>` at the start and at every checkpoint (tasks/artifacts.py); any tool can write it to
 a file.
 Every input-derived string is escaped (untrusted.markdown_text, or untrusted.shown inside
-compare.markdown_code): shown, never rendered, never a link.
+untrusted.markdown_code): shown, never rendered, never a link.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError
-from andrea_core.ops.compare import markdown_code, png_data_uri
+from andrea_core.ops.compare import png_data_uri
 from andrea_core.ops.loss_view import loss_view, plot_view
 from andrea_core.ops.status import RunStatus, run_status
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import STATE, RunDir
 from andrea_core.run.samples import read_audits
-from andrea_core.untrusted import markdown_text, shown
+from andrea_core.untrusted import markdown_code, markdown_text, shown
 
 
 def bandit_mix(run: RunDir) -> tuple[int, dict[str, float]] | None:

@@ -26,14 +26,13 @@ cancels the order's part; the spread over replicates is the training noise the v
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from andrea_core import faults
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
 from andrea_core.config import ConfigError, RetentionConfig, RunConfig, load_yaml
 from andrea_core.data.policy import load_policy, parse_policy
@@ -396,8 +395,7 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
 def _kill_point(name: str) -> None:
     """ANDREA_TEST_FORK_KILL_AFTER=<branch>/<file>: the fork's process dies right after writing that
     file, as a worker killed mid-copy would (tests only). Unset: no effect."""
-    if os.environ.get("ANDREA_TEST_FORK_KILL_AFTER") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    faults.die_at(faults.FORK_KILL_AFTER, name)
 
 
 def history_up_to(data: bytes, step: int) -> bytes:
