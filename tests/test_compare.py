@@ -105,7 +105,8 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     alone: the report, the JSON and the plot name its event and the settings after it, and it is
     ranked apart, never the winner, however low its loss (issue 41.4)."""
     parent, urls = forked
-    (poisoned,) = fork(parent.url, [BranchSpec("poisoned", {"train.guard.rollback_margin": 10})], 100)
+    spec = BranchSpec("poisoned", {"train.guard.rollback_margin": 10, "train.guard.in_branch": "remedy"})
+    (poisoned,) = fork(parent.url, [spec], 100)
     env = {**_env(), "ANDREA_TEST_GUARD_NAN_AT": "120"}
     andrea("train", "--run-dir", poisoned, "--max-steps", "160", env=env)
     c = compare_branches(parent.url, [*urls, poisoned], 100, val_sequences=16)
@@ -125,7 +126,7 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     assert c.verdict.endswith(
         f" (not ranked, the divergence guard changed how they trained: poisoned: {said})"
     )
-    md = report_markdown(c)
+    md = report_markdown(c).replace("\\", "")  # as rendered: the escapes of untrusted.markdown_text shown
     assert "| poisoned (diverged: ranked apart) |" in md
     assert (
         "Divergence guard in `poisoned` (ranked apart: it did not train under its overrides alone): "
@@ -141,3 +142,22 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     assert legend == ["parent", "base (winner)", "frozen", "poisoned (diverged)"]
     others = compare_branches(parent.url, urls, 100, val_sequences=16)
     assert "The divergence guard acted in no branch." in report_markdown(others)
+
+
+def test_a_branch_the_guard_stopped_is_named_diverged_and_leaves_the_others_common_step(forked):
+    """A fork branch diverges and the guard stops it (train.guard.in_branch, default "stop": exit 3,
+    issue 41.4). Compare names it diverged, with the step and the rule, and scores the others at their
+    own common step (160): a stopped branch's last checkpoint does not hold them back (issue 42.3)."""
+    parent, urls = forked
+    spec = BranchSpec("stopped", {"train.guard.rollback_margin": 10})
+    (stopped,) = fork(parent.url, [spec], 100)
+    env = {**_env(), "ANDREA_TEST_GUARD_NAN_AT": "120"}
+    proc = andrea("train", "--run-dir", stopped, "--max-steps", "160", env=env, check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "diverged at step 120 under train.guard.rollback_margin=10" in proc.stderr
+    c = compare_branches(parent.url, [*urls, stopped], 100, val_sequences=16)
+    s = c.branch("stopped")
+    assert s.problem == "diverged at step 120 (non-finite-grad-norm): the guard stopped it"
+    assert s.trained_to is None and s.val_mean is None and c.step == 160
+    assert c.winner != "stopped" and c.leader != "stopped" and c.runner_up != "stopped"
+    assert "| stopped (diverged at step 120 (non-finite-grad-norm)" in report_markdown(c).replace("\\", "")

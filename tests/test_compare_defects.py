@@ -23,6 +23,7 @@ from andrea_core.ops.compare import (
 )
 from andrea_core.ops.fork import BranchSpec, fork
 from andrea_core.run.rundir import LOSS_LOG
+from andrea_core.untrusted import markdown_text
 
 SEQS = [1.0, 3.0, 1.5, 2.5, 2.0, 4.0]
 
@@ -55,7 +56,7 @@ def test_no_winner_inside_the_noise():
     assert c.leader == "base" and c.runner_up == "other"
     assert c.verdict.startswith("no winner: within noise (base leads: held-out loss")
     md = report_markdown(c)
-    assert "**No winner: within noise.** no winner: within noise" in md
+    assert "**No winner: within noise.** " + markdown_text("no winner: within noise") in md
     assert "Winner:" not in md and "**base**" not in md
     assert [legend_label(c, b) for b in c.branches] == ["other", "base"]
     assert plot_comparison(c)[:8] == b"\x89PNG\r\n\x1a\n"
@@ -109,7 +110,7 @@ def test_an_untrained_branch_is_reported_untrained_without_the_parents_losses(un
         assert b.history == [] and b.final_loss is None and b.ema_loss is None
         assert b.problem == UNTRAINED and b.trained_to is None and b.runs[0].trained_to == 200
     assert c.winner is None and c.verdict.startswith("no branch could be evaluated: a: untrained")
-    row = "| a (untrained: no checkpoint past the fork point) | (none) | 1 | n/a | n/a | n/a |"
+    row = f"| a ({markdown_text(UNTRAINED)}) | (none) | 1 | n/a | n/a | n/a |"
     assert row in report_markdown(c)
 
 

@@ -430,8 +430,11 @@ def compare_branches(
             result.guard_events += [{**asdict(e), "replicate": replicate} for e in events]
             who = f"replicate {replicate}: " if len(members) > 1 else ""
             result.trained_under += [who + remedy_text(e) for e in Remedies(events).active]
+        stops = [e for e in result.guard_events if e["action"] == "stop"]
         if failed and name in failed:
             result.problem = failed[name]
+        elif stops:  # its divergence is its result: not scored, and no limit on the others' common step
+            result.problem = f"diverged at step {stops[0]['step']} ({stops[0]['kind']}): the guard stopped it"
         elif all(r.trained_to is None or r.trained_to <= fork_step for r in result.runs):
             result.problem = UNTRAINED
         result.diverged = diverged_summary(result)
