@@ -41,6 +41,19 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def makedirs_durable(folder: str | os.PathLike) -> None:
+    """os.makedirs(exist_ok=True), each folder it makes fsynced into its parent: a power cut loses a
+    folder whose entry was never synced, and every file in it (the power-cut soak's first finding)."""
+    folder = os.path.abspath(folder)
+    if os.path.isdir(folder):
+        return
+    parent = os.path.dirname(folder)
+    makedirs_durable(parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder)
+        fsync_dir(parent)
+
+
 def publish(tmp: str | os.PathLike, path: str | os.PathLike, f: BinaryIO | None = None) -> None:
     """Make temporary file `tmp` (written through `f`, or by someone else: a download) `path`: fsync,
     close, rename over `path`, fsync the folder. The temporary is removed if any of it fails."""

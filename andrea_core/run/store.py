@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import fsspec.asyn
 
 from andrea_core import faults
+from andrea_core.atomic import makedirs_durable
 from andrea_core.bounded import read_bounded
 from andrea_core.config import ConfigError, check_limit, limit
 from andrea_core.poll import poll_until
@@ -181,13 +182,14 @@ class LocalStore(_Named):
         missing folders. The caller closes the fd."""
         parts = check_name(name, f"{self.url}: run file name").split("/")
         if create:
-            os.makedirs(self.root, exist_ok=True)
+            makedirs_durable(self.root)
         fd = self._root_fd()
         try:
             for i, part in enumerate(parts[:-1]):
                 if create:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, dir_fd=fd)
+                        os.fsync(fd)  # its entry durable: a power cut would lose the folder with its files
                 try:
                     sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
@@ -317,7 +319,7 @@ class LocalStore(_Named):
         if sub:
             os.close(self._parent_fd(f"{sub}/_", create=True)[0])
         else:
-            os.makedirs(self.root, exist_ok=True)
+            makedirs_durable(self.root)
 
     def put(
         self, name: str, views: Iterable[memoryview], expect: Version | None, fence: Fence | None, mode: int
