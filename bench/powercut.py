@@ -11,7 +11,8 @@ and recomputes the link counts. The model is the strict POSIX one (LazyFS's): fs
 not make its name durable, and nothing reaches the disk unasked.
 
 Disk errors are armed through the same layer: the next write, fsync or read of a path matching a
-pattern fails with EIO, or a write is short; a file is torn or bit-flipped in place.
+pattern (a regular expression, searched) fails with EIO, or a write is short; a file is torn or
+bit-flipped in place.
 
     python bench/powercut.py BACKING MOUNTPOINT CONTROL_SOCKET    # serves until unmounted
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import socketserver
@@ -223,7 +225,7 @@ class PowerCutFS:
     def _fault(self, op: str, path: str | None, n: Node) -> dict | None:
         where = path or f"<ino {n.ino}>"
         for f in self.faults:
-            if f["op"] == op and f["count"] > 0 and f["match"] in where:
+            if f["op"] == op and f["count"] > 0 and re.search(f["match"], where):
                 f["count"] -= 1
                 hit = {"op": op, "path": where, "time": time.time()}
                 self.fired.append(hit)
@@ -478,14 +480,15 @@ class PowerCutFS:
         out = {"bytes": sum(self.unsynced.values()), "entries": 0, "names": [], "files": 0, "reverted": 0}
         for ino, snap in self.dents.items():
             d = self.nodes.get(ino)
-            if d is None:
-                continue
-            for name in sorted(set(d.entries) | set(snap)):
-                if d.entries.get(name) != snap.get(name):
-                    out["entries"] += 1
-                    if len(out["names"]) < 8:
-                        out["names"].append(f"{self._where(ino)}/{name}")
-            d.entries = dict(snap)
+            if d is not None:
+                for name in sorted(set(d.entries) | set(snap)):
+                    if d.entries.get(name) != snap.get(name):
+                        out["entries"] += 1
+                        if len(out["names"]) < 8:
+                            out["names"].append(f"{self._where(ino)}/{name}")
+        for ino, snap in self.dents.items():
+            if ino in self.nodes:
+                self.nodes[ino].entries = dict(snap)
         self.dents.clear()
         # What the durable tree reaches, and its link counts.
         count: dict[int, int] = {ROOT: 1}

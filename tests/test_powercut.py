@@ -139,7 +139,7 @@ def test_disk_errors_fail_the_call_they_claim_to(layer):
     m = layer.mount
     write(m / "f", b"0123456789", sync=True)
     fsync_dir(m)
-    layer.arm("write", "/f")
+    layer.arm("write", "^/f$")
     fd = os.open(m / "f", os.O_WRONLY | os.O_APPEND)
     with pytest.raises(OSError) as e:
         os.write(fd, b"abc")
@@ -165,3 +165,18 @@ def test_disk_errors_fail_the_call_they_claim_to(layer):
     layer.cut()
     assert (m / "f").read_bytes() == b"012"  # on the disk itself: a cut does not undo it
     assert layer.call("stats")["n_internal"] == 0
+
+
+def test_the_folders_the_path_layer_creates_survive_a_power_cut(layer):
+    """A product defect the power-cut soak found (issue 48): RunDir made the run's folder (os.makedirs)
+    and its subfolders (archive/phase_*, a fork's branch) without fsyncing their parents, so a power
+    cut after hours of training lost the whole run ("no run here yet"), or a pivot's archived phase."""
+    from andrea_core.run.rundir import RunDir
+
+    m = layer.mount
+    run = RunDir(str(m / "runs" / "run"))
+    run.write_atomic("archive/phase_1/policy.yaml", b"arms: []\n")
+    run.makedirs("tensorboard")
+    assert layer.cut()["entries"] == 0
+    assert (m / "runs" / "run" / "archive" / "phase_1" / "policy.yaml").read_bytes() == b"arms: []\n"
+    assert run.listdir() == ["archive", "tensorboard"]

@@ -217,13 +217,14 @@ class RunDir:
         missing folders. The caller closes the fd."""
         parts = check_name(name, f"{self.url}: run file name").split("/")
         if create:
-            os.makedirs(self.root, exist_ok=True)
+            _makedirs_durable(self.root)
         fd = self._root_fd()
         try:
             for i, part in enumerate(parts[:-1]):
                 if create:
                     try:
                         os.mkdir(part, dir_fd=fd)
+                        os.fsync(fd)  # its entry durable: a power cut would lose the folder with its files
                     except FileExistsError:
                         pass
                 try:
@@ -373,7 +374,7 @@ class RunDir:
             if sub:
                 os.close(self._parent_fd(f"{sub}/_", create=True)[0])
             else:
-                os.makedirs(self.root, exist_ok=True)
+                _makedirs_durable(self.root)
             return
         self.fs.makedirs(self.path(sub) if sub else self.root, exist_ok=True)
 
@@ -1148,6 +1149,15 @@ def _create_temp(dfd: int, base: str, mode: int) -> tuple[str, int]:
         os.close(fd)
         raise
     return tmp, fd
+
+
+def _makedirs_durable(folder: str) -> None:
+    """os.makedirs, each folder it makes fsynced into its parent (a power cut loses it otherwise)."""
+    if not os.path.isdir(folder):
+        _makedirs_durable(os.path.dirname(os.path.abspath(folder)))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder)
+            _fsync_dir(os.path.dirname(os.path.abspath(folder)))
 
 
 def _fsync_dir(folder: str) -> None:
