@@ -570,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
             # again). Every run file is written whole or not at all: nothing it wrote is half there.
             print(f"andrea: error: {e}: free space there, then run the command again", file=sys.stderr)
             return 1
+        if isinstance(e, OSError) and e.errno == errno.EIO:
+            # The disk failed a read or a write (the power-cut soak's eio-read): the same, one line, exit 1.
+            hint = "the disk failed; check it, then run the command again"
+            print(f"andrea: error: {e}: {hint}", file=sys.stderr)
+            return 1
         if not isinstance(e, _operator_errors()):
             raise
         print(f"andrea: error: {e}", file=sys.stderr)

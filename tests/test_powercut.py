@@ -180,3 +180,21 @@ def test_the_folders_the_path_layer_creates_survive_a_power_cut(layer):
     assert layer.cut()["entries"] == 0
     assert (m / "runs" / "run" / "archive" / "phase_1" / "policy.yaml").read_bytes() == b"arms: []\n"
     assert run.listdir() == ["archive", "tensorboard"]
+
+
+def test_a_read_error_at_start_is_one_line_and_exit_1_not_a_traceback(layer):
+    """A product defect the disk-error soak found (issue 48): an EIO reading run.yaml at a trainer's
+    start ended in a traceback. Now one line naming the error, exit 1 (Restart=on-failure retries)."""
+    from conftest import andrea
+
+    run = layer.mount / "run"
+    run.mkdir()
+    (run / "run.yaml").write_text("name: x\n")
+    layer.arm("read", r"^/run/run\.yaml$")
+    proc = andrea("train", "--run-dir", str(run), "--device", "cpu", check=False, timeout=300)
+    assert [h["path"] for h in layer.call("fired")["fired"]] == ["/run/run.yaml"]
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "andrea: error: [Errno 5] Input/output error: the disk failed; check it, then run the command again"
+    )
