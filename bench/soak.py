@@ -19,8 +19,14 @@ generation never goes down, `.loss.json`'s segments never go back in file order 
 trainer appending after its successor), and a trainer that lost its lease publishes no checkpoint after
 the takeover (from its log, stamped as read) and exits 2; (6) nothing outside the run directory and its
 branches was created or changed; (7) every stop, takeover, pivot, fork and reader ends within its bound;
-(8) retention kept what its rules keep. `--seed` draws the same schedule; a violation prints the
-schedule's prefix up to the fault that showed it.
+(8) retention kept what its rules keep; (9) a power cut keeps every checkpoint a trainer logged as
+written, byte for byte. `--seed` draws the same schedule; a violation prints the schedule's prefix up to
+the fault that showed it.
+
+The local store's run directory is seen through the power-cut layer (bench/powercut.py, issue 48): a
+FUSE filesystem over the tmpfs that drops what was not fsynced at a "power-cut" and fails writes,
+fsyncs and reads with EIO, writes short, and tears or bit-flips a checkpoint ("eio-write", "eio-fsync",
+"eio-read", "short-write", "bitrot"); `--no-layer` (or no FUSE here) leaves those kinds out.
 """
 
 from __future__ import annotations
@@ -908,7 +914,21 @@ class Soak:
         for p in procs:
             if p.wait(30) is None:
                 raise Violation(f"pid {p.pid} ({p.what}) survived SIGKILL for 30 s")
+        # (9) durability: a checkpoint a trainer logged as written survives the cut, byte for byte.
+        published = {
+            int(m.group(1))
+            for p in self.procs
+            if p.what == "trainer"
+            for _, line in p.lines
+            if (m := re.search(r"checkpoint step_(\d+)\.bin \(", line))
+        }
+        promised = {s: self._sha(f"run/{checkpoint_name(s)}") for s in set(self.checkpoints()) & published}
         dropped = self.store.layer.cut()
+        for s, sha in sorted(promised.items()):
+            now = self._sha(f"run/{checkpoint_name(s)}")
+            if now != sha:
+                what = "is gone" if now is None else "has other bytes"
+                self.violate("9", f"{checkpoint_name(s)}, logged as written, {what} after a power cut")
         # A new boot: the lock file itself may be back at an older generation (its rename not yet
         # durable), with every holder of the old one dead.
         self.generations.clear()
@@ -921,6 +941,10 @@ class Soak:
         if self.args.verbose:
             print(f"  power cut: {dropped}", flush=True)
         return dropped
+
+    def _sha(self, rel: str) -> str | None:
+        data = self.store.read(rel)
+        return None if data is None else hashlib.sha256(data).hexdigest()
 
     def f_power_cut(self, f: dict) -> None:
         if f["at"] == "checkpoint":
