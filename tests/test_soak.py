@@ -1,5 +1,7 @@
 """The chaos soak's CI version (issue 28): bench/soak.py's seeded schedule, 40 faults (every kind at least
-twice), over one run, with zero invariant violations: on a tmpfs here, on moto in tests/test_soak_s3.py.
+twice; locally 42, the power-cut layer's six kinds of issue 48 included where FUSE mounts), over one run,
+with zero invariant violations: on a tmpfs here (seen through bench/powercut.py), on moto in
+tests/test_soak_s3.py.
 Each store in a module of its own, so that the two go to the suite's two workers side by side (alone on
 this machine: 178 s local, 222 s on moto, 2026-12-05). The long soak (`--faults 1000`) and its figures
 are in bench/README.md."""
