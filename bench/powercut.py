@@ -138,8 +138,12 @@ class PowerCutFS:
         return parent, name
 
     def _node_of(self, path: str | None, fh: int | None) -> Node:
-        if fh and fh in self.handles:
-            return self.nodes[self.handles[fh]]
+        if fh:
+            if fh in self.handles:
+                return self.nodes[self.handles[fh]]
+            # Opened before a cut: a killed writer's request the kernel delivered late. Never by path
+            # (the name may be another file by now).
+            raise _err(errno.EBADF)
         return self._resolve(path)
 
     def _dirty_dir(self, d: Node) -> None:

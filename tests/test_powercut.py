@@ -91,6 +91,12 @@ def test_a_rename_without_the_directorys_fsync_is_undone_with_it_it_stays(layer)
         dropped = layer.cut()
         assert (m / "ckpt").read_bytes() == b"old"  # the rename is gone, the replaced file back
         assert sorted(os.listdir(m)) == ["ckpt"] and dropped["names"] == ["/ckpt"]
+        # Nothing opened before a cut outlives it (every process died with the power): EBADF.
+        with pytest.raises(OSError) as e:
+            os.fsync(dfd)
+        assert e.value.errno == errno.EBADF
+        os.close(dfd)
+        dfd = os.open(m, os.O_RDONLY | os.O_DIRECTORY)
         # The same with the directory's fsync after the rename: it stays.
         fd = os.open("tmp.2", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
         os.write(fd, b"new")
