@@ -223,3 +223,18 @@ def test_a_checkpoint_with_one_flipped_bit_in_its_floats_is_refused():
     data[8 + 4 * 500] ^= 0x10  # weight 500's low mantissa bits: finite, the same size, a different model
     with pytest.raises(CheckpointError):
         decode(bytes(data), checkpoint_name(100))
+
+
+def test_a_durable_append_to_a_new_file_survives_a_power_cut(layer):
+    """A product defect the power-cut soak found (issue 48, seed 2): the first fork's line, appended
+    `durable=True` to a forks.jsonl it created, was fsynced but its name never was; a cut dropped the
+    file while the branch folders stayed, and the fork's rerun refused its own half-built branch
+    ("exists and is not a branch of this fork")."""
+    from andrea_core.run.rundir import RunDir
+
+    m = layer.mount
+    run = RunDir(str(m / "run"))
+    run.makedirs()
+    run.append("forks.jsonl", b'{"step": 200}\n', durable=True)
+    assert layer.cut()["entries"] == 0
+    assert (m / "run" / "forks.jsonl").read_bytes() == b'{"step": 200}\n'

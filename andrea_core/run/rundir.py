@@ -868,6 +868,7 @@ class AppendFile:
         # ends a torn last line, sent with the first record (in one write: never a line of its own).
         self._pending = _line_end(self._last_byte()) if lines else b""
         self._lock = threading.Lock()  # the trainer appends while the checkpoint writer fsyncs
+        self._name_durable = False  # its name may be new (O_CREAT): fsynced into its folder once
 
     def read(self) -> bytes:
         # The handle's own file (pread), not the name again: what is appended to is what is read.
@@ -902,6 +903,9 @@ class AppendFile:
                 self._pending = self._pending[written:]
             if durable:
                 os.fsync(self._f.fileno())
+                if not self._name_durable:  # a power cut would lose a new file with its lines
+                    _fsync_dir(os.path.dirname(self.path))
+                    self._name_durable = True
 
     def close(self) -> None:
         self._f.close()
