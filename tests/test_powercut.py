@@ -238,3 +238,28 @@ def test_a_durable_append_to_a_new_file_survives_a_power_cut(layer):
     run.append("forks.jsonl", b'{"step": 200}\n', durable=True)
     assert layer.cut()["entries"] == 0
     assert (m / "run" / "forks.jsonl").read_bytes() == b'{"step": 200}\n'
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="open product defect (issue 48, found by the power-cut soak, seed 2): when the phase's "
+    "boundary checkpoint is refused (torn), the trainer falls back to the previous phase's checkpoint and "
+    "retrains the steps before the pivot under the new policy ('a fresh bandit from step 30 (phase 2)')",
+)
+def test_a_torn_pivot_boundary_is_not_replaced_by_the_previous_phases_checkpoint(tmp_path):
+    from conftest import andrea
+    from tiny import tiny_config
+
+    run = tmp_path / "run"
+    cfg = tiny_config(tmp_path, **{"train__checkpoint_every": 5})
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", "35", "--device", "cpu")
+    policy = str(REPO / "configs" / "policies" / "stdlib-only.yaml")
+    andrea("pivot", str(run), "--policy", policy, "--no-restart", "--max-steps", "40")
+    boundary = run / "step_000035.bin"
+    with open(boundary, "r+b") as f:  # torn on the disk, as a power cut or a bad sector leaves it
+        f.truncate(boundary.stat().st_size // 2)
+    proc = andrea("train", "--run-dir", str(run), "--max-steps", "40", "--device", "cpu", check=False)
+    out = proc.stdout + proc.stderr
+    assert "refusing checkpoint" in out and "step_000035.bin" in out
+    assert "from step_000030.bin" not in out, out  # step 30 is the previous phase's: not a resume point
