@@ -611,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"andrea: error: {e}: free space there, then run the command again", file=sys.stderr)
             _train_error(args, f"{e}: free space there, then run the command again")
             return 1
+        if isinstance(e, OSError) and e.errno == errno.EIO:
+            # The disk failed a read or a write (the power-cut soak's eio-read): the same, one line, exit 1.
+            hint = "the disk failed; check it, then run the command again"
+            print(f"andrea: error: {e}: {hint}", file=sys.stderr)
+            return 1
         if not isinstance(e, _operator_errors()):
             _train_error(args, f"{type(e).__name__}: {e}")
             raise

@@ -19,8 +19,14 @@ generation never goes down, `.loss.json`'s segments never go back in file order 
 trainer appending after its successor), and a trainer that lost its lease publishes no checkpoint after
 the takeover (from its log, stamped as read) and exits 2; (6) nothing outside the run directory and its
 branches was created or changed; (7) every stop, takeover, pivot, fork and reader ends within its bound;
-(8) retention kept what its rules keep. `--seed` draws the same schedule; a violation prints the
-schedule's prefix up to the fault that showed it.
+(8) retention kept what its rules keep; (9) a power cut keeps every checkpoint a trainer logged as
+written, byte for byte. `--seed` draws the same schedule; a violation prints the schedule's prefix up to
+the fault that showed it.
+
+The local store's run directory is seen through the power-cut layer (bench/powercut.py, issue 48): a
+FUSE filesystem over the tmpfs that drops what was not fsynced at a "power-cut" and fails writes,
+fsyncs and reads with EIO, writes short, and tears or bit-flips a checkpoint ("eio-write", "eio-fsync",
+"eio-read", "short-write", "bitrot"); `--no-layer` (or no FUSE here) leaves those kinds out.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "bench")]
 
 from andrea_core.checkpoint import checkpoint_name  # noqa: E402
 from andrea_core.run.loss_log import newest_segments, parse_entries  # noqa: E402
@@ -61,7 +67,16 @@ HOSTS = ("soak-a", "soak-b")  # ANDREA_TEST_HOST: two "machines" sharing the run
 COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
 COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
 COMMON += ["second-trainer"]
-KINDS = {"local": [*COMMON, "disk-full"], "s3": [*COMMON, "s3-deny", "s3-lost-reply"]}
+# The power-cut layer's (bench/powercut.py): the local store's run directory is a FUSE mount over its tmpfs.
+LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot"]
+KINDS = {"local": [*COMMON, "disk-full", *LAYER, "bitflip"], "s3": [*COMMON, "s3-deny", "s3-lost-reply"]}
+# Drawn only when named in --kinds: a known, open product defect (the checkpoint format has no checksum,
+# so a flipped bit in its floats is read as good: tests/test_powercut.py's xfail names it).
+OPT_IN = {"bitflip"}
+# The run's files a disk error is aimed at (a substring of the path: a checkpoint's temporary name too).
+# A file is written as `.NAME.tmp.PID.RANDOM` (rundir._create_temp), then renamed: a regular expression
+# on the layer's path of the run's own file (not a branch's) and its temporaries.
+DISK_TARGETS = ["step_", "loss.json", "state.json", "trainer.json", "samples.json"]
 PIVOT_KILLS = [
     None,
     "checkpointed",
@@ -83,7 +98,7 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
     out, deck = [], []
     for i in range(n):
         if not deck:  # every kind once per round, in a drawn order: 40 faults throw each kind twice or more
-            deck = [k for k in KINDS[store] if not kinds or k in kinds]
+            deck = [k for k in KINDS[store] if (k in kinds if kinds else k not in OPT_IN)]
             rng.shuffle(deck)
         kind = deck.pop()
         f = {"i": i, "kind": kind, "gap_steps": rng.randint(0, 2 * every)}
@@ -104,6 +119,19 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
             f["leave"] = 0 if n // 2 % 2 else 256 * 1024
         elif kind == "s3-lost-reply":
             f["key"] = rng.choice(["step_", ".state.json", ".trainer.json", ".loss.json", ".samples.json"])
+        elif kind == "power-cut":
+            # A random moment, or aimed: right after a checkpoint boundary (its writes in flight), or a
+            # pivot or a fork under way (cut at kill_s into it).
+            f["at"] = rng.choice(["random", "checkpoint", "pivot", "fork"])
+            f["after_s"] = round(rng.uniform(0.0, 0.08) if f["at"] == "checkpoint" else rng.uniform(0, 4), 3)
+        elif kind in ("eio-write", "eio-fsync", "short-write"):
+            f["match"] = rng.choice(DISK_TARGETS)
+            f["count"] = rng.choice([1, 1, 3])
+        elif kind == "eio-read":
+            f["match"] = rng.choice(["step_", "loss.json", "state.json", "run.yaml", "policy.yaml"])
+        elif kind in ("bitrot", "bitflip"):
+            f["how"] = "tear" if kind == "bitrot" else "flip"
+            f["at"] = round(rng.uniform(0.0, 1.0), 3)
         elif kind == "pivot":
             f["kill"] = rng.choice(PIVOT_KILLS)
             f["kill_s"] = round(rng.uniform(0.5, 8.0), 2)
@@ -120,20 +148,30 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
 
 
 class LocalStore:
-    """A run directory on a tmpfs of its own (mounted here; needs root), filled for real."""
+    """A run directory on a tmpfs of its own (mounted here; needs root), filled for real; seen through
+    the power-cut layer (bench/powercut.py, a FUSE mount whose bytes are on the tmpfs) when FUSE
+    mounts here, else on the tmpfs itself (and the layer's kinds are not drawn)."""
 
     name = "local"
 
-    def __init__(self, work: Path, size_mb: int):
-        self.root = work / "disk"
-        self.root.mkdir()
+    def __init__(self, work: Path, size_mb: int, layer: bool = True):
+        self.disk = work / "disk"
+        self.disk.mkdir()
         proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(self.root)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(self.disk)],
             capture_output=True,
             text=True,
         )
         if proc.returncode != 0:
             raise SystemExit(f"soak: cannot mount a tmpfs (needs root): {proc.stderr.strip()}")
+        self.layer = None
+        self.root = self.disk
+        if layer:
+            from powercut import Layer
+
+            (self.disk / "layer").mkdir()
+            self.layer = Layer(self.disk / "layer", work / "fs", work / "logs" / "powercut.log")
+            self.root = work / "fs"
         self.run_url = str(self.root / "run")
         self.filler: Path | None = None
 
@@ -172,7 +210,7 @@ class LocalStore:
     def fill(self, leave: int) -> None:
         from full import fill  # tests/full.py: the full-disk tests' filler
 
-        self.filler = fill(self.root, leave, prefix=".soak-filler-")
+        self.filler = fill(self.disk, leave, prefix=".soak-filler-")
 
     def unfill(self) -> None:
         if self.filler is not None:
@@ -181,7 +219,9 @@ class LocalStore:
 
     def close(self) -> None:
         self.unfill()
-        subprocess.run(["umount", "-l", str(self.root)], check=False)
+        if self.layer is not None:
+            self.layer.close()
+        subprocess.run(["umount", "-l", str(self.disk)], check=False)
 
 
 class DroppingRelay(http.server.ThreadingHTTPServer):
@@ -436,7 +476,10 @@ class Soak:
         self.big = 10**6
         (work / "logs").mkdir()
         self.cache = Path(args.cache) if args.cache else work / "cache"
-        self.store = LocalStore(work, args.disk_mb) if args.store == "local" else S3Store(work)
+        self.store = (
+            LocalStore(work, args.disk_mb, layer=args.layer) if args.store == "local" else S3Store(work)
+        )
+        self.did: dict[str, Counter] = defaultdict(Counter)  # what each layer fault did, summed
         from tiny import tiny_config
 
         self.policies = self._freeze_policies()
@@ -858,6 +901,222 @@ class Soak:
                 f"written:\n{t.tail()}",
             )
 
+    # --- the power-cut layer's faults (local store) ---------------------------------------------
+
+    def _machine_procs(self) -> list[Proc]:
+        """The soak's live processes on the run's machine: all but the reference's (its own folder)."""
+        return [p for p in self.procs if p.popen.poll() is None and not p.what.startswith("ref")]
+
+    def _power_cut(self) -> dict:
+        """Every process of the machine dies at once, then the disk loses what was not durable."""
+        procs = self._machine_procs()
+        for p in procs:
+            p.expect_exit = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # its children too (a data prepare, a torchrun agent)
+        for p in procs:
+            if p.wait(30) is None:
+                raise Violation(f"pid {p.pid} ({p.what}) survived SIGKILL for 30 s")
+        # (9) durability: a checkpoint a trainer logged as written survives the cut, byte for byte.
+        published = {
+            int(m.group(1))
+            for p in self.procs
+            if p.what == "trainer"
+            for _, line in p.lines
+            if (m := re.search(r"checkpoint step_(\d+)\.bin \(", line))
+        }
+        promised = {s: self._sha(f"run/{checkpoint_name(s)}") for s in set(self.checkpoints()) & published}
+        dropped = self.store.layer.cut()
+        for s, sha in sorted(promised.items()):
+            now = self._sha(f"run/{checkpoint_name(s)}")
+            if now != sha:
+                what = "is gone" if now is None else "has other bytes"
+                self.violate("9", f"{checkpoint_name(s)}, logged as written, {what} after a power cut")
+        # A new boot: the lock file itself may be back at an older generation (its rename not yet
+        # durable), with every holder of the old one dead.
+        self.generations.clear()
+        d = self.did["power-cut"]
+        d["bytes"] += dropped["bytes"]
+        d["entries"] += dropped["entries"]
+        d["files"] += dropped["files"]
+        d["reverted"] += dropped["reverted"]
+        d["cuts that dropped something"] += bool(dropped["bytes"] or dropped["entries"])
+        if self.args.verbose:
+            print(f"  power cut: {dropped}", flush=True)
+        return dropped
+
+    def _sha(self, rel: str) -> str | None:
+        data = self.store.read(rel)
+        return None if data is None else hashlib.sha256(data).hexdigest()
+
+    def f_power_cut(self, f: dict) -> None:
+        if f["at"] == "checkpoint":
+            self._at_boundary()
+            time.sleep(f["after_s"])
+            self._power_cut()
+        elif f["at"] == "pivot":
+            policy = POLICIES[1 - POLICIES.index(self.policy)]
+            before = self._phases()
+            self.trainer.expect_exit = True
+            p = self.spawn("pivot", self._pivot_cmd(policy))
+            time.sleep(f["after_s"] * 2)
+            done = p.popen.poll() == 0
+            self._power_cut()
+            self.did["power-cut"]["mid-pivot"] += not done
+            if not done:  # as the operator would: the same pivot again, finished or made from scratch
+                rc, out = self.tool("pivot", self._pivot_cmd(policy))
+                if rc != 0:
+                    self.violate("7", f"the pivot rerun after a power cut exited {rc}:\n{out[-2000:]}")
+            new = self._phases() - before
+            if len(new) > 1:
+                self.violate("3", f"one pivot (cut, rerun) made {len(new)} phase folders: {sorted(new)}")
+            if new:
+                boundary = int(re.search(r"step_(\d+)", max(new)).group(1))
+                self.events.append(("pivot", boundary, policy))
+                self.policy = policy
+        elif f["at"] == "fork":
+            have = self.checkpoints()
+            grid = [s for s in have if s % (10 * self.every) == 0]
+            if not grid:
+                time.sleep(f["after_s"])
+                self._power_cut()
+                return
+            step = grid[-1]
+            self.forks += 1
+            names = [f"f{self.forks}a", f"f{self.forks}b"]
+            argv = ["fork", self.store.run_url, "--step", str(step)]
+            for n in names:
+                argv += ["--branch", n]
+            self.spawn("fork", argv)
+            time.sleep(f["after_s"] / 2)
+            self._power_cut()
+            self.did["power-cut"]["mid-fork"] += 1
+            rc, out = self.tool("fork", argv)  # the fork again: it finishes what the cut left
+            if rc != 0:
+                self.violate("4", f"andrea fork --step {step} after a power cut exited {rc}:\n{out[-2000:]}")
+                return
+            self.events.append(("fork", step, names))
+        else:
+            time.sleep(f["after_s"])
+            self._power_cut()
+
+    def _at_boundary(self) -> None:
+        """Until the live trainer has just logged a checkpoint boundary's step (its writes follow)."""
+        t = self.trainer
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            s = t.step()
+            if s and s % self.every == 0 and t.first(rf"step {s}/", time.time() - 0.05):
+                return
+            time.sleep(0.002)
+
+    def _disk_error(self, f: dict, fault: str) -> None:
+        """Arm `fault` on the run's files matching f["match"]; wait for it to fire; then the trainer
+        either trains on and publishes a checkpoint again, or stopped with an error naming what
+        failed (exit 1, restarted as Restart=on-failure would): never silently, never exit 0."""
+        layer, t = self.store.layer, self.trainer
+        n0 = layer.call("fired")["n"]
+        layer.arm(fault, rf"^/run/\.?\.?{re.escape(f['match'])}", count=f["count"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            if layer.call("fired", since=n0)["fired"]:
+                break
+            time.sleep(0.02)
+        unfired = layer.call("disarm")["unfired"]
+        fired = layer.call("fired", since=n0)["fired"]
+        self.did[self._kind]["fired"] += len(fired)
+        if not fired:
+            self.did[self._kind]["never hit (file not written in 60 s)"] += 1
+            return
+        self._after_disk_error(t, f"{fault} on {fired[0]['path']}", unfired)
+
+    def _after_disk_error(self, t: Proc, what: str, unfired: list) -> None:
+        since = time.time()
+        deadline = time.monotonic() + TERM_BOUND
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            if t.first(r"checkpoint step_\d+\.bin \(", since):
+                self.did[self._kind]["trained on"] += 1
+                return
+            time.sleep(0.05)
+        if t.popen.poll() is None:
+            self.violate("7", f"after {what} no checkpoint was written again:\n{t.tail()}")
+            return
+        rc = t.popen.returncode
+        t.expect_exit = True
+        time.sleep(0.05)
+        self.did[self._kind][f"stopped (exit {rc})"] += 1
+        if rc == 0 or "Traceback" in t.text():
+            self.violate(
+                "7", f"{what}: the trainer exited {rc} (a clear error and exit 1 expected):\n{t.tail()}"
+            )
+
+    def f_eio_write(self, f: dict) -> None:
+        self._disk_error(f, "write")
+
+    def f_eio_fsync(self, f: dict) -> None:
+        self._disk_error(f, "fsync")
+
+    def f_short_write(self, f: dict) -> None:
+        self._disk_error(f, "short")
+
+    def f_eio_read(self, f: dict) -> None:
+        """A read error at start: the trainer stopped, the next start's read of f["match"] fails once."""
+        layer = self.store.layer
+        self.stop_trainer(signal.SIGTERM)
+        n0 = layer.call("fired")["n"]
+        layer.arm("read", rf"^/run/\.?{re.escape(f['match'])}", count=1)
+        t = self.trainer = self.start_trainer()
+        started = self.wait_training(t, timeout=TOOL_BOUND)
+        layer.call("disarm")
+        fired = layer.call("fired", since=n0)["fired"]
+        self.did["eio-read"]["fired"] += len(fired)
+        if not fired:
+            self.did["eio-read"]["never hit (not read at start)"] += 1
+            return
+        if started:
+            self.did["eio-read"]["started anyway"] += 1
+            return
+        rc = t.popen.wait(30)
+        time.sleep(0.05)
+        t.expect_exit = True
+        self.did["eio-read"][f"refused to start (exit {rc})"] += 1
+        if rc == 0 or "Traceback" in t.text():
+            self.violate(
+                "7", f"a read EIO on {fired[0]['path']} at start: exit {rc}, not a clear error:\n{t.tail()}"
+            )
+
+    def f_bitflip(self, f: dict) -> None:
+        self.f_bitrot(f)
+
+    def f_bitrot(self, f: dict) -> None:
+        """A crash, and the newest checkpoint found torn (or bit-flipped) at the next start: refused
+        (named), the one before used; the run then rewrites it when it passes that step again."""
+        self.stop_trainer(signal.SIGKILL)
+        have = self.checkpoints()
+        if len(have) < 2:
+            self.did["bitrot"]["no checkpoint to rot"] += 1
+            return
+        name = checkpoint_name(have[-1])
+        boundaries = {int(m.group(1)) for n in self._phases() if (m := re.search(r"_step_(\d+)$", n))}
+        if have[-1] in boundaries:
+            # Open defect: a refused phase boundary is replaced by the previous phase's checkpoint
+            # (tests/test_powercut.py's strict xfail); left alone until that is fixed.
+            self.did[self._kind]["a pivot's boundary, left alone (open defect)"] += 1
+            self.trainer = self.start_trainer()
+            return
+        rot = self.store.layer.call("rot", path=f"/run/{name}", how=f["how"], at=f["at"])
+        self.did[self._kind][f"{f['how']}ped" if f["how"] == "flip" else "torn"] += 1
+        t = self.trainer = self.start_trainer()
+        if not self.wait_training(t):
+            return  # ensure_trainer reports the exit
+        resumed = re.search(r"resuming \S+ from (step_\d+\.bin)", t.text())
+        if re.search(rf"refusing checkpoint \S*{re.escape(name)}", t.text()):
+            self.did[self._kind]["refused, naming it"] += 1
+        else:
+            self.violate("1", f"a {f['how']} of {name} ({rot}) was not refused at start:\n{t.tail()}")
+        if resumed and resumed.group(1) == name:
+            self.violate("1", f"the trainer resumed from the damaged {name} ({rot}):\n{t.tail()}")
+
     def _phases(self) -> set[str]:
         return {n for n in self.store.listdir("run/archive") if n.startswith("phase_")}
 
@@ -1072,7 +1331,7 @@ class Soak:
             self.wait_steps(f["gap_steps"])
             self.settled = max(self.checkpoints(), default=0)
             t0 = time.perf_counter()
-            kind = f["kind"]
+            kind = self._kind = f["kind"]
             self.stats[kind]["injected"] += 1
             try:
                 getattr(self, "f_" + kind.replace("-", "_"))(f)
@@ -1378,6 +1637,13 @@ class Soak:
 
     def close(self) -> None:
         self.stopping = True  # the reference's thread starts nothing more
+        if getattr(self.store, "layer", None) is not None:
+            with contextlib.suppress(Exception):
+                self.layer_stats = self.store.layer.call("stats")
+                if self.layer_stats["n_internal"]:
+                    self.violations.append(
+                        (-1, "layer", f"{self.layer_stats['n_internal']} errors of its own")
+                    )
         for p in list(self.procs):
             if p.popen.poll() is None:
                 p.signal(signal.SIGCONT)
@@ -1404,12 +1670,29 @@ def main() -> int:
     ap.add_argument("--cache", help="ANDREA_CACHE_DIR of every process (default: WORK/cache, built first)")
     ap.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind)")
     ap.add_argument("--verbose", action="store_true", help="one line per fault")
+    ap.add_argument(
+        "--no-layer",
+        dest="layer",
+        action="store_false",
+        help="local store: the run directory on the tmpfs itself, not through the power-cut layer",
+    )
     args = ap.parse_args()
     # What the run keeps grows with it: a checkpoint of every keep_every steps (1.6 MB each: 3.2 GB by
     # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
     # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
     args.disk_mb = args.disk_mb or 48 + 8 * args.faults
     kinds = args.kinds.split(",") if args.kinds else None
+    if args.store == "local" and args.layer:
+        from powercut import fuse_unavailable
+
+        why = fuse_unavailable()
+        if why:
+            print(f"soak: no power-cut layer ({why}): its kinds ({', '.join(LAYER)}) are not drawn")
+            args.layer = False
+    if args.store == "local" and not args.layer:
+        KINDS["local"] = [k for k in KINDS["local"] if k not in LAYER and k not in OPT_IN]
+        if kinds and set(kinds) & {*LAYER, *OPT_IN}:
+            ap.error(f"--kinds: {sorted(set(kinds) & {*LAYER, *OPT_IN})} need the power-cut layer (FUSE)")
     unknown = sorted(set(kinds or []) - set(KINDS[args.store]))
     if unknown:
         ap.error(
@@ -1447,9 +1730,26 @@ def main() -> int:
     )
     print(f"{'fault kind':18s} {'injected':>8s} {'survived':>8s} {'wall s':>8s}  violations")
     for kind in KINDS[args.store]:
+        if kind in OPT_IN and not soak.stats[kind]["injected"]:
+            continue
         c = soak.stats[kind]
         v = ", ".join(f"{k.split()[1]} x{n}" for k, n in sorted(c.items()) if k.startswith("violations"))
         print(f"{kind:18s} {c['injected']:8d} {c['survived']:8d} {soak.wall[kind]:8.1f}  {v or '-'}")
+    if soak.did:
+        print("what the layer's faults did (bench/powercut.py; summed over the faults of each kind):")
+        for kind in [*LAYER, *OPT_IN]:
+            if soak.did.get(kind):
+                print(f"  {kind}: " + ", ".join(f"{k} {v}" for k, v in soak.did[kind].items()))
+    layer = getattr(soak.store, "layer", None)
+    if layer is not None:
+        with contextlib.suppress(Exception):
+            st = soak.layer_stats
+            print(
+                f"layer: {st['fsync']} file fsyncs, {st['fsyncdir']} folder fsyncs, {st['cuts']} cuts; "
+                f"its own errors: {st['n_internal']}"
+            )
+            for e in st["internal_errors"]:
+                print("  layer error: " + e.splitlines()[0])
     end = [v for v in soak.violations if v[0] < 0 or v[0] >= getattr(soak, "injected", 0)]
     for _, inv, what in end:
         print(f"at the end ({inv}): {what.splitlines()[0]}")

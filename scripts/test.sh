@@ -6,7 +6,8 @@ bash scripts/setup.sh
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 mkdir -p "$PREFECT_HOME"
 # Programs some tests need, from Debian's packages where missing, once: the Prefect UI test drives a
-# headless Chromium, the systemd unit test runs systemd-analyze, the pid-namespace lock test unshare(1).
+# headless Chromium, the systemd unit test runs systemd-analyze, the pid-namespace lock test unshare(1),
+# the soak's power-cut layer (bench/powercut.py, tests/test_powercut.py) FUSE through libfuse2.
 # A test whose program is still missing is skipped, and named with its reason in the banner pytest prints
 # at the end (tests/conftest.py); a tmpfs for the full-disk tests needs CAP_SYS_ADMIN, which no package
 # gives.
@@ -14,6 +15,7 @@ missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v unshare >/dev/null 2>&1 || missing+=(util-linux)
+ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2 ' || missing+=(libfuse2)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test: installing ${missing[*]} for the tests that need them"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
