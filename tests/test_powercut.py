@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
+
 sys.path.insert(0, str(REPO / "bench"))
 from powercut import Layer, fuse_unavailable  # noqa: E402
 
@@ -241,12 +244,6 @@ def test_a_durable_append_to_a_new_file_survives_a_power_cut(layer):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="open product defect (issue 48, found by the power-cut soak, seed 2): when the phase's "
-    "boundary checkpoint is refused (torn), the trainer falls back to the previous phase's checkpoint and "
-    "retrains the steps before the pivot under the new policy ('a fresh bandit from step 30 (phase 2)')",
-)
 def test_a_torn_pivot_boundary_is_not_replaced_by_the_previous_phases_checkpoint(tmp_path):
     from conftest import andrea
     from tiny import tiny_config
@@ -263,3 +260,13 @@ def test_a_torn_pivot_boundary_is_not_replaced_by_the_previous_phases_checkpoint
     out = proc.stdout + proc.stderr
     assert "refusing checkpoint" in out and "step_000035.bin" in out
     assert "from step_000030.bin" not in out, out  # step 30 is the previous phase's: not a resume point
+    # Found by the power-cut soak (seed 2): before, the trainer resumed from step 30 and trained 31..35
+    # again under the new policy. Now: one error naming the boundary, exit 2, nothing trained.
+    assert proc.returncode == 2, out
+    assert (
+        f"andrea: error: {run}: phase 2 starts at step_000035.bin (the pivot's boundary), which is not "
+        "valid (see above), and the run holds only step_000030.bin before it: resuming there would train "
+        "steps the previous policy trained (archive/phase_001_step_000035) again under the new one; "
+        "restore step_000035.bin from a copy and train again. Nothing was trained"
+    ) in proc.stderr
+    assert [e.step for e in read_history(RunDir(str(run)))][-1] == 35  # no step logged after the refusal

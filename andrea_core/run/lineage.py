@@ -226,6 +226,23 @@ def phases(run: RunDir) -> list[tuple[int, int]]:
     return sorted((int(m.group(1)), int(m.group(2))) for m in found if m)
 
 
+def require_phase_start(run: RunDir, resume: Checkpoint | None) -> None:
+    """The trainer's check before it resumes `run` after a pivot: the phase in force starts at its
+    boundary checkpoint, so the resume point is that checkpoint or a later one. An earlier one (the
+    boundary torn or lost) would train the steps before the pivot again under the new policy."""
+    closed = phases(run)
+    if not closed or (resume is not None and resume.step >= closed[-1][1]):
+        return
+    number, boundary = closed[-1]
+    found = "no valid checkpoint" if resume is None else f"only {checkpoint_name(resume.step)} before it"
+    raise ConfigError(
+        f"{run.url}: phase {number + 1} starts at {checkpoint_name(boundary)} (the pivot's boundary), which "
+        f"is not valid (see above), and the run holds {found}: resuming there would train steps the "
+        f"previous policy trained ({phase_folder(number, boundary)}) again under the new one; restore "
+        f"{checkpoint_name(boundary)} from a copy and train again. Nothing was trained"
+    )
+
+
 def require_fork_point(run: RunDir, resume: Checkpoint | None) -> None:
     """The trainer's check before it resumes (or starts) `run`: a branch whose lineage names a fork
     point must resume from that checkpoint or a later one, never train from step 1."""

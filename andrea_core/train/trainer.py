@@ -38,7 +38,7 @@ from andrea_core.data.pipeline import Batch, DataPipeline
 from andrea_core.model.device import attention_kernels, pick_device
 from andrea_core.model.gpt import GPT
 from andrea_core.run import lock
-from andrea_core.run.lineage import require_fork_point
+from andrea_core.run.lineage import require_fork_point, require_phase_start
 from andrea_core.run.loss_log import LossWriter, read_history
 from andrea_core.run.pivot_journal import require_no_half_pivot
 from andrea_core.run.record import environment, read_run
@@ -257,6 +257,7 @@ class Trainer:
                 self.model.n_params, warn=lambda m: (refusals.append(m), self.log(m))
             )
         require_fork_point(self.run, ckpt)  # a half-built fork branch must not train from scratch
+        require_phase_start(self.run, ckpt)  # nor a pivoted run from before its boundary
         if ckpt is not None:
             restore(ckpt, self.model, self.optimizer)
             self.start_step = ckpt.step
