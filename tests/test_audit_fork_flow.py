@@ -15,24 +15,50 @@ from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ephemeral_prefect")]
 
 
-def test_an_audit_whose_every_branch_fails_ends_failed_naming_each_error(tmp_path):
+def test_an_audit_whose_every_branch_fails_ends_failed_naming_each_error(tmp_path, monkeypatch):
+    """Every branch's trainer fails (the guard stops each at its divergence, exit 3: a poisoned batch at
+    data position 101): the flow ends Failed naming each branch and its error."""
+    from flows.audit_fork import audit_fork
+
+    parent = fabricated_run(str(tmp_path / "parent"), [100])
+    monkeypatch.setenv("ANDREA_TEST_GUARD_NAN_AT", "101")  # the branches' trainers inherit it
+    branches = [
+        {"name": "a", "overrides": {"train.lr": 1e-3}},
+        {"name": "b", "overrides": {"train.lr": 2e-3}},
+    ]
+    state = audit_fork(
+        parent.url, branches, steps=3, device="cpu", gpu_slot=None, val_sequences=4, replicates=1,
+        return_state=True,
+    )  # fmt: skip
+    assert state.is_failed(), state.message
+    assert state.message.startswith("no branch could be evaluated: a: ")
+    for name in ("a", "b"):
+        branch = f"{parent.url}-fork100-{name}"
+        assert f"{name}: {branch}: trainer failed (exit 3): " in state.message
+    assert state.message.count("diverged at step 101 under train.lr=") == 2
+
+
+def test_a_branch_policy_without_data_here_is_refused_before_anything_is_written(tmp_path):
+    """A branch under a policy of its own is a new run of it: an arm with no data on this machine is
+    refused at the fork, naming the branch, as a pivot refuses it; the parent gains no fork line and no
+    branch folder is made (before: each branch's trainer failed, exit 2, after the copy)."""
     from flows.audit_fork import audit_fork
 
     parent = fabricated_run(str(tmp_path / "parent"), [100])
     policy = half_policy(tmp_path)
     branches = [
         {"name": "a", "overrides": {"data.policy": policy}},
-        {"name": "b", "overrides": {"data.policy": policy, "train.lr": 1e-3}},
+        {"name": "b", "overrides": {"train.lr": 1e-3}},
     ]
     state = audit_fork(
         parent.url, branches, steps=3, device="cpu", gpu_slot=None, val_sequences=4, return_state=True
     )
-    assert state.is_failed(), state.message
-    assert state.message.startswith("no branch could be evaluated: a: ")
-    for name in ("a", "b"):
-        branch = f"{parent.url}-fork100-{name}"
-        assert f"{name}: {branch}: trainer failed (exit 2): " in state.message
-    assert state.message.count("caps sum to 0.5 < 1") == 2
+    assert state.is_failed()
+    assert (
+        "ConfigError: policy 'half': arm 'gone' is unavailable (arm 'gone' (prose): no source files found on "
+        "this machine): branch 'a' is refused before anything is touched"
+    ) in state.message
+    assert not parent.exists(FORKS) and not (tmp_path / "parent-fork100-a").exists()
 
 
 def test_a_rerun_after_a_failed_report_writes_the_report_without_retraining(tmp_path):

@@ -73,7 +73,7 @@ def test_bad_inputs_exit_2_with_one_line_and_touch_nothing(tmp_path):
     cases = [
         (["pivot", missing, "--policy", "tiny-mix"], "no run here"),
         (["pivot", run.url, "--policy", "no-such-policy"], "no-such-policy"),
-        (["pivot", run.url, "--policy", half, "--no-restart"], "caps sum to 0.5 < 1"),
+        (["pivot", run.url, "--policy", half, "--no-restart"], "arm 'gone' is unavailable"),
         (["pivot", run.url, "--abandon"], "no pivot under way"),
         (["fork", missing, "--branch", "a"], "no-such-run"),
         (["fork", run.url, "--step", "150", "--branch", "a"], "step_000150.bin"),

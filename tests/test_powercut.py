@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 
 from andrea_core.run.loss_log import read_history
-from andrea_core.run.rundir import RunDir
+from andrea_core.run.rundir import SAMPLES, RunDir
 
 sys.path.insert(0, str(REPO / "bench"))
 from powercut import Layer, fuse_unavailable  # noqa: E402
@@ -270,3 +270,55 @@ def test_a_torn_pivot_boundary_is_not_replaced_by_the_previous_phases_checkpoint
         "restore step_000035.bin from a copy and train again. Nothing was trained"
     ) in proc.stderr
     assert [e.step for e in read_history(RunDir(str(run)))][-1] == 35  # no step logged after the refusal
+
+
+def test_an_audit_a_failed_write_kept_survives_a_rollbacks_new_segment(layer, tiny_reference):
+    """Issue 43.7: a guard rollback flushes the audits a full disk (here a real EIO on the disk) kept out
+    of .samples.json; when that flush fails too, the rollback's new segment (trainer._open_segment, a
+    new Auditor read from the file) dropped them and nothing audited them again. Now the new Auditor
+    adopts them: the next flush writes exactly the audit the failed write kept."""
+    import shutil
+    from types import SimpleNamespace
+
+    import torch
+
+    from andrea_core.checkpoint import restore
+    from andrea_core.data.pipeline import DataPipeline
+    from andrea_core.model.gpt import GPT
+    from andrea_core.run.record import read_run
+    from andrea_core.run.samples import read_audits
+    from andrea_core.train.audit import Auditor
+    from andrea_core.train.optim import build_optimizer
+    from andrea_core.train.trainer import Trainer
+
+    shutil.copytree(tiny_reference, layer.mount / "run")
+    run = RunDir(str(layer.mount / "run"))
+    cfg = read_run(run).config
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    restore(run.read_checkpoint(300, model.n_params), model, build_optimizer(model, cfg.train, "cpu"))
+    data = DataPipeline.for_run(run, cfg, warn=lambda m: None)
+    doc = run.read_json(SAMPLES)  # the reference's own audit of 300 taken out: this run's is to come
+    run.write_json(SAMPLES, {**doc, "audits": [a for a in doc["audits"] if a["step"] != 300]})
+    said: list[str] = []
+    old = Auditor(run, cfg, model, data, "cpu", 300, log=said.append)
+    before = {a["step"] for a in read_audits(run)}
+    assert before == {0, 100, 200}
+    layer.arm("write", r"\.samples\.json")  # the audit's write fails
+    old.audit(300)
+    assert old.unwritten == [300] and any("audit of step 300 was NOT written" in m for m in said), said
+    layer.arm("write", r"\.samples\.json")  # and the rollback's flush (guard.roll_back) too
+    old.flush()
+    assert any("still NOT written" in m for m in said), said
+    kept = next(a for a in old.audits if a["step"] == 300)
+    # The rollback's new segment, by the trainer's own method (a namespace stands for the trainer).
+    host = SimpleNamespace(
+        run=run, cfg=cfg, model=model, data=data, device="cpu", log=said.append, auditor=old
+    )
+    Trainer._open_segment(host, 300)
+    new = host.auditor
+    assert new is not old and read_audits(run) == [a for a in old.audits if a["step"] != 300]
+    assert new.unwritten == [300]  # before the fix: [] (the new Auditor read only the file)
+    new.flush()
+    written = {a["step"]: a for a in read_audits(run)}
+    assert set(written) == before | {300} and written[300] == kept

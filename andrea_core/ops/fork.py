@@ -186,6 +186,7 @@ def fork(
 
     firsts = [p for p in plans if p.replicate == 0]  # the operator's branches, as they were named
     check_branches_change_training(record.config, parent.read_text(POLICY_YAML), firsts, step)
+    _check_branch_data(parent, record.config, firsts)
     if earlier is None:
         # The fork point is protected from here on, before anything is copied (retention reads this).
         line = {"step": step, "branches": urls, "names": names, "time": time.time()}
@@ -390,6 +391,23 @@ def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
     # The weights only mean something with the parent's frozen tokenizer.
     tokenizer = parent.read_bytes(TOKENIZER_JSON) if parent.exists(TOKENIZER_JSON) else None
     create_run(branch, plan.cfg, plan.policy_text, lineage, tokenizer)
+
+
+def _check_branch_data(parent: RunDir, parent_cfg: RunConfig, plans: list[_Plan]) -> None:
+    """A branch under a policy of its own is a new run of that policy: every arm must have data on this
+    machine, checked as a pivot checks its policy (pipeline.require_available), before anything is
+    written. (A run that loses an arm later trains on, its caps scaled: data/changes.py.)"""
+    own = [p for p in plans if p.policy_text != parent.read_text(POLICY_YAML)]
+    if not own:
+        return
+    from andrea_core.data.pipeline import prepare_data, require_available  # torch: only here
+    from andrea_core.data.tokens import run_tokenizer
+
+    tokenizer = run_tokenizer(parent, parent_cfg)  # a branch keeps its parent's tokenizer
+    for plan in own:
+        policy = parse_policy(load_yaml(plan.policy_text, "policy"), "policy")
+        _, unavailable, _ = prepare_data(policy, plan.cfg, tokenizer, lambda m: None)
+        require_available(policy, unavailable, f"branch {plan.spec.name!r}")
 
 
 def _kill_point(name: str) -> None:

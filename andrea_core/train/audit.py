@@ -211,7 +211,7 @@ class Auditor:
         log: Callable[[str], None] = print,
     ):
         self.run, self.cfg, self.model, self.data, self.device = run, cfg, model, data, device
-        self.log = log
+        self.log, self.start_step = log, start_step
         self.on_written: Callable[[dict[str, Any]], None] | None = None
         self.prompts = audit_prompts(data, cfg)  # once: the same at every audit of this start's phase
         # Audits past the resume point belong to a timeline that was abandoned with its checkpoints.
@@ -225,6 +225,17 @@ class Auditor:
         # at exit, so one failed write loses nothing while the trainer lives.
         self.unwritten: list[int] = []
         self._file = threading.Lock()  # the trainer's flush and a background audit's write
+
+    def adopt(self, old: Auditor) -> None:
+        """Take over the audits the previous segment's auditor (`old`) holds but could not write, those
+        at or below this start's step (a guard rollback after a failed flush): they are written with the
+        next checkpoint, as `old` would have written them; the file alone no longer has them."""
+        carried = [a for a in old.audits if a["step"] in old.unwritten and a["step"] <= self.start_step]
+        if carried:
+            steps = {a["step"] for a in carried}
+            mine = [a for a in self.audits if a["step"] not in steps]
+            self.audits = sorted([*mine, *carried], key=lambda a: a["step"])[-KEEP_AUDITS:]
+            self.unwritten = sorted(steps & {a["step"] for a in self.audits})
 
     def record(self, step: int) -> dict[str, Any]:
         self.wait()

@@ -452,7 +452,10 @@ class Trainer:
         """The run's record from `step` on (rank 0), at a start and after a guard rollback: a new
         .loss.json segment, the audits up to `step`, and a TensorBoard file whose START at step+1
         makes TensorBoard drop any abandoned steps, as the canonical history does (tensorboard.py)."""
+        previous = getattr(self, "auditor", None)  # a rollback's: its unwritten audits are carried over
         self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, step, log=self.log)
+        if isinstance(previous, Auditor):
+            self.auditor.adopt(previous)
         self.loss_log = LossWriter(self.run, warn=self.log)
         # The TensorBoard view: events buffered in memory, appended at checkpoints.
         self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, step + 1, self.log)
