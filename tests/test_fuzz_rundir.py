@@ -132,15 +132,16 @@ def build_base(root: Path) -> Path:
         data__tokenizer="bpe",
         model__vocab_size=320,
     )
-    # The batch at data position 13 makes a NaN gradient: the guard rolls back to the initial weights
-    # and skips positions 1..13, so guard.jsonl holds one event and refused/ the abandoned step 10.
+    # The batch at data position 13 makes a NaN gradient: no checkpoint is rollback_margin back, so the
+    # guard rolls back to the oldest kept one, step 10 (issue 41.3; not the initial weights), and skips
+    # on: guard.jsonl holds one event.
     os.environ["ANDREA_TEST_GUARD_NAN_AT"] = "13"
     try:
         argv = ["train", "--config", cfg, "--run-dir", str(root / "run"), "--max-steps", str(RESUME_AT)]
         assert _cli(*argv, "--device", "cpu")[0] == 0
     finally:
         del os.environ["ANDREA_TEST_GUARD_NAN_AT"]
-    assert b'"rolled_back_to":0' in (root / "run" / "guard.jsonl").read_bytes()
+    assert b'"rolled_back_to":10' in (root / "run" / "guard.jsonl").read_bytes()
     assert json.loads((root / "run" / "target.jsonl").read_bytes())["max_steps"] == RESUME_AT
     events = sorted((root / "run" / "tensorboard").iterdir())  # segment 1, then the rollback's 2
     assert [p.name.rsplit(".", 1)[1] for p in events] == ["segment0001", "segment0002"]
