@@ -984,7 +984,7 @@ class Soak:
             step = grid[-1]
             self.forks += 1
             names = [f"f{self.forks}a", f"f{self.forks}b"]
-            argv = ["fork", self.store.run_url, "--step", str(step)]
+            argv = ["fork", self.store.run_url, "--step", str(step), "--replicates", "1"]
             for n in names:
                 argv += ["--branch", n]
             self.spawn("fork", argv)
@@ -1209,7 +1209,7 @@ class Soak:
         step = grid[-1]
         self.forks += 1
         names = [f"f{self.forks}a", f"f{self.forks}b"]
-        argv = ["fork", self.store.run_url, "--step", str(step)]
+        argv = ["fork", self.store.run_url, "--step", str(step), "--replicates", "1"]
         for n in names:
             argv += ["--branch", n]
         if f["kill"] == "checkpoint":
@@ -1429,7 +1429,7 @@ class Soak:
                 if p.wait(600) != 0:
                     raise SystemExit(f"soak: the reference pivot failed:\n{p.tail(30)}")
             elif event[0] == "fork":
-                argv = ["fork", str(ref), "--step", str(event[1])]
+                argv = ["fork", str(ref), "--step", str(event[1]), "--replicates", "1"]
                 for n in event[2]:
                     argv += ["--branch", n]
                 p = self.spawn("ref-fork", argv, host, nice=19)

@@ -99,7 +99,12 @@ def test_a_resumed_trainer_that_dies_is_reported_at_once_with_its_error(tmp_path
     from tasks.pivot import subflow_ended
 
     run = fabricated_run(str(tmp_path / "run"), [100])
-    install_policy(run, Path(half_policy(tmp_path)).read_text())  # past any pivot check
+    # Past any pivot check: a policy whose only arm has no data here (one arm of several gone trains on
+    # with the caps scaled, issue 43.8; none left is refused at every start).
+    gone = (
+        "name: gone\nmixer: exp3\narms:\n  - {name: gone, kind: prose, cap: 1.0, paths: [/no-such-folder]}\n"
+    )
+    install_policy(run, gone)
     snapshot = LossLogSnapshot.take(run)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(lambda: TrainerProcess(run.url, max_steps=200, device="cpu").start().finish(600))
@@ -112,7 +117,7 @@ def test_a_resumed_trainer_that_dies_is_reported_at_once_with_its_error(tmp_path
     assert message.startswith(
         f"{run.url}: the trainer ended before logging a step: {run.url}: trainer failed"
     )
-    assert "arm 'gone' is unavailable" in message
+    assert "no source files found" in message, message
 
 
 def test_retention_keeps_the_checkpoint_of_a_pivot_under_way(tmp_path):

@@ -21,7 +21,7 @@ def test_a_fork_after_a_torn_forks_jsonl_line_is_recorded_and_protects_its_fork_
     url = str(tmp_path / "run")
     run = fabricated_run(url, [100, 200, 300, 400, 500])
     (tmp_path / "run" / FORKS).write_bytes(TORN)
-    andrea("fork", url, "--step", "100", "--branch", "a")
+    andrea("fork", url, "--step", "100", "--branch", "a", "--replicates", "1")
     data = (tmp_path / "run" / FORKS).read_bytes()
     assert data.startswith(TORN + b"\n"), "the torn line is ended, never rewritten"
     records = fork_records(run)
@@ -30,7 +30,9 @@ def test_a_fork_after_a_torn_forks_jsonl_line_is_recorded_and_protects_its_fork_
     assert [f["step"] for p in lineage["phases"] for f in p["forks"]] == [100]
     dry = andrea("gc", url, "--dry-run", "--keep-last", "2").stdout
     assert "step_000100.bin  keep          fork point (a)" in dry, dry
-    again = andrea("fork", url, "--step", "100", "--branch", "a")  # a rerun finds its line: no error
+    again = andrea(
+        "fork", url, "--step", "100", "--branch", "a", "--replicates", "1"
+    )  # a rerun finds its line: no error
     assert again.returncode == 0 and len(fork_records(run)) == 1
 
 

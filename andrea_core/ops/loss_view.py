@@ -218,6 +218,22 @@ def label_groups(marks: list[Mark], span: float, gap: float = LABEL_GAP) -> list
     return groups
 
 
+def group_text(step: int, group: list[Mark]) -> str:
+    """One label for a group of close marks: each mark's own while there are at most three, else each
+    kind counted with its first and last step, so the label stays short however many marks fall there."""
+    if len(group) <= 3:
+        return "; ".join(m.label if m.step == step else f"{m.step}: {m.label}" for m in group)
+    parts = []
+    for kind in dict.fromkeys(m.kind for m in group):
+        same = [m for m in group if m.kind == kind]
+        parts.append(
+            same[0].label
+            if len(same) == 1
+            else f"{len(same)} x {kind}, steps {same[0].step}..{same[-1].step}"
+        )
+    return "; ".join(parts)
+
+
 def draw_marks(ax: Any, marks: list[Mark]) -> None:
     """The marks on a plot's axes: a vertical line each (one line collection a kind) and the labels of
     marks_to_label; a kind with unlabelled marks is counted in the legend."""
@@ -231,7 +247,7 @@ def draw_marks(ax: Any, marks: list[Mark]) -> None:
     low, high = ax.get_xlim()
     for step, group in label_groups(list(labelled), max(high - low, 1.0)):
         color = MARK_STYLE.get(group[0].kind, ("0.3", "-."))[0]
-        text = "; ".join(m.label if m.step == step else f"{m.step}: {m.label}" for m in group)
+        text = group_text(step, group)
         ax.annotate(
             text.replace("$", r"\$"),
             (step, 1),
