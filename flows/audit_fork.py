@@ -8,7 +8,8 @@ slot_timeout_s, refuses) a GPU the main run is using instead of silently sharing
 Every parameter is checked before anything is written. A rerun of the same fork (same step and branch
 names) finishes what an earlier run left undone: it completes unfinished branches, trains each branch
 that is short of its target, and writes the report. An audit in which no branch could be evaluated ends
-Failed, naming each branch's error."""
+Failed, naming each branch's error. A cancelled audit ends as a cancelled `train` run does (flows/train.py),
+once the branch in training has checkpointed; a rerun finishes it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tasks.fork import (
     trained_to,
 )
 from tasks.gpu import holding_gpu_slot
-from tasks.trainer import run_trainer
+from tasks.trainer import end_cancelled, run_trainer, trainer_outcome
 
 
 def _flow_run_name() -> str:
@@ -81,7 +82,11 @@ def audit_fork(
             if branch in failed:  # one run of a branch failed: the branch is out, its others untrained
                 get_run_logger().info(f"{name} not trained: branch {branch} failed ({failed[branch]})")
                 continue
-            outcome = run_trainer(url, max_steps=target, device=device, pace=pace)
+            outcome = trainer_outcome(
+                run_trainer(url, max_steps=target, device=device, pace=pace, return_state=True)
+            )
+            if outcome.get("cancelled"):  # the audit is cancelled: no other branch, no comparison
+                return end_cancelled(outcome)
             if not outcome["ok"]:  # its summary names the run (the replicate's folder)
                 failed[branch] = outcome["summary"]
     comparison = compare_branches(parent.url, forked["branches"], forked["step"], val_sequences, failed)

@@ -1,8 +1,9 @@
 """`train`: start or resume a run as a Prefect flow run.
 
-The trainer runs as a child process in this flow run's process group: a cancellation from the UI or the
-CLI reaches it as SIGTERM, it checkpoints the step in flight, and only then does the flow run end. The
-final state says at which step the trainer stopped and why."""
+The trainer runs as a child process in this flow run's process group: a cancellation from the UI, the CLI
+or the API reaches it as SIGTERM, it checkpoints the step in flight, and only then does the flow run end,
+Cancelled, its trainer task Cancelled with the step it checkpointed. The final state of any other end says
+at which step the trainer stopped and why."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from prefect.states import Completed, Failed, State
 from andrea_core.run.rundir import RunDir
 from tasks.artifacts import run_name
 from tasks.gpu import holding_gpu_slots
-from tasks.trainer import run_trainer
+from tasks.trainer import end_cancelled, run_trainer, trainer_outcome
 
 
 def train_run_name(run_dir: str) -> str:
@@ -52,7 +53,12 @@ def train(
     """
     run_dir = RunDir(run_dir).url
     with holding_gpu_slots(gpu_slot, device, slot_timeout_s, nproc_per_node):
-        outcome = run_trainer(run_dir, config, max_steps, device, pace, nproc_per_node=nproc_per_node)
+        ran = run_trainer(
+            run_dir, config, max_steps, device, pace, nproc_per_node=nproc_per_node, return_state=True
+        )
+    outcome = trainer_outcome(ran)
+    if outcome.get("cancelled"):
+        return end_cancelled(outcome)
     final = Completed if outcome["ok"] else Failed
     return final(message=outcome["summary"], data=outcome)
 

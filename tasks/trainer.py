@@ -3,6 +3,7 @@ and follow one, signal the trainer of a run directory, wait for its checkpoints 
 
 from __future__ import annotations
 
+import signal
 import time
 
 from prefect import get_run_logger, task
@@ -11,7 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.exceptions import TerminationSignal
 from prefect.logging.handlers import APILogWorker
-from prefect.states import Cancelled
+from prefect.states import Cancelled, Failed, State
 
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import TrainerProcess
@@ -36,13 +37,17 @@ def run_trainer(
     pace: float = 0.0,
     stop_grace_s: float = 25.0,
     nproc_per_node: int = 1,
-) -> dict:
+) -> dict | State:
     """Start a trainer for `run_dir` in this flow run's process group and follow it to its end: each
-    of its lines goes to the Prefect log, its step/total to a progress artifact.
+    of its lines goes to the Prefect log, its step/total to a progress artifact. Returns its outcome
+    (TrainerOutcome.to_dict()).
 
     Cancelling the flow run makes Prefect's worker SIGTERM the flow run's whole process group. The
     trainer gets that SIGTERM itself and checkpoints the step in flight; this task waits for it (well
-    inside the worker's 30 s before SIGKILL), then lets the cancellation go on."""
+    inside the worker's 30 s before SIGKILL) and returns a Cancelled state whose message names the
+    checkpoint (Failed if the trainer could not write one), the outcome as its data; the flow then
+    ends with `end_cancelled`. Any other end of this task (Ctrl-C, a SIGTERM that is no cancellation)
+    stops the trainer the same way and is raised on."""
     logger = get_run_logger()
     trainer = TrainerProcess(
         run_dir, config=config, max_steps=max_steps, device=device, pace=pace, nproc_per_node=nproc_per_node
@@ -50,12 +55,13 @@ def run_trainer(
     # The progress artifact before the start: if creating it fails, there is no trainer to clean up.
     progress = TrainingProgress(trainer.run.url, max_steps)
     trainer.start()
-    logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
-    _dashboard(trainer.run.url)
-    # Its events (train/events.py), not its log lines, say where it is: the dashboard is redrawn at its
-    # start and at each checkpoint it publishes, here in the flow's process (none of it on the trainer's).
-    trainer.on_event = lambda e: e["event"] in ("started", "checkpoint") and _dashboard(trainer.run.url)
     try:
+        logger.info(f"trainer pid {trainer.pid}: {' '.join(trainer.argv[4:])}")
+        _dashboard(trainer.run.url)
+        # Its events (train/events.py), not its log lines, say where it is: the dashboard is redrawn at
+        # its start and at each checkpoint it publishes, here in the flow's process (none of it on the
+        # trainer's).
+        trainer.on_event = lambda e: e["event"] in ("started", "checkpoint") and _dashboard(trainer.run.url)
         for line in trainer.lines():
             logger.info(line)
             progress.update(trainer.step, trainer.total, loss=trainer.loss, tokens_per_s=trainer.tokens_per_s)
@@ -64,12 +70,13 @@ def run_trainer(
         # trainer must end with a checkpoint of the step in flight before we do.
         t0 = time.monotonic()
         outcome = trainer.stop(stop_grace_s, on_line=logger.info)
-        why = "cancelled from Prefect" if isinstance(exc, TerminationSignal) else f"{type(exc).__name__}"
-        message = f"{why}: {outcome.describe()} ({time.monotonic() - t0:.1f}s after the stop request)"
-        logger.warning(message)
+        took = f"{time.monotonic() - t0:.1f}s after the stop request"
+        if isinstance(exc, TerminationSignal) and _cancellation_requested():
+            _finish(trainer, progress, outcome, "cancelled")
+            return _cancelled(outcome, took)
+        why = "SIGTERM, not a cancellation" if isinstance(exc, TerminationSignal) else type(exc).__name__
+        logger.warning(f"{why}: {outcome.describe()} ({took})")
         _finish(trainer, progress, outcome, why)
-        if isinstance(exc, TerminationSignal):
-            _record_cancellation(message)
         # Prefect may end this process with a bare SIGTERM once the signal propagates: ship the log now.
         APILogWorker.drain_all(timeout=5)
         raise
@@ -82,6 +89,89 @@ def run_trainer(
     _finish(trainer, progress, outcome, "finished")
     (logger.info if outcome.ok else logger.error)(result["summary"])
     return result
+
+
+def _runner_cancels() -> bool:
+    """Whether Prefect's runner told this process, on its control channel before the SIGTERM, that the
+    signal is a cancellation (the intent Prefect's own flow engine reads; absent where the runner's
+    request was not acknowledged in time, or the channel has moved in another Prefect version)."""
+    try:
+        from prefect._internal.control_listener import get_intent
+    except ImportError:
+        return False
+    return get_intent() == "cancel"
+
+
+def _cancellation_requested() -> bool:
+    """Whether the SIGTERM this flow run got is its cancellation: Prefect's runner said so, or the flow
+    run is Cancelling (the UI, `prefect flow-run cancel` and the API all set that state before the
+    worker signals; a worker shutting down cancels its runs without it)."""
+    if _runner_cancels():
+        return True
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return False
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(context.flow_run.id).state
+    except Exception as e:
+        get_run_logger().warning(f"could not read this flow run's state: {type(e).__name__}: {e}")
+        return False
+    return state is not None and (state.is_cancelling() or state.is_cancelled())
+
+
+def _cancelled(outcome: supervise.TrainerOutcome, took: str) -> State:
+    """The trainer task's end when its flow run is cancelled: Cancelled, naming the checkpoint the
+    trainer wrote, if it wrote one; Failed, saying what went wrong, if it did not."""
+    if outcome.reason in ("SIGTERM", "SIGINT") and outcome.checkpoint is not None:
+        text = f"trainer checkpointed at step {outcome.step} ({outcome.checkpoint}) and stopped as asked"
+        text += f" ({outcome.detail})" if outcome.detail else ""
+        message = f"cancelled from Prefect: {outcome.run_dir}: {text} ({took})"
+    else:
+        message = f"cancelled from Prefect: {outcome.describe()} ({took})"
+    result = {**outcome.to_dict(), "summary": message, "cancelled": True}
+    if outcome.ok:
+        get_run_logger().info(message)
+        return Cancelled(message=message, data=result)
+    get_run_logger().error(message)
+    return Failed(message=message, data=result)
+
+
+def trainer_outcome(state: State) -> dict:
+    """What `run_trainer(..., return_state=True)` returned: the trainer's outcome, with "cancelled":
+    True when the flow run's cancellation stopped it (then end the flow with `end_cancelled`). A task
+    run that raised raises here, as it would have in the flow without return_state."""
+    outcome = state.result(raise_on_failure=False)
+    return outcome if isinstance(outcome, dict) else state.result()
+
+
+def end_cancelled(outcome: dict) -> State:
+    """End a flow run whose cancellation stopped its trainer (`outcome` from `trainer_outcome`).
+
+    The termination signal goes back to Prefect's flow engine, as if the trainer task had never held
+    it: with the runner's cancel intent, the engine ends the run as cancelled (no Crashed state, no
+    ERROR line) and the runner sets Cancelled ("Flow run was cancelled successfully."). Just before,
+    a Cancelled state of ours names the checkpoint in the run's state history. Without that intent the
+    engine would report a crash: this returns a Cancelled state for the flow to return instead."""
+    if not _runner_cancels():
+        return Cancelled(message=outcome["summary"])
+    _record_cancellation(outcome["summary"])
+    APILogWorker.drain_all(timeout=5)  # the process ends with the signal: the log goes first
+    raise TerminationSignal(signal=signal.SIGTERM)
+
+
+def _record_cancellation(message: str) -> None:
+    """Put `message` into a Cancelled state of this flow run. Prefect's runner then adds its own
+    generic "Flow run was cancelled successfully." state on top (3.9.1 always does): ours stays in the
+    state history, in the log and in the trainer task run's state."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(context.flow_run.id, Cancelled(message=message), force=True)
+    except Exception as e:  # the API may already be going away with this process: the log has it too
+        get_run_logger().warning(f"could not record the cancellation state: {type(e).__name__}: {e}")
 
 
 def _dashboard(run_dir: str) -> None:
@@ -120,20 +210,6 @@ def _finish(trainer: TrainerProcess, progress: TrainingProgress, outcome: superv
             "flow run": _this_flow_run(),
         },
     )
-
-
-def _record_cancellation(message: str) -> None:
-    """Put the step and the reason into a Cancelled state of this flow run. Prefect's runner then adds
-    its own generic "Flow run was cancelled successfully." state on top (3.9.1 always does): ours stays
-    in the state history, in the log and in the trainer status artifact."""
-    context = FlowRunContext.get()
-    if context is None or context.flow_run is None:
-        return
-    try:
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(context.flow_run.id, Cancelled(message=message), force=True)
-    except Exception as e:  # the API may already be going away with this process: the log has it too
-        get_run_logger().warning(f"could not record the cancellation state: {e}")
 
 
 @task(name="signal-trainer", cache_policy=NO_CACHE)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from uuid import UUID
 
@@ -41,7 +42,7 @@ from andrea_core.run.rundir import ARCHIVE, FORKS, LOSS_LOG, POLICY_YAML, SAMPLE
 from andrea_core.run.samples import read_audits
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.trainer import step_seed
-from tasks.artifacts import run_key
+from tasks.artifacts import run_key, run_name
 from tests.browser import Chromium, chromium_path
 from tests.conftest import REPO, last_logged_step, wait_for
 from tests.tiny import tiny_config
@@ -91,6 +92,7 @@ class Stack:
         self.server: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
         self.live: dict = {}  # run dir and flow run of the trainer the tests share
+        self.cancelled: list[UUID] = []  # flow runs cancelled: the crash automation must leave them alone
         self.setup_output = self.deploy_output = ""
 
     def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
@@ -243,6 +245,63 @@ def flow_run_logs(flow_run_id: UUID) -> str:
         while page := c.read_logs(where, limit=200, offset=len(logs)):  # the API's largest page
             logs += page
     return "\n".join(entry.message for entry in logs)
+
+
+def task_runs_of(flow_run_id: UUID) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client() as c:
+        return c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def assert_a_clean_cancel(flow_run_id: UUID, run: RunDir) -> str:
+    """What the API shows of a cancelled `train` flow run: Cancelled; its trainer task Cancelled with
+    the step and the checkpoint the trainer wrote (which is in the run directory, valid, of the last
+    step trained); no task run Crashed; no "Crash detected" and no Crashed in the log, whose only ERROR
+    line is Prefect's own "Finished in state Cancelled". Returns the log."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    run_state = wait_for_final(flow_run_id, timeout=180).state
+    assert run_state.type.value == "CANCELLED", run_state
+    stopped_at = read_history(run)[-1].step
+    name = checkpoint_name(stopped_at)
+    assert run.checkpoint_steps()[-1] == stopped_at and run.read_checkpoint(stopped_at).step == stopped_at
+    tasks = task_runs_of(flow_run_id)
+    assert [t.state.type.value for t in tasks if t.state.type.value != "COMPLETED"] == ["CANCELLED"], [
+        (t.name, t.state) for t in tasks
+    ]
+    (trainer,) = [t for t in tasks if t.name == f"trainer {run_name(run.url)}"]
+    assert trainer.state.type.value == "CANCELLED", trainer.state
+    said = f"cancelled from Prefect: {run.url}: trainer checkpointed at step {stopped_at} ({name})"
+    said += " and stopped as asked ("
+    assert trainer.state.message.startswith(said), trainer.state.message
+    with client() as c:
+        messages = [s.message or "" for s in c.read_flow_run_states(flow_run_id)]
+        assert [m for m in messages if m.startswith(said)], messages  # the flow run's own Cancelled state
+    where, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), []
+    with client() as c:
+        while page := c.read_logs(where, limit=200, offset=len(logs)):
+            logs += page
+    text = "\n".join(e.message for e in logs)
+    assert said in text and "Crash detected" not in text and "Crashed" not in text
+    errors = [e.message for e in logs if e.level >= 40]
+    assert all(m.startswith("Finished in state Cancelled(") for m in errors), errors
+    return text
+
+
+def automation_firings(stack: Stack, name: str = "andrea-crash-silent-train-runs") -> list[str]:
+    """The resources (flow runs) an automation fired for: its `prefect.automation.triggered` events."""
+    with client() as c:
+        (automation,) = c.read_automations_by_name(name)
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.automation.triggered"]},
+            "resource": {"id": [f"prefect.automation.{automation.id}"]},
+        },
+        "limit": 50,
+    }
+    events = httpx.post(f"{stack.api}/events/filter", json=body, timeout=10).json()["events"]
+    return [e["payload"]["triggering_labels"].get("prefect.resource.id") for e in events]
 
 
 def artifact(key: str):
@@ -690,31 +749,30 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
     )
     t0 = time.monotonic()
     cancel_wall = time.time()
-    stack.cli("flow-run", "cancel", str(live["flow_run_id"]))
+    # The UI's Cancel, its very request (prefect/server/ui: setFlowRunState, {type: cancelling, name:
+    # Cancelling}, force): what `prefect flow-run cancel` (test_prefect_dashboard) sends too.
+    set_state = {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
+    reply = httpx.post(f"{stack.api}/flow_runs/{live['flow_run_id']}/set_state", json=set_state, timeout=30)
+    assert reply.status_code == 201 and reply.json()["status"] == "ACCEPT", reply.text
+    stack.cancelled.append(live["flow_run_id"])
     wait_for(lambda: not trainer.is_alive(), timeout=60, what="the trainer to exit")
     run = wait_for_final(live["flow_run_id"], timeout=120)
-    _timed("cancel: CLI call to Cancelled state (s)", time.monotonic() - t0)
+    _timed("cancel: API call to Cancelled state (s)", time.monotonic() - t0)
     assert run.state.type.value == "CANCELLED"
 
-    history = read_history(live_run)
-    stopped_at = history[-1].step
+    # Cancelled, its trainer task Cancelled naming the checkpoint, no Crashed task, no "Crash detected".
+    logs = assert_a_clean_cancel(live["flow_run_id"], live_run)
+    stopped_at = read_history(live_run)[-1].step
     name = checkpoint_name(stopped_at)
-    assert live_run.checkpoint_steps()[-1] == stopped_at
-    assert live_run.read_checkpoint(stopped_at).step == stopped_at  # valid, and of the last step trained
     written = os.stat(live_run.path(name)).st_mtime
     with client() as c:
         states = c.read_flow_run_states(live["flow_run_id"])
     cancelling = next(s.timestamp for s in states if s.type.value == "CANCELLING").timestamp()
     _timed("cancel: Cancelling state to checkpoint durable (s)", written - cancelling)
-    _timed("cancel: CLI call to checkpoint durable (s)", written - cancel_wall)
+    _timed("cancel: API call to checkpoint durable (s)", written - cancel_wall)
     assert 0 < written - cancelling < 30, "durable well inside the worker's 30 s before SIGKILL"
-
-    logs = flow_run_logs(live["flow_run_id"])
     assert f"andrea: SIGTERM: stopped at step {stopped_at}, checkpoint {name}" in logs
-    assert f"cancelled from Prefect: {live_run.url}: trainer stopped at step {stopped_at} on SIGTERM" in logs
     with client() as c:
-        messages = [s.message or "" for s in c.read_flow_run_states(live["flow_run_id"])]
-        assert any(f"stopped at step {stopped_at} on SIGTERM" in m for m in messages), messages
         wait_for(
             lambda: c.read_global_concurrency_limit_by_name("test-gpu").active_slots == 0,
             timeout=30,
@@ -722,6 +780,7 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
         )
     status = artifact(run_key("trainer", live_run.url))
     assert f"| step | {stopped_at} |" in status.data and "| reason | SIGTERM |" in status.data
+    assert "| ended | cancelled |" in status.data
     # When and by which flow run: a later SIGKILL of a flow-run process would leave this one stale.
     # The flow run's name and id, escaped as every input in an artifact is: train-live \(ID\).
     assert f"\\({live['flow_run_id']}\\) |" in status.data and "| written | 20" in status.data
@@ -781,6 +840,19 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     run = wait_for_final(live["flow_run_id"], timeout=300)
     _timed("crash: flow-run process SIGKILL to Crashed (s)", time.monotonic() - t0)
     assert run.state.type.value == "CRASHED" and f"No heartbeat for {CRASH_AFTER_S} s" in run.state.message
+    # The automation fired for this run, and for no cancelled one: their windows opened at older
+    # heartbeats and closed before this run's did, each with the run's Cancelled event in it.
+    assert stack.cancelled, "the cancel test runs before this one (the module's order)"
+    fired = wait_for(
+        lambda: (f := automation_firings(stack)) and f"prefect.flow-run.{live['flow_run_id']}" in f and f,
+        timeout=60,
+        what="the crash automation's triggered event",
+    )
+    with client() as c:
+        for cancelled in stack.cancelled:
+            assert f"prefect.flow-run.{cancelled}" not in fired, fired
+            assert c.read_flow_run(cancelled).state.type.value == "CANCELLED"
+            assert _last_heartbeat(stack, cancelled) < _last_heartbeat(stack, live["flow_run_id"])
 
     # A later `train` run resumes from that checkpoint (called in this process: the worker is gone).
     from flows.train import train
@@ -790,6 +862,12 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     assert outcome["reason"] == "completed" and outcome["step"] == stopped_at + 3
     first = wait_for_first_entry_after(live_run, at_stop, timeout=1)
     assert first["step"] == stopped_at + 1, "the new run resumed from the dead run's last checkpoint"
+
+
+def _last_heartbeat(stack: Stack, flow_run_id: UUID) -> datetime:
+    beats = _heartbeats(stack, flow_run_id)  # the newest first
+    assert beats, f"flow run {flow_run_id} sent no heartbeat"
+    return max(datetime.fromisoformat(e["occurred"]) for e in beats)
 
 
 def _heartbeats(stack: Stack, flow_run_id: UUID) -> list:
