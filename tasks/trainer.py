@@ -156,7 +156,7 @@ def end_cancelled(outcome: dict) -> State:
     if not _runner_cancels():
         return Cancelled(message=outcome["summary"])
     _record_cancellation(outcome["summary"])
-    APILogWorker.drain_all(timeout=5)  # the process ends with the signal: the log goes first
+    APILogWorker.drain_all(timeout=5)  # the log so far, while the API certainly answers
     raise TerminationSignal(signal=signal.SIGTERM)
 
 
@@ -169,7 +169,11 @@ def _record_cancellation(message: str) -> None:
         return
     try:
         with get_client(sync_client=True) as client:
-            client.set_flow_run_state(context.flow_run.id, Cancelled(message=message), force=True)
+            result = client.set_flow_run_state(context.flow_run.id, Cancelled(message=message), force=True)
+        if result.state is not None and result.state.is_cancelled():
+            # The flow engine's own copy of the run (the context's): its closing line, "Finished in
+            # state ...", then says Cancelled instead of Running.
+            context.flow_run.state = result.state
     except Exception as e:  # the API may already be going away with this process: the log has it too
         get_run_logger().warning(f"could not record the cancellation state: {type(e).__name__}: {e}")
 

@@ -87,7 +87,13 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
     assert row(page, "bandit mix").startswith("stdlib-code 100.0% (state of step ")
     assert "#### Newest samples (audit of step" in page and "](data:image/png;base64," in page
 
-    bar = progress_artifact(flow_run_id)
+    # The progress bar is updated after the line that follows a checkpoint's dashboard, at most every
+    # 2 s: on a loaded machine it can still show step 10, without an ETA, as the dashboard shows step 40.
+    bar = wait_for(
+        lambda: (a := progress_artifact(flow_run_id)) and ", ETA " in a.description and a,
+        timeout=60,
+        what="the progress artifact to show an ETA",
+    )
     assert re.fullmatch(
         rf"{re.escape(run.url)}: step \d+ of 100000 - loss \d\.\d{{4}}, [\d,]+ tokens/s, ETA .+",
         bar.description.replace("\\", ""),

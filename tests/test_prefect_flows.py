@@ -278,12 +278,20 @@ def assert_a_clean_cancel(flow_run_id: UUID, run: RunDir) -> str:
     with client() as c:
         messages = [s.message or "" for s in c.read_flow_run_states(flow_run_id)]
         assert [m for m in messages if m.startswith(said)], messages  # the flow run's own Cancelled state
-    where, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), []
-    with client() as c:
-        while page := c.read_logs(where, limit=200, offset=len(logs)):
-            logs += page
+
+    def log_to_the_end() -> list:  # up to the flow run's closing line, the last its process sends
+        where, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), []
+        with client() as c:
+            while page := c.read_logs(where, limit=200, offset=len(logs)):
+                logs += page
+        return any(e.task_run_id is None and e.message.startswith("Finished in ") for e in logs) and logs
+
+    logs = wait_for(log_to_the_end, timeout=60, what="the flow run's closing log line")
     text = "\n".join(e.message for e in logs)
     assert said in text and "Crash detected" not in text and "Crashed" not in text
+    # The flow run's closing line says Cancelled (the engine's copy of the state: tasks/trainer.py).
+    closing = [e.message for e in logs if e.task_run_id is None and e.message.startswith("Finished in ")]
+    assert len(closing) == 1 and closing[0].startswith(f"Finished in state Cancelled('{said}"), closing
     errors = [e.message for e in logs if e.level >= 40]
     assert all(m.startswith("Finished in state Cancelled(") for m in errors), errors
     return text
