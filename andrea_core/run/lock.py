@@ -562,13 +562,11 @@ def _watch_lease(
     )
     poll = min(1.0, ttl / 10)
     while True:
-        if stopped is not None and (signal_name := poll_until(stopped, poll, min(0.05, poll))):
+        if signal_name := poll_until(stopped or (lambda: None), poll, min(0.05, poll)):
             raise StoppedWaiting(
                 f"{signal_name} came while waiting for the lease of {run.url} (held by pid {held.pid} "
                 f"on {held.host}, generation {held.generation}): never started, nothing written"
             )
-        if stopped is None:
-            time.sleep(poll)
         data, now_version = run.read_versioned(LOCK)
         if not now_version.exists:
             return None
