@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import fsspec.asyn
 
 from andrea_core import faults
-from andrea_core.atomic import fsync_dir, makedirs_durable
+from andrea_core.atomic import fsync_dir, makedirs_durable, open_nofollow
 from andrea_core.bounded import read_bounded
 from andrea_core.config import ConfigError, check_limit, limit
 from andrea_core.poll import poll_until
@@ -154,6 +154,13 @@ class _Named:
     def root_exists(self) -> bool:
         return self.fs.exists(self.root)
 
+    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
+        """The file (each store's `read`) and its version, a hash of the bytes read (S3: its ETag)."""
+        try:
+            return (data := self.read(name, most, bound)), sha256_version(data)
+        except FileNotFoundError:
+            return b"", ABSENT
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -221,13 +228,15 @@ class LocalStore(_Named):
         outside the run would have the run's lines written into that file."""
         dfd, base = self._parent_fd(name, create=bool(flags & os.O_CREAT))
         try:
-            fd = os.open(base, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeRunPath(
+            fd = open_nofollow(
+                base,
+                flags,
+                mode,
+                dfd,
+                lambda: UnsafeRunPath(
                     f"{self.path(name)}: a symlink where a run file should be: not followed (remove it)"
-                ) from None
-            raise
+                ),
+            )
         finally:
             os.close(dfd)
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -268,12 +277,6 @@ class LocalStore(_Named):
                 return f.read()
             check_limit(st.st_size, bound, f"{self.path(name)}: {st.st_size} bytes")
             return read_bounded(f, most, f"{self.path(name)} (set {bound} to allow more)")
-
-    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
-        try:
-            return (data := self.read(name, most, bound)), sha256_version(data)
-        except FileNotFoundError:
-            return b"", ABSENT
 
     def read_checkpoint(self, name: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
         fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK)
@@ -558,9 +561,6 @@ class _ObjectStore(_Named):
     def is_dead_temporary(self, name: str) -> bool:
         return True  # nothing here writes temporaries: a name like one is left by no live writer
 
-    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
-        raise NotImplementedError
-
 
 class S3Store(_ObjectStore):
     """S3: every read bounded by one ranged GET, every publish one atomic (conditional) put
@@ -643,12 +643,6 @@ class MemoryStore(_ObjectStore):
         data = self.fs.cat_file(path, start=0, end=most + 1)  # it may have grown since
         check_limit(len(data), bound, f"{path}: more than {most} bytes")
         return data
-
-    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
-        try:
-            return (data := self.read(name, most, bound)), sha256_version(data)
-        except FileNotFoundError:
-            return b"", ABSENT
 
     def read_checkpoint(self, name: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
         path = self.path(name)
