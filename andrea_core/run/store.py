@@ -30,7 +30,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -334,30 +334,17 @@ class LocalStore(_Named):
         dfd, base = self._parent_fd(name, create=True)
         try:
             self._refuse_link(dfd, base, name)
-            tmp, fd = _create_temp(dfd, base, mode)
-            size = 0
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
-                    if fence is not None:
-                        fence()
-                    for view in views:
-                        size += f.write(view)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    try:
-                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    except FileNotFoundError as e:
-                        if fence is None:
-                            raise
-                        raise ConcurrentWriteError(
-                            f"{self.path(name)}: its temporary file was removed before the rename (a "
-                            "trainer taking the run over removes those of the holder it replaces): not "
-                            "published"
-                        ) from e
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
-                raise
+            with _temporary(dfd, base, mode, views, fence) as (tmp, size):
+                try:
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except FileNotFoundError as e:
+                    if fence is None:
+                        raise
+                    raise ConcurrentWriteError(
+                        f"{self.path(name)}: its temporary file was removed before the rename (a "
+                        "trainer taking the run over removes those of the holder it replaces): not "
+                        "published"
+                    ) from e
             os.fsync(dfd)
             return Version(size)
         finally:
@@ -371,16 +358,8 @@ class LocalStore(_Named):
         exists, even as a symlink: it never follows the new name)."""
         dfd, base = self._parent_fd(name, create=True)
         try:
-            tmp, fd = _create_temp(dfd, base, mode)
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the link (_create_temp)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
+            with _temporary(dfd, base, mode, (data,)) as (tmp, _):
+                os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             os.fsync(dfd)
             return sha256_version(data)
         finally:
@@ -394,35 +373,27 @@ class LocalStore(_Named):
         dfd, base = self._parent_fd(name, create=True)
         try:
             self._refuse_link(dfd, base, name)
-            tmp, fd = _create_temp(dfd, base, mode)
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    with _DirectoryLock(dfd) as guard:
-                        sidecar = "ANDREA_MAX_SIDECAR_BYTES"
-                        _, version = self.read_versioned(name, limit(sidecar), sidecar)
-                        if not version.exists or version.etag != expect.etag:
-                            raise ConcurrentWriteError(
-                                f"{final} changed since this process read it; not replacing it"
-                            )
-                        if not guard.within_bound():
-                            raise ConcurrentWriteError(
-                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                                "while replacing it (another may have replaced it meanwhile); "
-                                "not replacing it"
-                            )
-                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                        if not guard.within_bound():
-                            raise ReplacePaused(
-                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                                "while replacing it: a waiter may have replaced it meanwhile, and been "
-                                "overwritten"
-                            )
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
+            with _temporary(dfd, base, mode, (data,)) as (tmp, _):
+                with _DirectoryLock(dfd) as guard:
+                    sidecar = "ANDREA_MAX_SIDECAR_BYTES"
+                    _, version = self.read_versioned(name, limit(sidecar), sidecar)
+                    if not version.exists or version.etag != expect.etag:
+                        raise ConcurrentWriteError(
+                            f"{final} changed since this process read it; not replacing it"
+                        )
+                    if not guard.within_bound():
+                        raise ConcurrentWriteError(
+                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            "while replacing it (another may have replaced it meanwhile); "
+                            "not replacing it"
+                        )
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    if not guard.within_bound():
+                        raise ReplacePaused(
+                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            "while replacing it: a waiter may have replaced it meanwhile, and been "
+                            "overwritten"
+                        )
             os.fsync(dfd)
             return sha256_version(data)
         finally:
@@ -995,6 +966,29 @@ class _DirectoryLock:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _temporary(
+    dfd: int, base: str, mode: int, views: Iterable[bytes | memoryview], fence: Fence | None = None
+) -> Iterator[tuple[str, int]]:
+    """(name, size) of a new temporary beside `base` (_create_temp) holding `views`, fsynced, its flock
+    held while the block publishes it (rename or link); removed after the block unless published.
+    `fence` is checked once it exists, before a byte is written."""
+    tmp, fd = _create_temp(dfd, base, mode)
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            if fence is not None:
+                fence()
+            size = 0
+            for view in views:
+                size += f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+            yield tmp, size
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
 
 
 def _create_temp(dfd: int, base: str, mode: int) -> tuple[str, int]:
