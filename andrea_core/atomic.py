@@ -10,9 +10,10 @@ files never come here: they go through RunDir (run/rundir.py), whose stores do t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -30,6 +31,23 @@ def open_temp(path: str | os.PathLike, mode: int = 0o666) -> tuple[Path, BinaryI
     tmp = temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     return tmp, open(fd, "wb")
+
+
+def open_nofollow(
+    path: str | os.PathLike,
+    flags: int,
+    mode: int = 0o666,
+    dir_fd: int | None = None,
+    refuse: Callable[[], BaseException] | None = None,
+) -> int:
+    """os.open with O_NOFOLLOW | O_CLOEXEC: a symlink at `path` is never followed; `refuse()` is raised
+    for one (an error naming what should be there) instead of ELOOP's OSError."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP and refuse is not None:
+            raise refuse() from None
+        raise
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

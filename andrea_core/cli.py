@@ -13,9 +13,9 @@ import os
 import posixpath
 import re
 import sys
-import time
 
 from andrea_core import faults, signals
+from andrea_core.poll import poll_until
 
 
 def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
@@ -26,9 +26,7 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
     if delay <= 0:
         return
     print("andrea: start-up held (ANDREA_TEST_STARTUP_DELAY): signal handlers installed", flush=True)
-    deadline = time.monotonic() + delay
-    while flags.stop is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    poll_until(lambda: flags.stop is not None, delay, 0.01)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ GROUND = {
     "atomic",
     "faults",
     "poll",
+    "document",
 }
 # What each layer may import, besides itself.
 MAY_IMPORT = {

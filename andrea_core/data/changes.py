@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from andrea_core.data.policy import Policy, live_caps
+from andrea_core.document import Field, check
 from andrea_core.run.loss_log import well_formed_lines
 from andrea_core.run.rundir import RunDir
 
@@ -40,20 +41,23 @@ CAPS_EVENTS = ("caps_scaled", "caps_restored")  # the run's caps: the newest is 
 EVENTS = ARM_EVENTS + CAPS_EVENTS
 
 
-def _is_entry(e: Any) -> bool:
-    return (
-        isinstance(e, dict)
-        and type(e.get("step")) is int
-        and isinstance(e.get("arm"), str)
-        and e.get("event") in EVENTS
-        and (e.get("fingerprint") is None or isinstance(e.get("fingerprint"), str))
-        and (
-            e["event"] in ARM_EVENTS
-            or isinstance(e.get("caps"), dict)
-            and all(isinstance(k, str) and type(v) is float for k, v in e["caps"].items())
-            and type(e.get("scale")) is float
-        )
-    )
+ENTRY_SCHEMA = {  # a data.jsonl line ("time", "previous", "why" are for people, not checked)
+    "step": Field((int,)),
+    "arm": Field((str,)),
+    "event": Field((str,), choices=EVENTS),
+    "fingerprint": Field((str,), null=True, required=False),
+}
+CAPS_SCHEMA = {  # what a caps event adds
+    "caps": Field(
+        (dict,), test=lambda caps: all(isinstance(k, str) and type(v) is float for k, v in caps.items())
+    ),
+    "scale": Field((float,), finite=False),
+}
+
+
+def _entry(e: Any) -> dict[str, Any]:
+    check(e, ENTRY_SCHEMA)
+    return e if e["event"] in ARM_EVENTS else check(e, CAPS_SCHEMA)
 
 
 def caps_in_force(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -77,7 +81,7 @@ def read_data_log(run: RunDir, warn: Callable[[str], None] | None = None) -> lis
 
 
 def _entries(run: RunDir, data: bytes, warn: Callable[[str], None] | None) -> list[dict[str, Any]]:
-    return well_formed_lines(data, lambda e: e if _is_entry(e) else None, run.path(DATA_LOG), warn)
+    return well_formed_lines(data, _entry, run.path(DATA_LOG), warn)
 
 
 def record_data_changes(

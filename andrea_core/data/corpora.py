@@ -178,10 +178,6 @@ class CorpusSource:
             h.update(f"{f.url}|{f.size}|{f.version}\n".encode())
         return h.hexdigest()[:16]
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
     def records(self, start: tuple[int, int] = (0, 0)) -> Iterator[Record]:
         """Every record from position `start` (file, index in file) on, good and bad, in order."""
         first_file, first_index = start

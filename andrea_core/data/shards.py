@@ -33,7 +33,6 @@ the shard's own fingerprint, so that adding a shard copies that one only).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import itertools
@@ -49,7 +48,7 @@ from typing import Any
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from andrea_core.atomic import TEMP_SUFFIX, open_temp, publish, temp_path, write_atomic
+from andrea_core.atomic import TEMP_SUFFIX, open_nofollow, open_temp, publish, temp_path, write_atomic
 from andrea_core.bounded import read_bounded
 from andrea_core.config import RunConfig, limit
 from andrea_core.data.corpora import CorpusError, CorpusFile, CorpusSource, inspect_shard, is_validation
@@ -499,14 +498,12 @@ def _intact(folder: Path, manifest: dict[str, Any]) -> bool:
 def _open_lock_file(path: Path):
     """The cache folder's flock file, never through a symlink (one planted there would have its target
     truncated) and never truncated itself: it holds nothing, only the lock."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CorpusError(
-                f"{path}: a symlink where the cache's lock file should be; not followed"
-            ) from None
-        raise
+    fd = open_nofollow(
+        path,
+        os.O_RDWR | os.O_CREAT,
+        0o600,
+        refuse=lambda: CorpusError(f"{path}: a symlink where the cache's lock file should be; not followed"),
+    )
     return open(fd, "r+b")
 
 

@@ -36,6 +36,7 @@ from andrea_core import faults
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
 from andrea_core.config import ConfigError, RetentionConfig, RunConfig, load_yaml
 from andrea_core.data.policy import load_policy, parse_policy
+from andrea_core.poll import poll_until
 from andrea_core.run.guard_events import events_up_to
 from andrea_core.run.lineage import BRANCH_NAME_RE, check_branch_name, fork_records  # noqa: F401 (re-exported)
 from andrea_core.run.lock import read_lock, still_holds
@@ -233,16 +234,17 @@ def confirm_fork_point(
             f"{parent.url}: waiting for trainer pid {holder.pid}'s next checkpoint: a retention pass "
             f"under way when the fork was recorded may still delete {name} (at most {timeout_s:g}s)"
         )
-        deadline = time.monotonic() + timeout_s
-        while still_holds(parent, holder) and set(parent.checkpoint_steps()) <= set(listed):
-            if time.monotonic() > deadline:
-                log(
-                    f"warning: {parent.url}: could not confirm the parent keeps the fork point {name}: "
-                    f"trainer pid {holder.pid} published no checkpoint in {timeout_s:g}s (stopped?); "
-                    "a retention pass it had under way may still delete it. The branches hold it"
-                )
-                return False
-            time.sleep(poll)
+
+        def moved_on() -> bool:
+            return not still_holds(parent, holder) or not set(parent.checkpoint_steps()) <= set(listed)
+
+        if not poll_until(moved_on, timeout_s, poll):
+            log(
+                f"warning: {parent.url}: could not confirm the parent keeps the fork point {name}: "
+                f"trainer pid {holder.pid} published no checkpoint in {timeout_s:g}s (stopped?); "
+                "a retention pass it had under way may still delete it. The branches hold it"
+            )
+            return False
     if parent.exists(name):
         return True
     log(

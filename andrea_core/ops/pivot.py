@@ -55,7 +55,7 @@ from andrea_core.run.pivot_journal import (
     read_pivot,
     record_pivot,
 )
-from andrea_core.run.record import read_run
+from andrea_core.run.record import read_run, run_n_params
 from andrea_core.run.rundir import LOCK, POLICY_YAML, RUN_YAML, SAMPLES, STATE, RunDir
 from andrea_core.run.target import check_max_steps, read_target, set_target
 
@@ -244,7 +244,6 @@ def check_pivot(
     checks it again once the pivot point is known)."""
     from andrea_core.data.pipeline import prepare_data, require_available  # data imports this module
     from andrea_core.data.tokens import run_tokenizer
-    from andrea_core.run.record import read_run
 
     if not run.exists(RUN_YAML):
         raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
@@ -494,8 +493,6 @@ def choose_boundary(run: RunDir) -> tuple[int, int]:
     (a pivot decided at step 112,619 pivots at step_112700.bin), and after every checkpoint already
     written (the loss log read can be older than the checkpoints: those are never the pivot point,
     see wait_for_boundary)."""
-    from andrea_core.run.record import read_run
-
     every = read_run(run).config.train.checkpoint_every
     decided_at = supervise.logged_step(run) or 0
     newest = max(run.checkpoint_steps(), default=-1)
@@ -504,8 +501,6 @@ def choose_boundary(run: RunDir) -> tuple[int, int]:
 
 def newest_checkpoint(run: RunDir, log: Log = print) -> int:
     """With no trainer running, the pivot point is the newest valid checkpoint."""
-    from andrea_core.run.record import read_run, run_n_params
-
     if require_not_elsewhere(run, "pivoting").state == ALIVE:
         raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
     ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=log)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
+from andrea_core.poll import poll_until
 from andrea_core.run.lineage import phase_folder, phases
 from andrea_core.run.lock import (
     ALIVE,
@@ -392,9 +393,9 @@ def wait_for_checkpoint(
     trainer that was to write it exits first, and (CheckpointPassed) once a newer checkpoint is
     published without it: the trainer writes its checkpoints in step order, one at a time."""
     name = checkpoint_name(step)
-    deadline = time.monotonic() + timeout
     lease = LeaseWatch(run, trainer)
-    while True:
+
+    def written() -> Checkpoint | None:
         if run.exists(name):
             return run.read_checkpoint(step)
         newer = [s for s in run.checkpoint_steps() if s > step]
@@ -405,18 +406,20 @@ def wait_for_checkpoint(
             )
         if trainer is not None and not still_holds(run, trainer):
             if run.exists(name):
-                continue
+                return run.read_checkpoint(step)
             raise SupervisionError(
                 f"{run.url}: trainer pid {trainer.pid} exited before writing {name} "
                 f"(newest checkpoint: {_newest_name(run)})"
             )
         lease.check()
-        if time.monotonic() > deadline:
-            raise SupervisionError(
-                f"{run.url}: {name} did not appear within {timeout:.0f}s "
-                f"(trainer at step {logged_step(run)}, newest checkpoint: {_newest_name(run)})"
-            )
-        time.sleep(poll)
+        return None
+
+    if (checkpoint := poll_until(written, timeout, poll)) is None:
+        raise SupervisionError(
+            f"{run.url}: {name} did not appear within {timeout:.0f}s "
+            f"(trainer at step {logged_step(run)}, newest checkpoint: {_newest_name(run)})"
+        )
+    return checkpoint
 
 
 def wait_for_new_checkpoint(
@@ -429,18 +432,20 @@ def wait_for_new_checkpoint(
 ) -> Checkpoint:
     """The first checkpoint at a step >= `not_before` that was not in `existing`: the one a SIGUSR1
     asked for (written at the end of the step in flight)."""
-    deadline = time.monotonic() + timeout
     lease = LeaseWatch(run, trainer)
-    while True:
+
+    def written() -> Checkpoint | None:
         new = [s for s in run.checkpoint_steps() if s >= not_before and s not in existing]
         if new:
             return run.read_checkpoint(min(new))
         if trainer is not None and not still_holds(run, trainer):
             raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} exited before checkpointing")
         lease.check()
-        if time.monotonic() > deadline:
-            raise SupervisionError(f"{run.url}: no new checkpoint within {timeout:.0f}s of the request")
-        time.sleep(poll)
+        return None
+
+    if (checkpoint := poll_until(written, timeout, poll)) is None:
+        raise SupervisionError(f"{run.url}: no new checkpoint within {timeout:.0f}s of the request")
+    return checkpoint
 
 
 def wait_for_exit(
@@ -452,23 +457,30 @@ def wait_for_exit(
     run = run or RunDir(trainer.run_dir)
     t0 = time.monotonic()
     lease = LeaseWatch(run, trainer)
-    while still_holds(run, trainer):
+
+    def gone() -> bool:
+        if not still_holds(run, trainer):
+            return True
         lease.check()
-        if time.monotonic() - t0 > timeout:
-            raise SupervisionError(
-                f"{trainer.run_dir}: trainer pid {trainer.pid} still runs {timeout:.0f}s after SIGTERM"
-            )
-        time.sleep(poll)
+        return False
+
+    if not poll_until(gone, timeout, poll):
+        raise SupervisionError(
+            f"{trainer.run_dir}: trainer pid {trainer.pid} still runs {timeout:.0f}s after SIGTERM"
+        )
     return time.monotonic() - t0
 
 
 def wait_for_logged_step(run: RunDir, step: int, timeout: float, poll: float = 0.2) -> int:
-    deadline = time.monotonic() + timeout
-    while (now := logged_step(run) or 0) < step:
-        if time.monotonic() > deadline:
-            raise SupervisionError(f"{run.url}: step {step} not reached within {timeout:.0f}s (at {now})")
-        time.sleep(poll)
-    return now
+    at = [0]
+
+    def reached() -> bool:
+        at[0] = logged_step(run) or 0
+        return at[0] >= step
+
+    if not poll_until(reached, timeout, poll):
+        raise SupervisionError(f"{run.url}: step {step} not reached within {timeout:.0f}s (at {at[0]})")
+    return at[0]
 
 
 def _newest_name(run: RunDir) -> str:
@@ -529,17 +541,20 @@ def wait_for_first_entry_after(
     """The first loss entry logged after `snapshot`. `ended` says whether the trainer expected to log it
     has already ended (and how): then there is nothing to wait for, and the error says why at once
     instead of after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while (entry := first_entry_after(run, snapshot)) is None:
+
+    def logged() -> dict | None:
+        if (entry := first_entry_after(run, snapshot)) is not None:
+            return entry
         why = ended() if ended is not None else None
         if why is not None:
             entry = first_entry_after(run, snapshot)  # it may have logged just before it ended
             if entry is not None:
                 return entry
             raise SupervisionError(f"{run.url}: the trainer ended before logging a step: {why}")
-        if time.monotonic() > deadline:
-            raise SupervisionError(f"{run.url}: no new loss entry within {timeout:.0f}s")
-        time.sleep(poll)
+        return None
+
+    if (entry := poll_until(logged, timeout, poll)) is None:
+        raise SupervisionError(f"{run.url}: no new loss entry within {timeout:.0f}s")
     return entry
 
 

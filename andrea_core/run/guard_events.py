@@ -18,11 +18,13 @@ line: never obeyed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from andrea_core.document import Field, check
 from andrea_core.run.loss_log import JSON_LINE_ERRORS, json_lines, parse_entries, well_formed_lines
 from andrea_core.run.rundir import GUARD_LOG, LOSS_LOG, RunDir
 
@@ -58,10 +60,31 @@ class GuardEvent:
         return (json.dumps({"format": FORMAT, **asdict(self)}, separators=(",", ":")) + "\n").encode()
 
 
+_COUNT = Field((int,), low=0, high=2**53 - 1, says="is not a count")
+_REAL = Field((int, float), finite=False)  # NaN and inf are what a non-finite event records
+EVENT_SCHEMA = {  # a guard.jsonl line of format 1; how the fields agree is _event's
+    "number": _COUNT,
+    "action": Field((str,), choices=ACTIONS),
+    "step": _COUNT,
+    "spike_start": _COUNT,
+    "kind": Field((str,), choices=KINDS),
+    "value": _REAL,
+    "statistic": dataclasses.replace(_REAL, null=True),
+    "threshold": dataclasses.replace(_REAL, null=True),
+    "rolled_back_to": Field((int,), null=True),
+    "level": _COUNT,
+    "skip": _COUNT,
+    "lr_scale": _REAL,
+    "cooldown": _COUNT,
+    "time": _REAL,
+}
+
+
 def _event(obj: Any) -> GuardEvent:
     """An event from a parsed line; ValueError (or one of JSON_LINE_ERRORS) if it is not one."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError("not a guard event of format 1")
+    check(obj, EVENT_SCHEMA)
     e = GuardEvent(
         number=int(obj["number"]),
         action=str(obj["action"]),
@@ -78,12 +101,7 @@ def _event(obj: Any) -> GuardEvent:
         cooldown=int(obj["cooldown"]),
         time=float(obj["time"]),
     )
-    for name in ("number", "step", "spike_start", "level", "skip", "cooldown"):
-        if isinstance(obj[name], bool) or not 0 <= getattr(e, name) < 2**53:
-            raise ValueError(f"{name} {obj[name]!r} is not a count")
     rollback = e.action == "rollback"
-    if e.action not in ACTIONS or e.kind not in KINDS:
-        raise ValueError(f"unknown action {e.action!r} or kind {e.kind!r}")
     if rollback != (e.rolled_back_to is not None) or (rollback and not 0 <= e.rolled_back_to < e.step):
         raise ValueError("a rollback names a checkpoint before its step; a stop names none")
     if not (MIN_LR_SCALE <= e.lr_scale <= 1) or e.spike_start > e.step:

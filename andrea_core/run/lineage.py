@@ -9,6 +9,7 @@ branch_of, which checks them as a fork writes them (a forged run.yaml is refused
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 from andrea_core.checkpoint import Checkpoint, checkpoint_name
 from andrea_core.config import ConfigError, load_yaml
+from andrea_core.document import Field, check
 from andrea_core.run.loss_log import well_formed_lines
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import (
@@ -266,22 +268,18 @@ def fork_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list
         data = run.read_bounded(FORKS)
     except FileNotFoundError:  # none (the run's folder not even there)
         return []
-    return well_formed_lines(data, lambda r: r if _is_fork_record(r) else None, run.path(FORKS), warn)
+    return well_formed_lines(data, lambda r: check(r, FORK_RECORD_SCHEMA), run.path(FORKS), warn)
 
 
-def _is_fork_record(record: Any) -> bool:
-    def text(v: Any) -> bool:
-        # JSON can escape a lone surrogate (\ud800), which no path or URL can hold.
-        return isinstance(v, str) and not any("\ud800" <= c <= "\udfff" for c in v)
+def _no_lone_surrogate(text: str) -> bool:
+    # JSON can escape a lone surrogate (\ud800), which no path or URL can hold.
+    return not any("\ud800" <= c <= "\udfff" for c in text)
 
-    def strings(value: Any) -> bool:
-        return isinstance(value, list) and all(text(v) for v in value)
 
-    return (
-        isinstance(record, dict)
-        and type(record.get("step")) is int
-        and record["step"] >= 0
-        and strings(record.get("branches"))
-        and ("names" not in record or strings(record["names"]))
-        and isinstance(record.get("time", 0.0), (int, float))
-    )
+_TEXTS = Field((list,), items=Field((str,), test=_no_lone_surrogate))
+FORK_RECORD_SCHEMA = {  # a forks.jsonl line
+    "step": Field((int,), low=0),
+    "branches": _TEXTS,
+    "names": dataclasses.replace(_TEXTS, required=False),
+    "time": Field((int, float), required=False, finite=False),
+}

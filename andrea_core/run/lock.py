@@ -49,11 +49,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from andrea_core import faults
 from andrea_core.command import trainer_run_dir
 from andrea_core.config import ConfigError
+from andrea_core.document import Field, check
 from andrea_core.poll import poll_until
 from andrea_core.run.objstore import ConcurrentWriteError, Version
 from andrea_core.run.rundir import LOCK, ReplacePaused, RunDir
@@ -299,59 +299,49 @@ def _pidfd_open(pid: int) -> int | None:
 # The lock's schema: every field's type and bounds (a lock may be forged). Text is printable and short,
 # so that whatever prints it (andrea status, an error) cannot be made to emit terminal escapes; times and
 # durations are finite and within reach (a ttl of 1e18 s would make a takeover wait forever).
-_TEXT, _INT, _NUMBER = (str,), (int,), (int, float)
 DAY = 86_400.0
-LOCK_SCHEMA: dict[str, tuple[tuple[type, ...], bool, float, float]] = {
-    # field: (types, may be null, lowest, highest); for text the bounds are on its length
-    "pid": (_INT, False, 1, 2**22),
-    "host": (_TEXT, False, 0, 255),
-    "boot_id": (_TEXT, False, 0, 255),
-    "proc_start": (_INT, True, 0, 2**63),
-    "started_at": (_NUMBER, False, 0, 1e11),
-    "pid_ns": (_TEXT, True, 0, 255),
-    "nonce": (_TEXT, True, 0, 255),
-    "generation": (_INT, False, 1, 2**63),
-    "lease_ttl_s": (_NUMBER, True, 0, 7 * DAY),
-    "lease_renew_s": (_NUMBER, True, 0, 7 * DAY),
-    "renewals": (_INT, False, 0, 2**63),
-    "renewed_at": (_NUMBER, True, 0, 1e11),
-    "released": ((bool,), False, 0, 1),
-    "world_size": (_INT, False, 1, 4096),
-    "agent_pid": (_INT, True, 1, 2**22),
-    "train_args": ((list,), True, 0, 64),  # at most 64 words, each text (command.train_options checks them)
+
+
+def _int(low: float, high: float, null: bool = False) -> Field:
+    return Field((int,), null=null, required=False, low=low, high=high)
+
+
+def _number(low: float, high: float, null: bool = False) -> Field:
+    return Field((int, float), null=null, required=False, low=low, high=high)
+
+
+def _text(null: bool = False) -> Field:
+    return Field((str,), null=null, required=False, high=255, printable=True)
+
+
+LOCK_SCHEMA: dict[str, Field] = {  # every field but run_dir (replaced by _parse); each may be absent
+    "pid": _int(1, 2**22),
+    "host": _text(),
+    "boot_id": _text(),
+    "proc_start": _int(0, 2**63, null=True),
+    "started_at": _number(0, 1e11),
+    "pid_ns": _text(null=True),
+    "nonce": _text(null=True),
+    "generation": _int(1, 2**63),
+    "lease_ttl_s": _number(0, 7 * DAY, null=True),
+    "lease_renew_s": _number(0, 7 * DAY, null=True),
+    "renewals": _int(0, 2**63),
+    "renewed_at": _number(0, 1e11, null=True),
+    "released": Field((bool,), required=False),
+    "world_size": _int(1, 4096),
+    "agent_pid": _int(1, 2**22, null=True),
+    # at most 64 words, each text (command.train_options checks them)
+    "train_args": Field((list,), null=True, required=False, high=64, items=Field((str,), high=4096)),
 }
-
-
-def _check_field(name: str, value: Any) -> None:
-    types, nullable, low, high = LOCK_SCHEMA[name]
-    if value is None:
-        if nullable:
-            return
-        raise ValueError(f"{name} is null")
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise ValueError(f"{name} is {type(value).__name__}, not {'/'.join(t.__name__ for t in types)}")
-    if isinstance(value, list):
-        if len(value) > high or not all(isinstance(w, str) and len(w) <= 4096 for w in value):
-            raise ValueError(f"{name}: not a list of at most {high:g} words of text")
-    elif isinstance(value, str):
-        if len(value) > high or not value.isprintable():
-            raise ValueError(f"{name} {value[:40]!r}: not printable text of at most {high:g} characters")
-    elif not (math.isfinite(value) and low <= value <= high):
-        raise ValueError(f"{name} {value!r} is outside {low:g}..{high:g}")
 
 
 def _parse(run: RunDir, data: bytes) -> TrainerIdentity:
     """The lock's identity after one schema check of every field (LOCK_SCHEMA), else LockError
     naming the field (its value escaped)."""
     try:
-        fields = json.loads(data)
-        if not isinstance(fields, dict):
-            raise ValueError("not a JSON object")
+        fields = check(json.loads(data), LOCK_SCHEMA)
         known = {f.name for f in dataclasses.fields(TrainerIdentity)}
         fields = {k: v for k, v in fields.items() if k in known and k != "run_dir"}
-        for name, value in fields.items():
-            if name in LOCK_SCHEMA:  # every field but run_dir (replaced below)
-                _check_field(name, value)
         # The lock's location is what it locks, whatever it says: a lock copied from another run
         # must not make that run's trainer look like this one's.
         return TrainerIdentity(**fields | {"run_dir": run.url})
@@ -368,6 +358,11 @@ def read_lock(run: RunDir) -> TrainerIdentity | None:
 
 REQUEST = ".trainer-request.json"  # {"format", "request", "generation", "id", "by", "at"}
 REQUESTS = ("checkpoint", "stop")  # act as on SIGUSR1 / SIGTERM, at the next step boundary
+REQUEST_SCHEMA = {
+    "request": Field((str,), choices=REQUESTS),
+    "generation": Field((int,)),
+    "id": Field((str,), high=64),
+}
 
 
 def send_request(run: RunDir, holder: TrainerIdentity, request: str) -> str:
@@ -388,19 +383,12 @@ def read_request(run: RunDir, generation: int) -> dict | None:
     if not run.exists(REQUEST):
         return None
     try:
-        doc = run.read_json(REQUEST)
+        doc = check(run.read_json(REQUEST), REQUEST_SCHEMA)
     except (ValueError, ConfigError, OSError):
         return None
-    ok = (
-        isinstance(doc, dict)
-        and doc.get("request") in REQUESTS
-        and type(doc.get("generation")) is int
-        and isinstance(doc.get("id"), str)
-        and len(doc["id"]) <= 64
-    )
     return (
         {k: doc[k] for k in ("request", "generation", "id")} | {"by": str(doc.get("by"))[:100]}
-        if ok and doc["generation"] == generation
+        if doc["generation"] == generation
         else None
     )
 
@@ -562,13 +550,11 @@ def _watch_lease(
     )
     poll = min(1.0, ttl / 10)
     while True:
-        if stopped is not None and (signal_name := poll_until(stopped, poll, min(0.05, poll))):
+        if signal_name := poll_until(stopped or (lambda: None), poll, min(0.05, poll)):
             raise StoppedWaiting(
                 f"{signal_name} came while waiting for the lease of {run.url} (held by pid {held.pid} "
                 f"on {held.host}, generation {held.generation}): never started, nothing written"
             )
-        if stopped is None:
-            time.sleep(poll)
         data, now_version = run.read_versioned(LOCK)
         if not now_version.exists:
             return None

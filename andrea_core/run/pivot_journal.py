@@ -8,6 +8,7 @@ import time
 from typing import Any, Protocol
 
 from andrea_core.config import ConfigError
+from andrea_core.document import DocumentError, Field, check
 from andrea_core.run.lineage import PHASE_FOLDER_RE
 from andrea_core.run.rundir import RunDir
 
@@ -96,21 +97,29 @@ class JournalError(ValueError):
     """A pivot.json field that record_pivot never writes."""
 
 
+_STEP = Field((int,), null=True, required=False, low=0, says="is not a step")
+_TEXT = Field((str,), null=True, required=False, kind="text")
+JOURNAL_SCHEMA: dict[str, Field] = {
+    "step": Field((str,), choices=PIVOT_STEPS, says="is not a pivot step"),
+    "boundary": _STEP,
+    "not_before": _STEP,
+    "max_steps": _STEP,
+    "archive": Field(
+        (str,),
+        null=True,
+        required=False,
+        pattern=PHASE_FOLDER_RE,
+        says="is not a phase folder of this run (archive/phase_NNN_step_NNNNNN)",
+    ),
+    **dict.fromkeys(("policy", "policy_hash", "policy_text", "source", "at", "restart"), _TEXT),
+}
+
+
 def _check_journal(doc: dict[str, Any]) -> None:
-    if doc.get("step") not in PIVOT_STEPS:
-        raise JournalError(f"step {doc.get('step')!r} is not a pivot step")
-    for key in ("boundary", "not_before", "max_steps"):
-        value = doc.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise JournalError(f"{key} {value!r} is not a step")
-    archive = doc.get("archive")
-    if archive is not None and not (isinstance(archive, str) and PHASE_FOLDER_RE.fullmatch(archive)):
-        raise JournalError(
-            f"archive {archive!r} is not a phase folder of this run (archive/phase_NNN_step_NNNNNN)"
-        )
-    for key in ("policy", "policy_hash", "policy_text", "source", "at", "restart"):
-        if doc.get(key) is not None and not isinstance(doc[key], str):
-            raise JournalError(f"{key} is {type(doc[key]).__name__}, not text")
+    try:
+        check(doc, JOURNAL_SCHEMA)
+    except DocumentError as e:
+        raise JournalError(str(e)) from None
 
 
 def clear_pivot(run: RunDir) -> None:

@@ -30,14 +30,14 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import fsspec.asyn
 
 from andrea_core import faults
-from andrea_core.atomic import fsync_dir, makedirs_durable
+from andrea_core.atomic import fsync_dir, makedirs_durable, open_nofollow
 from andrea_core.bounded import read_bounded
 from andrea_core.config import ConfigError, check_limit, limit
 from andrea_core.poll import poll_until
@@ -154,6 +154,13 @@ class _Named:
     def root_exists(self) -> bool:
         return self.fs.exists(self.root)
 
+    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
+        """The file (each store's `read`) and its version, a hash of the bytes read (S3: its ETag)."""
+        try:
+            return (data := self.read(name, most, bound)), sha256_version(data)
+        except FileNotFoundError:
+            return b"", ABSENT
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -221,13 +228,15 @@ class LocalStore(_Named):
         outside the run would have the run's lines written into that file."""
         dfd, base = self._parent_fd(name, create=bool(flags & os.O_CREAT))
         try:
-            fd = os.open(base, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeRunPath(
+            fd = open_nofollow(
+                base,
+                flags,
+                mode,
+                dfd,
+                lambda: UnsafeRunPath(
                     f"{self.path(name)}: a symlink where a run file should be: not followed (remove it)"
-                ) from None
-            raise
+                ),
+            )
         finally:
             os.close(dfd)
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -268,12 +277,6 @@ class LocalStore(_Named):
                 return f.read()
             check_limit(st.st_size, bound, f"{self.path(name)}: {st.st_size} bytes")
             return read_bounded(f, most, f"{self.path(name)} (set {bound} to allow more)")
-
-    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
-        try:
-            return (data := self.read(name, most, bound)), sha256_version(data)
-        except FileNotFoundError:
-            return b"", ABSENT
 
     def read_checkpoint(self, name: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
         fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK)
@@ -331,30 +334,17 @@ class LocalStore(_Named):
         dfd, base = self._parent_fd(name, create=True)
         try:
             self._refuse_link(dfd, base, name)
-            tmp, fd = _create_temp(dfd, base, mode)
-            size = 0
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
-                    if fence is not None:
-                        fence()
-                    for view in views:
-                        size += f.write(view)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    try:
-                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    except FileNotFoundError as e:
-                        if fence is None:
-                            raise
-                        raise ConcurrentWriteError(
-                            f"{self.path(name)}: its temporary file was removed before the rename (a "
-                            "trainer taking the run over removes those of the holder it replaces): not "
-                            "published"
-                        ) from e
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
-                raise
+            with _temporary(dfd, base, mode, views, fence) as (tmp, size):
+                try:
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except FileNotFoundError as e:
+                    if fence is None:
+                        raise
+                    raise ConcurrentWriteError(
+                        f"{self.path(name)}: its temporary file was removed before the rename (a "
+                        "trainer taking the run over removes those of the holder it replaces): not "
+                        "published"
+                    ) from e
             os.fsync(dfd)
             return Version(size)
         finally:
@@ -368,16 +358,8 @@ class LocalStore(_Named):
         exists, even as a symlink: it never follows the new name)."""
         dfd, base = self._parent_fd(name, create=True)
         try:
-            tmp, fd = _create_temp(dfd, base, mode)
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the link (_create_temp)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
+            with _temporary(dfd, base, mode, (data,)) as (tmp, _):
+                os.link(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
             os.fsync(dfd)
             return sha256_version(data)
         finally:
@@ -391,35 +373,27 @@ class LocalStore(_Named):
         dfd, base = self._parent_fd(name, create=True)
         try:
             self._refuse_link(dfd, base, name)
-            tmp, fd = _create_temp(dfd, base, mode)
-            try:
-                with open(fd, "wb", closefd=True) as f:  # its flock held to the rename (_create_temp)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    with _DirectoryLock(dfd) as guard:
-                        sidecar = "ANDREA_MAX_SIDECAR_BYTES"
-                        _, version = self.read_versioned(name, limit(sidecar), sidecar)
-                        if not version.exists or version.etag != expect.etag:
-                            raise ConcurrentWriteError(
-                                f"{final} changed since this process read it; not replacing it"
-                            )
-                        if not guard.within_bound():
-                            raise ConcurrentWriteError(
-                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                                "while replacing it (another may have replaced it meanwhile); "
-                                "not replacing it"
-                            )
-                        os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                        if not guard.within_bound():
-                            raise ReplacePaused(
-                                f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
-                                "while replacing it: a waiter may have replaced it meanwhile, and been "
-                                "overwritten"
-                            )
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
+            with _temporary(dfd, base, mode, (data,)) as (tmp, _):
+                with _DirectoryLock(dfd) as guard:
+                    sidecar = "ANDREA_MAX_SIDECAR_BYTES"
+                    _, version = self.read_versioned(name, limit(sidecar), sidecar)
+                    if not version.exists or version.etag != expect.etag:
+                        raise ConcurrentWriteError(
+                            f"{final} changed since this process read it; not replacing it"
+                        )
+                    if not guard.within_bound():
+                        raise ConcurrentWriteError(
+                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            "while replacing it (another may have replaced it meanwhile); "
+                            "not replacing it"
+                        )
+                    os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    if not guard.within_bound():
+                        raise ReplacePaused(
+                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            "while replacing it: a waiter may have replaced it meanwhile, and been "
+                            "overwritten"
+                        )
             os.fsync(dfd)
             return sha256_version(data)
         finally:
@@ -558,9 +532,6 @@ class _ObjectStore(_Named):
     def is_dead_temporary(self, name: str) -> bool:
         return True  # nothing here writes temporaries: a name like one is left by no live writer
 
-    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
-        raise NotImplementedError
-
 
 class S3Store(_ObjectStore):
     """S3: every read bounded by one ranged GET, every publish one atomic (conditional) put
@@ -643,12 +614,6 @@ class MemoryStore(_ObjectStore):
         data = self.fs.cat_file(path, start=0, end=most + 1)  # it may have grown since
         check_limit(len(data), bound, f"{path}: more than {most} bytes")
         return data
-
-    def read_versioned(self, name: str, most: int, bound: str) -> tuple[bytes, Version]:
-        try:
-            return (data := self.read(name, most, bound)), sha256_version(data)
-        except FileNotFoundError:
-            return b"", ABSENT
 
     def read_checkpoint(self, name: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
         path = self.path(name)
@@ -1001,6 +966,29 @@ class _DirectoryLock:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _temporary(
+    dfd: int, base: str, mode: int, views: Iterable[bytes | memoryview], fence: Fence | None = None
+) -> Iterator[tuple[str, int]]:
+    """(name, size) of a new temporary beside `base` (_create_temp) holding `views`, fsynced, its flock
+    held while the block publishes it (rename or link); removed after the block unless published.
+    `fence` is checked once it exists, before a byte is written."""
+    tmp, fd = _create_temp(dfd, base, mode)
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            if fence is not None:
+                fence()
+            size = 0
+            for view in views:
+                size += f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+            yield tmp, size
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dfd)
 
 
 def _create_temp(dfd: int, base: str, mode: int) -> tuple[str, int]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from andrea_core.config import ConfigError
+from andrea_core.document import Field, check
 from andrea_core.run.loss_log import well_formed_lines
 from andrea_core.run.rundir import RUN_YAML, TARGET, RunDir
 
@@ -37,19 +38,11 @@ def check_max_steps(value: object, what: str = "--max-steps") -> int:
     return value
 
 
-def _is_line(obj: object) -> bool:
-    if not isinstance(obj, dict):
-        return False
-    steps, step, by = obj.get("max_steps"), obj.get("step"), obj.get("by")
-    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    return (
-        whole(steps)
-        and 1 <= steps <= MAX_TARGET
-        and whole(step)
-        and 0 <= step <= MAX_TARGET
-        and isinstance(by, str)
-        and len(by) <= 200
-    )
+LINE_SCHEMA = {  # a target.jsonl line ("time" is for people, not checked)
+    "max_steps": Field((int,), low=1, high=MAX_TARGET),
+    "step": Field((int,), low=0, high=MAX_TARGET),
+    "by": Field((str,), high=200),
+}
 
 
 def read_target(run: RunDir, default: int, warn: Callable[[str], None] | None = None) -> Target:
@@ -58,7 +51,7 @@ def read_target(run: RunDir, default: int, warn: Callable[[str], None] | None = 
     if not run.exists(TARGET):
         return Target(default, RUN_YAML)
     lines = well_formed_lines(
-        run.read_bounded(TARGET), lambda obj: obj if _is_line(obj) else None, run.path(TARGET), warn
+        run.read_bounded(TARGET), lambda obj: check(obj, LINE_SCHEMA), run.path(TARGET), warn
     )
     if not lines:
         return Target(default, RUN_YAML)

@@ -178,8 +178,6 @@ LOOPBACK = "127.0.0.1"
 
 def max_world_size() -> int:
     """The most ranks this machine can hold: its GPUs under CUDA, else its CPU cores."""
-    import torch
-
     if torch.cuda.is_available():
         return max(1, torch.cuda.device_count())
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -188,8 +186,6 @@ def max_world_size() -> int:
 def check_world_size(n: object, where: str) -> int:
     """`n` ranks if it is a whole number from 1 to max_world_size(), else ConfigError naming `where`:
     a world size is an operator's choice, bounded by the devices present, never a run file's."""
-    from andrea_core.config import ConfigError
-
     most = max_world_size()
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
         raise ConfigError(

@@ -1,0 +1,113 @@
+"""Validating a document read from a run file, one home: a JSON object (the lock, the pivot journal, a
+line of target.jsonl, forks.jsonl or guard.jsonl) checked against a declared table of fields before
+anything reads it. Whoever can write into a run directory chooses these documents: each field's type,
+nullability, bounds, choices and shape are declared once (`Field`), and `check` refuses the first
+field that is not as declared with one DocumentError naming it and its value (bounded, escaped).
+
+Fields not in the table are left alone (a newer writer's additions); the caller keeps only what it
+knows. A bool is never a number here unless bool is among a field's types (JSON `true` is not 1), and
+a number is finite unless the field says otherwise (`finite=False`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from andrea_core.untrusted import shown
+
+
+class DocumentError(ValueError):
+    """A field of a document read from a run file that is not what its writer writes."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field: `types` it may have; `null`: may be null; `required`: must be present (absent and
+    optional is as null, if `null`); `low`..`high`: a number's bounds, or a text's or list's length;
+    `choices`: the values allowed; `pattern`: what a text must fullmatch; `printable`: text with no
+    control or invisible character; `items`: every list item's field; `test`: a last predicate of the
+    value; `says`: the one message for any fault of it (`"{name} {value} {says}"`); `kind`: the types'
+    name in messages."""
+
+    types: tuple[type, ...]
+    null: bool = False
+    required: bool = True
+    low: float = -math.inf
+    high: float = math.inf
+    choices: tuple = ()
+    pattern: re.Pattern | None = None
+    printable: bool = False
+    finite: bool = True
+    items: Field | None = None
+    test: Callable[[Any], bool] | None = None
+    says: str | None = None
+    kind: str | None = None
+
+
+Schema = Mapping[str, Field]
+
+
+def value_shown(value: Any) -> str:
+    """A bad value as an error shows it: its repr (quotes, escapes), one bounded line."""
+    return shown(repr(value))
+
+
+def check(doc: Any, schema: Schema) -> dict[str, Any]:
+    """`doc` (a parsed JSON object) after every field of `schema` is checked; DocumentError at the
+    first that is not as declared (or "not a JSON object")."""
+    if not isinstance(doc, dict):
+        raise DocumentError("not a JSON object")
+    for name, spec in schema.items():
+        if name not in doc:
+            if spec.required:
+                raise DocumentError(f"{name} is missing")
+            continue
+        check_field(name, doc[name], spec)
+    return doc
+
+
+def check_field(name: str, value: Any, spec: Field) -> Any:
+    """`value` if it is as `spec` declares, else DocumentError naming `name` and the value."""
+    why = _fault(name, value, spec)
+    if why is None:
+        return value
+    raise DocumentError(f"{name} {value_shown(value)} {spec.says}" if spec.says else why)
+
+
+def _fault(name: str, value: Any, spec: Field) -> str | None:
+    if value is None:
+        return None if spec.null else f"{name} is null"
+    types = spec.types
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        kind = spec.kind or "/".join(t.__name__ for t in types)
+        return f"{name} is {type(value).__name__}, not {kind}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        bounded = math.isfinite(spec.low) or math.isfinite(spec.high)
+        if spec.finite and not math.isfinite(value) and not bounded:
+            return f"{name} {value!r} is not finite"
+        if not (spec.low <= value <= spec.high and (math.isfinite(value) or not spec.finite)):
+            return f"{name} {value!r} is outside {spec.low:g}..{spec.high:g}"
+    elif isinstance(value, str):
+        if not spec.low <= len(value) <= spec.high or (spec.printable and not value.isprintable()):
+            what = "printable text" if spec.printable else "text"
+            return f"{name} {value_shown(value)}: not {what} of at most {spec.high:g} characters"
+        if spec.pattern is not None and not spec.pattern.fullmatch(value):
+            return f"{name} {value_shown(value)} is not in the form {spec.pattern.pattern!r}"
+    elif isinstance(value, list):
+        if len(value) > spec.high:
+            return f"{name}: {len(value)} items, more than {spec.high:g}"
+        if len(value) < spec.low:
+            return f"{name}: {len(value)} items, fewer than {spec.low:g}"
+        if spec.items is not None:
+            for i, item in enumerate(value):
+                if (why := _fault(f"{name}[{i}]", item, spec.items)) is not None:
+                    return why
+    if spec.choices and value not in spec.choices:
+        return f"{name} {value_shown(value)} is not one of {', '.join(map(str, spec.choices))}"
+    if spec.test is not None and not spec.test(value):
+        return f"{name} {value_shown(value)} is not allowed"
+    return None

@@ -1,0 +1,83 @@
+"""andrea_core/document.py, the one checker of a document read from a run file: every fault names the
+field and its value (escaped, bounded), a bool is never a number, a number is finite unless declared,
+and the readers ported onto it (lock, pivot journal, target, forks, guard events) refuse what they did."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from andrea_core.document import DocumentError, Field, check
+from andrea_core.run.guard_events import EVENT_SCHEMA
+from andrea_core.run.lineage import FORK_RECORD_SCHEMA
+from andrea_core.run.pivot_journal import JOURNAL_SCHEMA
+from andrea_core.run.target import LINE_SCHEMA
+from andrea_core.untrusted import LIMIT
+
+SCHEMA = {
+    "n": Field((int,), low=1, high=10),
+    "x": Field((int, float), required=False, null=True),
+    "name": Field((str,), required=False, high=8, printable=True),
+    "kind": Field((str,), required=False, choices=("a", "b")),
+    "folder": Field((str,), required=False, pattern=re.compile(r"p_\d+"), says="is not a folder"),
+    "words": Field((list,), required=False, high=2, items=Field((str,), kind="text")),
+}
+
+
+@pytest.mark.parametrize(
+    "doc, error",
+    [
+        ([1], "not a JSON object"),
+        ({}, "n is missing"),
+        ({"n": None}, "n is null"),
+        ({"n": True}, "n is bool, not int"),
+        ({"n": 2.0}, "n is float, not int"),
+        ({"n": 11}, "n 11 is outside 1..10"),
+        ({"n": 1, "x": math.nan}, "x nan is not finite"),
+        ({"n": 1, "x": "1"}, "x is str, not int/float"),
+        ({"n": 1, "name": "a\x1b[2J"}, "name 'a\\x1b[2J': not printable text of at most 8 characters"),
+        ({"n": 1, "name": "abcdefghi"}, "name 'abcdefghi': not printable text of at most 8 characters"),
+        ({"n": 1, "kind": "c"}, "kind 'c' is not one of a, b"),
+        ({"n": 1, "folder": "p_1\n"}, "folder 'p_1\\n' is not a folder"),
+        ({"n": 1, "folder": 5}, "folder 5 is not a folder"),
+        ({"n": 1, "words": ["a", 2]}, "words[1] is int, not text"),
+        ({"n": 1, "words": ["a", "b", "c"]}, "words: 3 items, more than 2"),
+    ],
+)
+def test_each_fault_names_the_field_and_its_value(doc, error):
+    with pytest.raises(DocumentError) as e:
+        check(doc, SCHEMA)
+    assert str(e.value) == error
+
+
+def test_a_well_formed_document_is_returned_as_it_is_with_fields_it_does_not_know():
+    doc = {"n": 3, "x": None, "name": "ok", "kind": "b", "folder": "p_12", "words": ["w"], "new": {}}
+    assert check(doc, SCHEMA) is doc
+
+
+def test_a_shown_value_is_one_bounded_line_whatever_it_holds():
+    with pytest.raises(DocumentError) as e:
+        check({"n": 1, "kind": "\u202e" + "x" * 5000}, SCHEMA)
+    message = str(e.value)
+    assert "\u202e" not in message and "\\u202e" in message and "\n" not in message
+    assert len(message) < LIMIT + 100 and "more characters" in message
+
+
+def test_the_ported_readers_schemas_refuse_what_their_hand_checks_refused():
+    with pytest.raises(DocumentError, match=r"^step 'flying' is not a pivot step$"):
+        check({"step": "flying"}, JOURNAL_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^boundary True is not a step$"):
+        check({"step": "archived", "boundary": True}, JOURNAL_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^policy is int, not text$"):
+        check({"step": "intent", "policy": 5}, JOURNAL_SCHEMA)
+    assert check({"max_steps": 10, "step": 0, "by": "me"}, LINE_SCHEMA)
+    for bad in ({"max_steps": 0, "step": 0, "by": "me"}, {"max_steps": 10, "step": 0, "by": "x" * 201}):
+        with pytest.raises(DocumentError):
+            check(bad, LINE_SCHEMA)
+    assert check({"step": 4, "branches": ["file:///b"], "time": 1.5}, FORK_RECORD_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^branches\[0\] '\\udc80' is not allowed$"):
+        check({"step": 4, "branches": ["\udc80"]}, FORK_RECORD_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^number -1 is not a count$"):
+        check({"number": -1}, EVENT_SCHEMA)
