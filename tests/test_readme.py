@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from andrea_core.run.loss_log import read_history
@@ -31,6 +32,7 @@ def readme_block(mark: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_readme_own_data_commands_train_a_run(tmp_path):
     script = readme_block(MARK)
     assert "andrea train --config andrea-tiny --policy my-data.yaml" in script
@@ -48,7 +50,7 @@ def test_readme_own_data_commands_train_a_run(tmp_path):
     )
     assert proc.returncode == 0, f"README block failed:\n{proc.stdout}\n{proc.stderr}"
     run = tmp_path / "runs" / "my-data"
-    frozen = yaml.safe_load((run / "run.yaml").read_text())["config"]
+    frozen = yaml.safe_load((run / "run.yaml").read_text())
     assert frozen["train"]["max_steps"] == 40 and frozen["train"]["checkpoint_every"] == 20
     assert frozen["train"]["lr"] == 1e-3 and frozen["data"]["policy"] == "my-data.yaml"
     # The policy the run trains on is the user's, its path frozen absolute (README "Your own data").
