@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from andrea_core.config import ConfigError
 from andrea_core.run.guard_events import read_events
 from andrea_core.run.loss_log import read_history, well_formed_lines
 from andrea_core.run.rundir import RunDir
@@ -66,8 +67,15 @@ def read_records(run: RunDir, warn: Callable[[str], None] | None = None) -> list
 
 
 def newest_check(run: RunDir, warn: Callable[[str], None] | None = None) -> dict | None:
-    """The newest resume check's record (None: no resumed trainer has trained a logged step again)."""
-    checks = [r for r in read_records(run, warn) if r["event"] == "checked"]
+    """The newest resume check's record (None: no resumed trainer has trained a logged step again, or
+    the file is past its bound: said through `warn`)."""
+    try:
+        records = read_records(run, warn)
+    except ConfigError as e:
+        if warn is not None:
+            warn(str(e))
+        return None
+    checks = [r for r in records if r["event"] == "checked"]
     return checks[-1] if checks else None
 
 
@@ -97,6 +105,10 @@ def describe(record: dict) -> str:
     return f"resume check: {steps} {largest} from segment {against}'s (equality not promised: {why})"
 
 
+def _mapping(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def _differences(then: dict, now: dict) -> list[str]:
     """Why equality to the bit is not promised between a segment of `then` and one of `now`."""
     whys = []
@@ -106,12 +118,13 @@ def _differences(then: dict, now: dict) -> list[str]:
     for key, what in (("world_size", "world size"), ("num_threads", "threads")):
         if then.get(key) != now.get(key):
             whys.append(f"{what} {then.get(key)} then {now.get(key)}")
-    for key in sorted(set(then.get("environment") or {}) | set(now.get("environment") or {})):
-        a, b = (then.get("environment") or {}).get(key), (now.get("environment") or {}).get(key)
-        if a != b:
-            whys.append(f"{key} {a} then {b}")
-    for arm in sorted(set(then.get("data") or {}) | set(now.get("data") or {})):
-        if (then.get("data") or {}).get(arm) != (now.get("data") or {}).get(arm):
+    env_then, env_now = _mapping(then.get("environment")), _mapping(now.get("environment"))
+    for key in sorted(set(env_then) | set(env_now)):
+        if env_then.get(key) != env_now.get(key):
+            whys.append(f"{key} {env_then.get(key)} then {env_now.get(key)}")
+    data_then, data_now = _mapping(then.get("data")), _mapping(now.get("data"))
+    for arm in sorted(set(data_then) | set(data_now)):
+        if data_then.get(arm) != data_now.get(arm):
             whys.append(f"arm {arm}'s data changed")
     if not now.get("bandit_restored", True):
         whys.append("the bandit started fresh")
@@ -143,9 +156,12 @@ class ResumeCheck:
         self.first = self.last = None
         self.compared, self.max_diff, self.differing, self.n_differing = 0, 0.0, [], 0
         self.against: set[int] = set()
-        records = read_records(run, warn=log)
         if compare:
-            self._gather(records, start_step, conditions)
+            try:
+                self._gather(read_records(run, warn=log), start_step, conditions)
+            except Exception as e:  # a view of the run: its failure is a warning, never the end of training
+                self.logged.clear()
+                log(f"warning: no resume check this start: {type(e).__name__}: {e}")
         self._append(
             {"event": "opened", "segment": segment, "start_step": start_step, "conditions": conditions}
         )
