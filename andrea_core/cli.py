@@ -37,8 +37,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_world_size(args.nproc_per_node, "--nproc-per-node")  # every path to torchrun passes here
     if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
+        from andrea_core.config import parse_settings
+        from andrea_core.run.rundir import RunDir
         from andrea_core.train.distributed import torchrun_argv
+        from andrea_core.train.setup import train_config
 
+        # Refused here, once, before torchrun starts any rank (each checks again: rank 0 as below).
+        train_config(RunDir(args.run_dir), args.config, parse_settings(args.settings), args.policy)
         train_args = ["--run-dir", args.run_dir, "--device", args.device, "--pace", str(args.pace)]
         options = (("--config", args.config), ("--max-steps", args.max_steps), ("--policy", args.policy))
         for flag, value in options:
