@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import posixpath
-import re
 import sys
 
 from andrea_core import faults, signals
@@ -36,24 +35,42 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_world_size(args.nproc_per_node, "--nproc-per-node")  # every path to torchrun passes here
     if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
+        from andrea_core.config import parse_settings
+        from andrea_core.run.rundir import RunDir
         from andrea_core.train.distributed import torchrun_argv
+        from andrea_core.train.setup import train_config
 
+        # Refused here, once, before torchrun starts any rank (each checks again: rank 0 as below).
+        train_config(RunDir(args.run_dir), args.config, parse_settings(args.settings), args.policy)
         train_args = ["--run-dir", args.run_dir, "--device", args.device, "--pace", str(args.pace)]
-        for flag, value in (("--config", args.config), ("--max-steps", args.max_steps)):
+        options = (("--config", args.config), ("--max-steps", args.max_steps), ("--policy", args.policy))
+        for flag, value in options:
             train_args += [flag, str(value)] if value is not None else []
+        for setting in args.settings:
+            train_args += ["--set", setting]
         argv = torchrun_argv(args.nproc_per_node, train_args)
         os.execv(argv[0], argv)
     flags = signals.install()  # normally done already, before the first import (main)
     _hold_start_up_for_tests(flags)
-    from andrea_core.config import load_run_config
+    from andrea_core.config import parse_settings
+    from andrea_core.run.rundir import RunDir
+    from andrea_core.train.setup import train_config
 
-    cfg = load_run_config(args.config) if args.config else None
+    if os.environ.get("RANK", "0") == "0":
+        # --config with --set and --policy, each checked as a config file's value, and refused on a run
+        # that exists where they would change it: before the lock, target.jsonl or any file is written.
+        cfg = train_config(RunDir(args.run_dir), args.config, parse_settings(args.settings), args.policy)
+    else:  # a rank > 0 checks what rank 0 created against the same config (prepare_run)
+        from andrea_core.config import load_run_config
+
+        given = parse_settings(args.settings) | ({"data.policy": args.policy} if args.policy else {})
+        cfg = load_run_config(args.config) if args.config else None
+        cfg = cfg and cfg.with_overrides(given, "andrea train --set")
     if flags.stop is None:
         # A pivot left half done refuses the trainer before it touches anything: no lock taken with
         # this command's arguments, no --max-steps appended to target.jsonl (the trainer checks again
         # under its lock, for a pivot that gets there meanwhile).
         from andrea_core.run.pivot_journal import require_no_half_pivot
-        from andrea_core.run.rundir import RunDir
 
         require_no_half_pivot(RunDir(args.run_dir))
         from andrea_core.train.trainer import Trainer  # torch: a second or more
@@ -353,9 +370,6 @@ def cmd_pivot(args: argparse.Namespace) -> int:
     return 0
 
 
-_EXPONENT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
 class _BranchAction(argparse.Action):
     """--branch NAME starts a branch; each --set key=value after it belongs to that branch."""
 
@@ -366,19 +380,13 @@ class _BranchAction(argparse.Action):
         else:
             if not branches:
                 parser.error(f"--set {value}: name its branch first (--branch NAME --set {value})")
-            key, eq, raw = value.partition("=")
-            if not eq or not key.strip():
-                parser.error(f"--set {value!r}: expected key=value, e.g. train.lr=3e-4")
-            import yaml
+            from andrea_core.config import ConfigError, parse_setting
 
             try:
-                parsed = yaml.safe_load(raw)
-                # YAML 1.1 (PyYAML) reads 1e-3 as a string; an operator means the number.
-                if isinstance(parsed, str) and _EXPONENT_RE.match(parsed):
-                    parsed = float(parsed)
-                branches[-1]["overrides"][key.strip()] = parsed
-            except yaml.YAMLError as e:
-                parser.error(f"--set {value!r}: the value is not a YAML scalar ({type(e).__name__})")
+                key, parsed = parse_setting(value)
+            except ConfigError as e:
+                parser.error(str(e))
+            branches[-1]["overrides"][key] = parsed
         namespace.branches = branches
 
 
@@ -453,6 +461,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="config name under configs/ or a YAML path (new runs)")
     t.add_argument("--run-dir", required=True, help="run directory: a path or fsspec URL")
     t.add_argument("--max-steps", type=int, help="train up to this step (default: the config's)")
+    t.add_argument(
+        "--set",
+        action="append",
+        dest="settings",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run-config setting of a new run, e.g. train.lr=1e-3 (repeatable; checked as in a config "
+        "file; a run that exists is forked to change one)",
+    )
+    t.add_argument("--policy", help="a new run's data policy: a name under configs/policies/ or a YAML path")
     t.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     t.add_argument("--pace", type=float, default=0.0, help="minimum seconds per step (demos, tests)")
     t.add_argument(
@@ -594,7 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(raw)
     if args.command == "train":  # its options, as given: recorded in the lock for a pivot's restart
-        args.train_args = raw[raw.index("train") + 1 :]
+        from andrea_core.command import restart_args
+
+        args.train_args = restart_args(raw[raw.index("train") + 1 :])
     try:
         status = args.fn(args)
         sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below

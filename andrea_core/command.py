@@ -1,7 +1,7 @@
 """The `andrea train` command line: built once (trainer_command) and parsed once (trainer_run_dir,
 trainer_max_steps), for the supervisor, the lock's identity check and `andrea status`.
 
-Stdlib only."""
+Stdlib only, but for config.setting_arg (the one spelling of a `--set`)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,23 @@ def train_argv(
     pace: float = 0.0,
     python: str = sys.executable,
     nproc_per_node: int = 1,
+    settings: dict | None = None,
+    policy: str | None = None,
 ) -> list[str]:
     """argv of `python -m andrea_core train ...` with these options (the one place that spells them).
-    With nproc_per_node > 1 the trainer execs the torchrun agent (same pid) and that starts the ranks."""
+    With nproc_per_node > 1 the trainer execs the torchrun agent (same pid) and that starts the ranks.
+    settings (dotted keys and values) and policy: a new run's `--set` and `--policy`."""
+    from andrea_core.config import setting_arg
+
     argv = [python, "-m", "andrea_core", "train", "--run-dir", run_dir, "--device", device]
     if nproc_per_node > 1:
         argv += ["--nproc-per-node", str(nproc_per_node)]
     if config:
         argv += ["--config", config]
+    for key, value in (settings or {}).items():
+        argv += ["--set", setting_arg(key, value)]
+    if policy is not None:
+        argv += ["--policy", policy]
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]
     if pace > 0:
@@ -59,7 +68,7 @@ def train_options(args: list[str]) -> dict:
         "--pace": "pace",
         "--nproc-per-node": "nproc_per_node",
     }
-    skipped = {"--run-dir", "--config"}
+    skipped = {"--run-dir", "--config", *CREATION_OPTIONS}
     i = 0
     while i < len(args):
         flag, eq, value = args[i].partition("=")
@@ -91,6 +100,23 @@ def train_options(args: list[str]) -> dict:
         except ValueError:
             raise ValueError(f"option {flag} {value[:40]!r} is not a valid value") from None
     return opts
+
+
+CREATION_OPTIONS = ("--set", "--policy")  # a new run's settings: frozen in its run.yaml, never restarted
+
+
+def restart_args(args: list[str]) -> list[str]:
+    """An `andrea train` command line's options without the new run's settings (CREATION_OPTIONS):
+    what the lock records for a pivot's restart, which resumes the run (and a lock keeps 64 words)."""
+    out, i = [], 0
+    while i < len(args):
+        flag = args[i].partition("=")[0]
+        if flag in CREATION_OPTIONS:
+            i += 1 if "=" in args[i] else 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
 
 
 def trainer_run_dir(argv: list[str]) -> str | None:

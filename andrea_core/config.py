@@ -8,6 +8,7 @@ typo such as `lerning_rate` would otherwise train a week with the default.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -209,6 +210,58 @@ class RunConfig:
                 )
             node[leaf] = value
         return parse_run_config(raw, source)
+
+
+_EXPONENT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+MAX_SETTINGS, MAX_SETTING_CHARS = 256, 4096
+
+
+def parse_setting(text: Any, where: str = "--set") -> tuple[str, Any]:
+    """One `key=value` setting (`andrea fork --set`, `andrea train --set`, the train deployment's
+    `settings`): the dotted key and the value as a YAML scalar (`1e-3` is the number an operator means,
+    not YAML 1.1's string). Checked as a config file's value only when applied (RunConfig.with_overrides)."""
+    if not isinstance(text, str) or len(text) > MAX_SETTING_CHARS:
+        what = f"expected key=value text of at most {MAX_SETTING_CHARS} characters"
+        raise ConfigError(f"{where} {str(text)[:60]!r}: {what}")
+    key, eq, raw = text.partition("=")
+    if not eq or not key.strip():
+        raise ConfigError(f"{where} {text!r}: expected key=value, e.g. train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} {text!r}: the value is not a YAML scalar ({type(e).__name__})") from None
+    if isinstance(value, str) and _EXPONENT_RE.match(value):
+        value = float(value)
+    return key.strip(), value
+
+
+def parse_settings(settings: Any, where: str = "--set") -> dict[str, Any]:
+    """Settings as dotted keys and values, from `key=value` texts (parse_setting) or a mapping of keys to
+    values (a deployment's JSON parameter); a key given twice is refused. None: no settings."""
+    if settings is None:
+        return {}
+    if isinstance(settings, dict):
+        items = list(settings.items())
+        if not all(isinstance(k, str) and k.strip() and len(k) <= MAX_SETTING_CHARS for k, _ in items):
+            raise ConfigError(f"{where}: every key must be a dotted field name, e.g. train.lr")
+    elif isinstance(settings, list | tuple):
+        items = [parse_setting(text, where) for text in settings]
+    else:
+        raise ConfigError(f"{where}: expected key=value texts or a mapping, got {type(settings).__name__}")
+    if len(items) > MAX_SETTINGS:
+        raise ConfigError(f"{where}: {len(items)} settings, more than {MAX_SETTINGS}")
+    out: dict[str, Any] = {}
+    for key, value in items:
+        if key.strip() in out:
+            raise ConfigError(f"{where}: {key.strip()} is given twice")
+        out[key.strip()] = value
+    return out
+
+
+def setting_arg(key: str, value: Any) -> str:
+    """The `key=value` text that parse_setting reads back as (key, value): the value as JSON, which
+    YAML reads as the same scalar (a string quoted, 1e-05 the number)."""
+    return f"{key}={json.dumps(value)}"
 
 
 def _check_value(value: Any, tp: Any, where: str) -> Any:

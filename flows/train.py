@@ -11,7 +11,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
+from andrea_core.config import parse_settings
 from andrea_core.run.rundir import RunDir
+from andrea_core.train.setup import train_config
 from tasks.artifacts import run_name
 from tasks.gpu import holding_gpu_slots
 from tasks.trainer import end_cancelled, run_trainer, trainer_outcome
@@ -42,6 +44,8 @@ def train(
     gpu_slot: str | None = "auto",
     slot_timeout_s: float | None = None,
     nproc_per_node: int = 1,
+    settings: dict | list | None = None,
+    policy: str | None = None,
 ) -> State:
     """Train `run_dir` up to `max_steps` (default: the run config's).
 
@@ -50,11 +54,24 @@ def train(
         none on the CPU; or an explicit name). slot_timeout_s: how long to wait for it (None: forever).
     nproc_per_node: data-parallel ranks on this machine (torchrun; one GPU each, and the slots of all
         of them: gpu-0 .. gpu-N-1); batch_size stays the global batch. The UI shows the job as one run.
+    settings: a new run's config settings, {"train.lr": 1e-3} or ["train.lr=1e-3"] (`andrea train
+        --set`); policy: its data policy (`--policy`). Checked before any work, as `andrea train` checks them.
     """
     run_dir = RunDir(run_dir).url
+    # The same check as `andrea train`'s, before a GPU slot is taken or a trainer started.
+    given = parse_settings(settings, "settings")
+    train_config(RunDir(run_dir), config, given, policy)
     with holding_gpu_slots(gpu_slot, device, slot_timeout_s, nproc_per_node):
         ran = run_trainer(
-            run_dir, config, max_steps, device, pace, nproc_per_node=nproc_per_node, return_state=True
+            run_dir,
+            config,
+            max_steps,
+            device,
+            pace,
+            nproc_per_node=nproc_per_node,
+            settings=given or None,
+            policy=policy,
+            return_state=True,
         )
     outcome = trainer_outcome(ran)
     if outcome.get("cancelled"):
@@ -73,5 +90,16 @@ if __name__ == "__main__":
     p.add_argument("--device", default="auto")
     p.add_argument("--pace", type=float, default=0.0)
     p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--set", action="append", dest="settings", metavar="KEY=VALUE")
+    p.add_argument("--policy")
     a = p.parse_args()
-    train(a.run_dir, a.config, a.max_steps, a.device, a.pace, nproc_per_node=a.nproc_per_node)
+    train(
+        a.run_dir,
+        a.config,
+        a.max_steps,
+        a.device,
+        a.pace,
+        nproc_per_node=a.nproc_per_node,
+        settings=a.settings,
+        policy=a.policy,
+    )

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The embedded demo (flows/demo.py) on Prefect's ephemeral mode: no server to start. Trains andrea-tiny,
 # pivots it to the polish policy at a checkpoint boundary, audit-forks the result into two branches
-# and prints where the report and the plot are. A few minutes on a 2-core machine.
+# and prints where the report and the plot are. About 2 1/4 minutes on an idle 2-core machine once .venv
+# exists, plus about 4 minutes for the first install (docs/operations.md, "The demo").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

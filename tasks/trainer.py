@@ -37,6 +37,8 @@ def run_trainer(
     pace: float = 0.0,
     stop_grace_s: float = 25.0,
     nproc_per_node: int = 1,
+    settings: dict | None = None,
+    policy: str | None = None,
 ) -> dict | State:
     """Start a trainer for `run_dir` in this flow run's process group and follow it to its end: each
     of its lines goes to the Prefect log, its step/total to a progress artifact. Returns its outcome
@@ -50,7 +52,14 @@ def run_trainer(
     stops the trainer the same way and is raised on."""
     logger = get_run_logger()
     trainer = TrainerProcess(
-        run_dir, config=config, max_steps=max_steps, device=device, pace=pace, nproc_per_node=nproc_per_node
+        run_dir,
+        config=config,
+        max_steps=max_steps,
+        device=device,
+        pace=pace,
+        nproc_per_node=nproc_per_node,
+        settings=settings,
+        policy=policy,
     )
     # The progress artifact before the start: if creating it fails, there is no trainer to clean up.
     progress = TrainingProgress(trainer.run.url, max_steps)

@@ -121,6 +121,7 @@ def end_state(run: Path, base_log: bytes) -> dict:
     policy (times aside), and the first steps after the boundary with their losses."""
     # These hold times (and the lock a pid and a nonce): the lock is compared by whether it is released.
     skip = ("trainer.log", f"{ARCHIVE_1}/phase.json", LOSS_LOG, "data.jsonl", ".trainer.json", "target.jsonl")
+    skip += ("segments.jsonl",)  # each trainer start's conditions and time (run/resume_check.py)
     # TensorBoard's event files are named by and hold wall-clock times: their segments are compared.
     views = sorted(str(p.relative_to(run)) for p in run.glob("tensorboard/*"))
     skip += tuple(views)

@@ -55,7 +55,7 @@ RESUME_AT = 20  # the base run's newest checkpoint; each example resumes it to R
 HANG_S = 120  # one example (a resume and six CLI readers) takes about a second
 
 JSON_FILES = [".state.json", ".samples.json", "tokenizer.json", ".trainer.json", "pivot.json"]
-JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl", "guard.jsonl", "target.jsonl"]
+JSONL_FILES = [".loss.json", "forks.jsonl", "data.jsonl", "guard.jsonl", "target.jsonl", "segments.jsonl"]
 YAML_FILES = ["run.yaml", "policy.yaml"]
 BIN_FILES = ["step_000020.bin", "step_000010.bin"]
 # TensorBoard's event file of the base's second segment (after the rollback), renamed from its
@@ -85,9 +85,11 @@ NEUTRAL_TO_TRAINING = {
     "data.jsonl",
     "pivot.json",
     "target.jsonl",  # the resume's --max-steps 21 is the target, whatever the file held
+    "segments.jsonl",  # the resume check's record: what is compared, never what is trained
     EVENTS_FILE,  # a new segment's file is written; this one is left as it is
 }
-APPENDED_TO = (".loss.json", "data.jsonl", "guard.jsonl", "target.jsonl")  # a resume only appends to these
+# a resume only appends to these
+APPENDED_TO = (".loss.json", "data.jsonl", "guard.jsonl", "target.jsonl", "segments.jsonl")
 
 TALLY: Counter = Counter()
 
@@ -447,6 +449,10 @@ def run_case(base: Path, name: str, kind: str, seed: int, readers: bool = True) 
 @example(case=("target.jsonl", "wrong-type"), seed=0)
 @example(case=(EVENTS_FILE, "garbage"), seed=0)
 @example(case=(EVENTS_FILE, "truncate"), seed=0)
+# segments.jsonl (issue 46.4), whatever the draw: a value of the wrong type, nesting, a torn line.
+@example(case=("segments.jsonl", "wrong-type"), seed=0)
+@example(case=("segments.jsonl", "nested"), seed=0)
+@example(case=("segments.jsonl", "truncate"), seed=0)
 def test_every_corrupted_run_file_resumes_or_is_refused_by_name(base, case, seed):
     name, kind = case
     outcome = run_case(base, name, kind, seed)

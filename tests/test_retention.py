@@ -148,6 +148,7 @@ def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path)
         ".trainer.json",  # left released at each clean exit (its generation kept)
         "data.jsonl",  # the arms each trainer start loaded
         "target.jsonl",  # the step each trainer start was asked to reach
+        "segments.jsonl",  # each segment's conditions and resume check (run/resume_check.py)
         # one TensorBoard segment per trainer start: never pruned, like .loss.json
         *(f"tensorboard/andrea.segment{n:04d}" for n in (1, 2, 3)),
     } | {checkpoint_name(s) for s in (30, 50, 100, 110, 150, 180, 190, 200)}
@@ -156,6 +157,7 @@ def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path)
     )
     expected_branch = {
         *("run.yaml", "policy.yaml", ".loss.json", ".trainer.json", "data.jsonl", "target.jsonl"),
+        "segments.jsonl",
         "tensorboard/andrea.segment0002",  # numbered by its .loss.json, whose segment 1 is the parent's
     } | {
         checkpoint_name(s)

@@ -18,6 +18,7 @@ from andrea_core.ops.compare import png_data_uri
 from andrea_core.ops.loss_view import loss_view, plot_view
 from andrea_core.ops.status import RunStatus, run_status
 from andrea_core.run.loss_log import read_history
+from andrea_core.run.resume_check import describe as describe_check
 from andrea_core.run.rundir import STATE, RunDir
 from andrea_core.run.samples import read_audits
 from andrea_core.untrusted import markdown_code, markdown_text, shown
@@ -68,6 +69,8 @@ def dashboard_rows(st: RunStatus, ema: float | None, last_loss: float | None, mi
     if mix is not None:
         step, p = mix
         rows["bandit mix"] = ", ".join(f"{arm} {v:.1%}" for arm, v in p.items()) + f" (state of step {step})"
+    if st.resume and (st.resume["equal"] or not st.resume["promised"]):  # a failed one is a PROBLEM row
+        rows["resume check"] = describe_check(st.resume)
     for problem in st.problems:
         rows[f"PROBLEM {len([k for k in rows if k.startswith('PROBLEM')]) + 1}"] = problem
     rows["updated"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

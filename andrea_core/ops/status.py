@@ -39,6 +39,8 @@ from andrea_core.run.lock import (
     trainer_liveness,
 )
 from andrea_core.run.loss_log import LossEntry, read_recent, recent_window
+from andrea_core.run.resume_check import describe as describe_check
+from andrea_core.run.resume_check import newest_check
 from andrea_core.run.rundir import GUARD_LOG, RunDir
 from andrea_core.untrusted import shown
 
@@ -74,6 +76,7 @@ class RunStatus:
     mixer: str | None = None
     audit: dict | None = None  # the newest sample audit's headline numbers
     guard: dict | None = None  # the divergence guard's last event (guard.jsonl), and how many there are
+    resume: dict | None = None  # the newest resume check (segments.jsonl): steps trained again, compared
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -209,6 +212,10 @@ def run_status(url: str, now: float | None = None, history: list[LossEntry] | No
                 f"the divergence guard stopped the run at step {events[-1].step} "
                 f"(event {events[-1].number} in {GUARD_LOG}): see README, 'When a run diverges'"
             )
+
+    st.resume = newest_check(run, warn=st.problems.append)
+    if st.resume is not None and st.resume["promised"] and not st.resume["equal"]:
+        st.problems.append(describe_check(st.resume))
 
     journal = read_pivot(run)
     if journal is not None:
@@ -364,6 +371,8 @@ def format_status(st: RunStatus, now: float | None = None) -> str:
         )
     if st.guard:
         row("guard", guard_summary(st.guard, now))
+    if st.resume and (st.resume["equal"] or not st.resume["promised"]):  # a failed one is a PROBLEM row
+        row("resume", describe_check(st.resume))
     for problem in st.problems:
         row("PROBLEM", problem)
     return "\n".join(lines)

@@ -118,6 +118,8 @@ class TrainerProcess:
         device: str = "auto",
         pace: float = 0.0,
         nproc_per_node: int = 1,
+        settings: dict | None = None,
+        policy: str | None = None,
     ):
         self.run = RunDir(run_dir)
         self.argv = trainer_command(
@@ -127,6 +129,8 @@ class TrainerProcess:
             device=device,
             pace=pace,
             nproc_per_node=nproc_per_node,
+            settings=settings,
+            policy=policy,
         )
         self.proc: subprocess.Popen | None = None
         self.step: int | None = None

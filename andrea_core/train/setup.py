@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from andrea_core.config import ConfigError, RunConfig, load_yaml
+from andrea_core.config import ConfigError, RunConfig, load_run_config, load_yaml, setting_arg
 from andrea_core.data.policy import load_policy, parse_policy
 from andrea_core.data.tokens import BPETokenizer, ByteTokenizer, new_run_tokenizer
 from andrea_core.run.record import RunRecord, config_differences, environment, read_run
@@ -71,3 +71,53 @@ def prepare_run(run: RunDir, cfg: RunConfig | None) -> RunConfig:
             "resume without --config, or fork the run to change its config"
         )
     return frozen
+
+
+def train_config(
+    run: RunDir, config: str | None, settings: dict | None = None, policy: str | None = None
+) -> RunConfig | None:
+    """The config `andrea train` (and the train flow) gives the trainer: `config` (a name or path) with
+    `settings` (dotted keys, as `andrea fork --set`) and `policy` (`data.policy`) applied, each checked
+    as the same value in a config file, a policy loaded as a pivot loads one. A setting on a run that
+    exists is refused where it would change the frozen run.yaml, naming it and the command that would:
+    `andrea fork` (`andrea pivot` for the policy). ConfigError before anything is written; None: no
+    --config and nothing to apply (a resume)."""
+    settings = dict(settings or {})
+    if policy is not None:
+        if "data.policy" in settings:
+            raise ConfigError("--policy and --set data.policy: give the policy once")
+        settings["data.policy"] = policy
+    exists = run.exists(RUN_YAML)
+    if not exists and config is None:
+        if settings:
+            raise ConfigError(
+                f"{run.url}: no run here yet; pass --config to create one (settings apply to it)"
+            )
+        return None
+    base = read_run(run).config if exists and config is None else load_run_config(config)
+    cfg = base.with_overrides(settings, "andrea train --set") if settings else base
+    if exists and settings:
+        frozen = read_run(run).config
+        changed = [key for key in settings if key in config_differences(cfg, frozen)]
+        if changed:
+            given = " ".join(
+                f"--policy {settings[k]}"
+                if k == "data.policy" and policy is not None
+                else f"--set {setting_arg(k, settings[k])}"
+                for k in changed
+            )
+            if changed == ["train.max_steps"]:
+                target = settings["train.max_steps"]
+                how = f"give it a new target: andrea train --run-dir {run.url} --max-steps {target}"
+            elif changed == ["data.policy"]:
+                how = f"pivot it: andrea pivot {run.url} --policy {settings['data.policy']}"
+            else:
+                how = f"fork it: andrea fork {run.url} --branch NAME {given}"
+            raise ConfigError(
+                f"{run.url}: {given} would change a run that exists ({RUN_YAML} is frozen); to train "
+                f"with {'another policy' if changed == ['data.policy'] else 'that'}, {how}"
+            )
+        return cfg if config is not None else None
+    if not exists and "data.policy" in settings:
+        load_policy(cfg.data.policy)  # a bad policy name, path or file: refused now, as a pivot's is
+    return cfg

@@ -42,6 +42,7 @@ from andrea_core.run.lineage import require_fork_point, require_phase_start
 from andrea_core.run.loss_log import LossWriter, read_history
 from andrea_core.run.pivot_journal import require_no_half_pivot
 from andrea_core.run.record import environment, read_run
+from andrea_core.run.resume_check import ResumeCheck
 from andrea_core.run.retention import apply_retention
 from andrea_core.run.rundir import LOSS_LOG, REFUSED, RUN_YAML, RunDir
 from andrea_core.run.target import check_max_steps, read_target, set_target
@@ -280,7 +281,7 @@ class Trainer:
         if self.world.is_main:
             self._open_segment(self.start_step)
         else:
-            self.auditor = self.loss_log = self.tensorboard = _RankZeroOnly()
+            self.auditor = self.loss_log = self.tensorboard = self.resume_check = _RankZeroOnly()
         if ckpt is None:
             self.auditor.record(0)  # the untrained model: what every later audit is read against
         elif self.world.is_main and self._audit_missing(self.start_step):
@@ -457,9 +458,29 @@ class Trainer:
         if isinstance(previous, Auditor):
             self.auditor.adopt(previous)
         self.loss_log = LossWriter(self.run, warn=self.log)
+        # The steps an earlier segment logged and this one trains again, compared (run/resume_check.py);
+        # a rollback's segment trains them under its remedy, so it only records its conditions.
+        if isinstance(previous, Auditor):
+            self.resume_check.finish()
+        self.resume_check = ResumeCheck(
+            self.run, self.loss_log.segment, step, self._conditions(), self.log, compare=previous is None
+        )
         # The TensorBoard view: events buffered in memory, appended at checkpoints.
         self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, step + 1, self.log)
         self.auditor.on_written = self.tensorboard.audit
+
+    def _conditions(self) -> dict:
+        """What bit-equality with another segment rests on (docs/design.md "Determinism")."""
+        return {
+            "device": self.device,
+            "world_size": self.world.world_size,
+            "num_threads": torch.get_num_threads(),
+            "environment": environment(),
+            "data": {name: getattr(arm, "fingerprint", "") for name, arm in self.data.arms.items()},
+            "policy": self.data.policy.hash,
+            "phase_start": self.data.store.phase.start_step,
+            "bandit_restored": self.start_step == 0 or bool(self.data.store.restored),
+        }
 
     def _audit_missing(self, step: int) -> bool:
         """A resumed step on the audit grid whose audit .samples.json lacks. Not a phase's first step:
@@ -484,6 +505,7 @@ class Trainer:
                 result.step, result.loss, result.lr, result.arm, tokens, time.time(), result.grad_norm
             )
             self.loss_log.flush()
+            self.resume_check.observe(result.step, result.loss)
             if not math.isfinite(result.loss) and not self.guard.enabled:
                 self.loss_log.flush(durable=True)
                 newest = self.checkpointer.records[-1].name if self.checkpointer.records else None
@@ -632,6 +654,9 @@ class Trainer:
             if hasattr(self, "tensorboard"):
                 with contextlib.suppress(lock.LeaseLost):  # the run is someone else's: nothing more of ours
                     self.tensorboard.flush()  # the last audit's events; a view: its failure is a warning
+            if hasattr(self, "resume_check"):
+                with contextlib.suppress(lock.LeaseLost):  # its verdict over the steps trained again so far
+                    self.resume_check.finish()
             if hasattr(self, "loss_log"):
                 # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
                 with contextlib.suppress(lock.LeaseLost):
