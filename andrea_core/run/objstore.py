@@ -102,6 +102,7 @@ async def s3_put(
     pending: collections.deque[memoryview] = collections.deque()
     pending_size = size = 0
     upload_id = None
+    parts: list[dict] | None = None  # the completed parts, once the complete is sent
     uploads: list[asyncio.Task] = []
     slots = asyncio.Semaphore(max(1, fs.max_concurrency))
 
@@ -166,21 +167,30 @@ async def s3_put(
         for task in uploads:
             task.cancel()
         await asyncio.gather(*uploads, return_exceptions=True)
-        return await _failed(fs, path, upload_id, e, size, None if digest is None else digest.digest())
+        sha256 = None if digest is None else digest.digest()
+        return await _failed(fs, path, upload_id, e, size, sha256, parts)
     finally:
         fs.invalidate_cache(path)
     return Version(size, r["ETag"])
 
 
 async def _failed(
-    fs, path: str, upload_id: str | None, e: BaseException, size: int, sha256: bytes | None
+    fs,
+    path: str,
+    upload_id: str | None,
+    e: BaseException,
+    size: int,
+    sha256: bytes | None,
+    parts: list[dict] | None = None,
 ) -> Version:
     """After a failed publish (raised from `e`): abort its multipart upload, if any. A refused
     conditional write whose bytes the store holds anyway (`size`, `sha256`) was our own, committed
     before its reply was lost, and its version is returned; so is an upload found gone (NoSuchUpload:
-    the SDK's retry of a complete that went through may be answered so). Any other refusal is a
-    ConcurrentWriteError, an upload aborted by someone else (a trainer taking the run over) too;
-    anything else is `e` itself."""
+    the SDK's retry of a complete that went through may be answered so) whose object the store holds:
+    by its bytes (`sha256`), or, for an unconditional publish (no digest kept), by the ETag S3 gives
+    the object a complete of exactly these `parts` makes. Any other refusal is a ConcurrentWriteError,
+    an upload aborted by someone else (a trainer taking the run over) too; anything else is `e`
+    itself."""
     bucket, key, _ = fs.split_path(path)
     aborted = _is_aborted_upload(e)
     if upload_id is not None and not aborted:
@@ -194,6 +204,10 @@ async def _failed(
         raise e
     if sha256 is not None:
         etag = await s3_etag_if_holding(fs, path, size, sha256)
+        if etag is not None:
+            return Version(size, etag)
+    elif aborted and parts:
+        etag = await s3_etag_if_made_of(fs, path, size, parts)
         if etag is not None:
             return Version(size, etag)
     if aborted:
@@ -279,6 +293,33 @@ async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | N
         while chunk := await body.read(2**20):
             held.update(chunk)
     return r["ETag"] if held.digest() == sha256 else None
+
+
+def multipart_etag(parts: list[dict]) -> str | None:
+    """The ETag S3 gives the object a complete of `parts` makes: the MD5 of their MD5s (each part's
+    ETag), then "-" and their count. None if a part's ETag is no MD5 (a store that encrypts with KMS)."""
+    try:
+        md5s = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts)
+    except ValueError:
+        return None
+    if len(md5s) != 16 * len(parts):
+        return None
+    return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
+async def s3_etag_if_made_of(fs, path: str, size: int, parts: list[dict]) -> str | None:
+    """The ETag of `path` if the store holds the `size`-byte object a complete of `parts` made (one
+    HEAD; a checkpoint's bytes are not read back), else None."""
+    expect = multipart_etag(parts)
+    if expect is None:
+        return None
+    bucket, key, _ = fs.split_path(path)
+    try:
+        r = await fs._call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    etag = r.get("ETag") or ""
+    return etag if etag.strip('"') == expect and r.get("ContentLength") == size else None
 
 
 async def _body(r: dict, most: int, path: str) -> bytes:
