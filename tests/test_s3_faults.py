@@ -96,3 +96,60 @@ def test_the_multipart_etag_is_s3s_md5_of_the_parts_md5s():
     parts = [{"ETag": '"' + "0" * 32 + '"'}, {"ETag": "f" * 32}]
     assert multipart_etag(parts) == hashlib.md5(bytes(16) + b"\xff" * 16).hexdigest() + "-2"
     assert multipart_etag([{"ETag": "not-an-md5"}]) is None  # KMS-encrypted parts: nothing adopted
+
+
+def test_a_takers_identical_checkpoint_is_not_adopted_by_the_holder_it_replaced(
+    s3_bucket, s3_server, monkeypatch, tmp_path
+):
+    """The soak's case (s3-partition, seed 1): the holder's complete held in a partition, a trainer of
+    another host takes over (aborting the upload), retrains the same step bit-exactly and publishes the
+    same bytes; the held complete then lands, NoSuchUpload, and the object is made of the same parts.
+    It is not the old holder's publish: the fence, asked after the object was seen, finds the lease
+    lost, and the publish fails instead of being logged as written after the takeover."""
+    from andrea_core.run.lock import LeaseLost
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ANDREA_LEASE_RENEW_S", "0.5")
+    monkeypatch.setenv("ANDREA_LEASE_TTL_S", "2")
+    monkeypatch.setenv("ANDREA_LEASE_WAIT_S", "60")
+    faults = RelayFaults()
+    relays = {h: Relay(s3_server.port, faults, host=h) for h in ("a", "b")}
+    conf = fsspec.config.conf.setdefault("s3", {})
+    try:
+        monkeypatch.setitem(conf, "endpoint_url", relays["a"].endpoint)
+        monkeypatch.setenv("ANDREA_TEST_HOST", "host-a")
+        run_a = RunDir(f"{s3_bucket}/run")
+        lease_a = Lease.take(run_a, log=lambda _: None)
+        data = bytes(range(256)) * 40
+        faults.hang = {"host": "a", "match": r"^POST .*step_000005\.bin\?uploadId=", "for_s": 6.0}
+        outcome: list = []
+
+        def publish() -> None:
+            try:
+                run_a.write_atomic("step_000005.bin", data)
+                outcome.append("written")
+            except (LeaseLost, ConcurrentWriteError) as e:
+                outcome.append(type(e).__name__)
+
+        holder = threading.Thread(target=publish)
+        holder.start()
+        while not faults.hung:
+            time.sleep(0.01)
+        faults.cut_off("a", "hang")  # its renewals held too: the lease expires
+        monkeypatch.setitem(conf, "endpoint_url", relays["b"].endpoint)
+        monkeypatch.setenv("ANDREA_TEST_HOST", "host-b")
+        run_b = RunDir(f"{s3_bucket}/run")
+        lease_b = Lease.take(run_b, log=lambda _: None)  # waits out a's ttl, aborts its upload
+        run_b.write_atomic("step_000005.bin", data)  # the same step, bit-exact: the same parts
+        theirs = s3_server.client().info(f"{s3_bucket}/run/step_000005.bin")["ETag"]
+        faults.heal()
+        holder.join(60)
+        assert outcome == ["LeaseLost"], outcome  # before the fence's second look: ["written"]
+        assert s3_server.client().info(f"{s3_bucket}/run/step_000005.bin")["ETag"] == theirs
+        assert pending_uploads(s3_server, s3_bucket) == []
+        lease_b.release()
+        lease_a.release()
+    finally:
+        faults.heal()
+        for r in relays.values():
+            r.shutdown()

@@ -168,7 +168,7 @@ async def s3_put(
             task.cancel()
         await asyncio.gather(*uploads, return_exceptions=True)
         sha256 = None if digest is None else digest.digest()
-        return await _failed(fs, path, upload_id, e, size, sha256, parts)
+        return await _failed(fs, path, upload_id, e, size, sha256, parts, fence)
     finally:
         fs.invalidate_cache(path)
     return Version(size, r["ETag"])
@@ -182,15 +182,18 @@ async def _failed(
     size: int,
     sha256: bytes | None,
     parts: list[dict] | None = None,
+    fence: Fence | None = None,
 ) -> Version:
     """After a failed publish (raised from `e`): abort its multipart upload, if any. A refused
     conditional write whose bytes the store holds anyway (`size`, `sha256`) was our own, committed
     before its reply was lost, and its version is returned; so is an upload found gone (NoSuchUpload:
     the SDK's retry of a complete that went through may be answered so) whose object the store holds:
     by its bytes (`sha256`), or, for an unconditional publish (no digest kept), by the ETag S3 gives
-    the object a complete of exactly these `parts` makes. Any other refusal is a ConcurrentWriteError,
-    an upload aborted by someone else (a trainer taking the run over) too; anything else is `e`
-    itself."""
+    the object a complete of exactly these `parts` makes. A fenced upload found gone is adopted only if
+    the fence then passes: a taker aborts the uploads right before its takeover, and its own identical
+    bytes (a bit-exact run retrains the same step) are not this writer's publish. Any other refusal is
+    a ConcurrentWriteError, an upload aborted by someone else (a trainer taking the run over) too;
+    anything else is `e` itself."""
     bucket, key, _ = fs.split_path(path)
     aborted = _is_aborted_upload(e)
     if upload_id is not None and not aborted:
@@ -204,12 +207,15 @@ async def _failed(
         raise e
     if sha256 is not None:
         etag = await s3_etag_if_holding(fs, path, size, sha256)
-        if etag is not None:
-            return Version(size, etag)
     elif aborted and parts:
         etag = await s3_etag_if_made_of(fs, path, size, parts)
-        if etag is not None:
-            return Version(size, etag)
+    else:
+        etag = None
+    if etag is not None:
+        if aborted:
+            # Seen after the object: a lease still ours now was nobody else's since (LeaseLost otherwise).
+            await _fence_after_create(fence)
+        return Version(size, etag)
     if aborted:
         raise ConcurrentWriteError(
             f"s3://{path}: its upload was aborted before it completed (a trainer taking the run over aborts "
@@ -272,7 +278,8 @@ async def s3_extend(fs, path: str, data: bytes, expect: Version, fence: Fence | 
             IfMatch=expect.etag,
         )
     except BaseException as e:
-        return await _failed(fs, path, upload_id, e, len(data), hashlib.sha256(data).digest())
+        sha256 = hashlib.sha256(data).digest()
+        return await _failed(fs, path, upload_id, e, len(data), sha256, None, fence)
     finally:
         fs.invalidate_cache(path)
     return Version(len(data), r["ETag"])
