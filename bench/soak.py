@@ -1050,7 +1050,7 @@ class Soak:
             )
         self._checkpoint_after(t, f"the lost reply of the complete of {name}")
         time.sleep(0.1)
-        d[f"retry answered {lost['retries']}"] += 1
+        d[f"retry answered {'/'.join(map(str, lost['retries'])) or 'never'}"] += 1
         d["read back after NoSuchUpload (objstore._failed)"] += bool(lost["read_back"])
         said = [
             line
