@@ -2012,7 +2012,12 @@ def main() -> int:
         print("what the faults did (bench/powercut.py, tests/s3_relay.py; summed over each kind's faults):")
         for kind in [*LAYER, *OPT_IN, *STORAGE]:
             if soak.did.get(kind):
-                print(f"  {kind}: " + ", ".join(f"{k} {v:g}" for k, v in soak.did[kind].items()))
+                print(
+                    f"  {kind}: "
+                    + ", ".join(
+                        f"{k} {round(v, 2) if isinstance(v, float) else v}" for k, v in soak.did[kind].items()
+                    )
+                )
     layer = getattr(soak.store, "layer", None)
     if layer is not None:
         with contextlib.suppress(Exception):
