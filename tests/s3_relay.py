@@ -205,9 +205,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             gone = st._gone.get(upload_id) if complete else None
             if gone is not None:
                 gone["retries"].append(404)
-            read_back = [r for r in st._gone.values() if r["key"] == key and self.command in ("GET", "HEAD")]
-            for r in read_back:
-                r["read_back"] += 1
+            # The writer's read back (objstore._failed), after its retry was answered NoSuchUpload: counted
+            # once, and the upload then forgotten by the relay too.
+            if self.command in ("GET", "HEAD"):
+                for uid, r in list(st._gone.items()):
+                    if r["key"] == key and r["retries"]:
+                        r["read_back"] += 1
+                        del st._gone[uid]
             throttle = st.slowdown and st.rng.random() < st.slowdown
             if throttle:
                 st.throttled[self.command] += 1
