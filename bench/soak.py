@@ -19,14 +19,22 @@ generation never goes down, `.loss.json`'s segments never go back in file order 
 trainer appending after its successor), and a trainer that lost its lease publishes no checkpoint after
 the takeover (from its log, stamped as read) and exits 2; (6) nothing outside the run directory and its
 branches was created or changed; (7) every stop, takeover, pivot, fork and reader ends within its bound;
-(8) retention kept what its rules keep; (9) a power cut keeps every checkpoint a trainer logged as
-written, byte for byte. `--seed` draws the same schedule; a violation prints the schedule's prefix up to
+(8) retention kept what its rules keep (the required checkpoints from the store's own listings during the
+soak as well as the trainers' logs); (9) a power cut keeps every checkpoint a trainer logged as
+written, byte for byte; (10) invariants of their own (issue 48, item 7): every checkpoint the run ends
+with read by the soak's own reader of the format, itself checked first on the hand-made vectors
+(../shared/testdata/checkpoints), and `andrea status` never says CRASHED of a trainer alive throughout,
+nor TRAINING with none alive. `--seed` draws the same schedule; a violation prints the schedule's prefix up to
 the fault that showed it.
 
 The local store's run directory is seen through the power-cut layer (bench/powercut.py, issue 48): a
 FUSE filesystem over the tmpfs that drops what was not fsynced at a "power-cut" and fails writes,
 fsyncs and reads with EIO, writes short, and tears or bit-flips a checkpoint ("eio-write", "eio-fsync",
-"eio-read", "short-write", "bitrot"); `--no-layer` (or no FUSE here) leaves those kinds out.
+"eio-read", "short-write", "bitrot"); `--no-layer` (or no FUSE here) leaves those kinds out. On S3 every
+process reaches moto through its host's endpoint of a relay (tests/s3_relay.py) that loses replies, makes
+the store slow ("s3-slow") or throttled ("s3-503"), holds a request past the lease's ttl ("s3-hang"),
+partitions the holder's host while another takes over ("s3-partition"), and drops a CompleteMultipartUpload
+reply after the server applied it ("lost-complete").
 """
 
 from __future__ import annotations
@@ -34,14 +42,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import http.client
-import http.server
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -53,6 +60,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "bench")]
+
+from s3_relay import Relay, RelayFaults  # noqa: E402 (tests/s3_relay.py)
 
 from andrea_core.checkpoint import checkpoint_name  # noqa: E402
 from andrea_core.run.loss_log import newest_segments, parse_entries  # noqa: E402
@@ -69,7 +78,13 @@ COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon
 COMMON += ["second-trainer"]
 # The power-cut layer's (bench/powercut.py): the local store's run directory is a FUSE mount over its tmpfs.
 LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot"]
-KINDS = {"local": [*COMMON, "disk-full", *LAYER, "bitflip"], "s3": [*COMMON, "s3-deny", "s3-lost-reply"]}
+# The relay's (tests/s3_relay.py, issue 48 item 3): storage slow, throttled, hung, partitioned from the
+# holder's host, and a CompleteMultipartUpload applied with its reply lost.
+STORAGE = ["s3-slow", "s3-503", "s3-hang", "s3-partition", "lost-complete"]
+KINDS = {
+    "local": [*COMMON, "disk-full", *LAYER, "bitflip"],
+    "s3": [*COMMON, "s3-deny", "s3-lost-reply", *STORAGE],
+}
 # Drawn only when named in --kinds: a known, open product defect (the checkpoint format has no checksum,
 # so a flipped bit in its floats is read as good: tests/test_powercut.py's xfail names it).
 OPT_IN = {"bitflip"}
@@ -119,6 +134,28 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
             f["leave"] = 0 if n // 2 % 2 else 256 * 1024
         elif kind == "s3-lost-reply":
             f["key"] = rng.choice(["step_", ".state.json", ".trainer.json", ".loss.json", ".samples.json"])
+        elif kind == "s3-slow":
+            # Every request held 0.05-0.5 s, up to 0.6-2.5 s: some past the lease's renew interval.
+            f["for_s"] = round(rng.uniform(4.0, 12.0), 2)
+            f["latency"] = (round(rng.uniform(0.05, 0.5), 2), round(rng.uniform(0.6, 2.5 * RENEW_S), 2))
+        elif kind == "s3-503":
+            f["for_s"] = round(rng.uniform(3.0, 10.0), 2)
+            f["fraction"] = rng.choice([0.1, 0.3, 0.5])
+        elif kind == "s3-hang":
+            # One request of the holder held past the ttl, then delivered: a renewal (with a trainer of
+            # the other host watching the lease, it takes over; the renewal lands after), a complete,
+            # or whatever comes next.
+            f["match"] = rng.choice(["trainer", "complete", "any"])
+            f["hang_s"] = round(rng.uniform(TTL_S + 1.5, 3 * TTL_S + 2.0), 2)
+            f["waiter"] = f["match"] == "trainer" or rng.random() < 0.5
+        elif kind == "s3-partition":
+            # Every request of the holder's host refused (or held, delivered once healed), reads included,
+            # while a trainer of the other host takes the run over; healed after_s later.
+            f["mode"] = rng.choice(["refuse", "hang"])
+            f["after_s"] = round(rng.uniform(1.0, 6.0), 2)
+        elif kind == "lost-complete":
+            f["key"] = rng.choice(["step_", ".state.json", ".samples.json", ".loss.json"])
+            f["retry"] = rng.choice(["gone", "idempotent"])
         elif kind == "power-cut":
             # A random moment, or aimed: right after a checkpoint boundary (its writes in flight), or a
             # pivot or a fork under way (cut at kill_s into it).
@@ -175,7 +212,7 @@ class LocalStore:
         self.run_url = str(self.root / "run")
         self.filler: Path | None = None
 
-    def env(self) -> dict[str, str]:
+    def env(self, host: str) -> dict[str, str]:
         return {}
 
     def url(self, name: str) -> str:
@@ -224,96 +261,6 @@ class LocalStore:
         subprocess.run(["umount", "-l", str(self.disk)], check=False)
 
 
-class DroppingRelay(http.server.ThreadingHTTPServer):
-    """An HTTP relay in front of moto. Armed with a key pattern, it forwards the next PUT of a matching
-    key to the store, reads the store's answer (the write has committed) and closes the connection
-    instead of answering: the client sees a reply lost after the write, and retries."""
-
-    daemon_threads = True
-
-    def __init__(self, upstream_port: int):
-        self.upstream_port = upstream_port
-        self.armed: str | None = None
-        self.dropped: list[tuple[float, str, int]] = []
-        self.lock = threading.Lock()
-        super().__init__(("127.0.0.1", 0), _RelayHandler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client killed mid-request: normal here
-            super().handle_error(request, client_address)
-
-
-class _RelayHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # An answer's headers and body leave in one write (buffered, flushed at the end): written apart,
-    # a small body waits on the client's delayed ACK (Nagle), 40 ms a reply (a listing: 51 ms, 12 direct).
-    wbufsize = -1
-    disable_nagle_algorithm = True
-
-    def handle_expect_100(self) -> bool:
-        ok = super().handle_expect_100()
-        self.wfile.flush()  # buffered above: a client waiting for its 100 Continue would wait forever
-        return ok
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            raw = b""
-            while True:
-                line = self.rfile.readline()
-                raw += line
-                size = int(line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while True:  # trailers, then the blank line
-                        t = self.rfile.readline()
-                        raw += t
-                        if t in (b"\r\n", b"\n", b""):
-                            return raw
-                raw += self.rfile.read(size + 2)
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
-
-    def _relay(self) -> None:
-        body = self._body()
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=120)
-        conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-        for k, v in self.headers.items():
-            conn.putheader(k, v)
-        conn.endheaders(body or None)  # with the headers: apart, the body would wait on an ACK too
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        srv = self.server
-        with srv.lock:
-            drop = srv.armed is not None and self.command == "PUT" and srv.armed in self.path.split("?")[0]
-            if drop:
-                srv.dropped.append((time.time(), self.path.split("?")[0], resp.status))
-                srv.armed = None
-        if drop:
-            self.close_connection = True
-            return
-        self.send_response_only(resp.status, resp.reason)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        if self.command == "HEAD":
-            self.send_header("Content-Length", resp.getheader("Content-Length") or "0")
-        else:
-            self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
-
-
 DENY_PUTS = {
     "Version": "2012-10-17",
     "Statement": [{"Effect": "Deny", "Action": "s3:PutObject", "Resource": "*"}],
@@ -346,20 +293,28 @@ class S3Store:
         self.iam = boto3.client("iam", **boot, **creds)
         self.s3 = boto3.client("s3", **boot, **creds)
         self.s3.create_bucket(Bucket=self.bucket)
-        self.relay = DroppingRelay(self.server.port)
+        # One relay endpoint a host (tests/s3_relay.py), their faults shared: a partition cuts one off.
+        self.relay = RelayFaults(head=self._etag)
+        self.relays = {h: Relay(self.server.port, self.relay, host=h) for h in HOSTS}
         self._env = {
             **CREDENTIALS,
             "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
             "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
-            "FSSPEC_S3_ENDPOINT_URL": self.relay.endpoint,
         }
         self.run_url = f"s3://{self.bucket}/run"
 
-    def env(self) -> dict[str, str]:
-        return self._env
+    def env(self, host: str) -> dict[str, str]:
+        relay = self.relays.get(host)  # the reference's own host: its run is local, no relay
+        return {**self._env, "FSSPEC_S3_ENDPOINT_URL": relay.endpoint if relay else self.server.endpoint}
 
     def url(self, name: str) -> str:
         return f"s3://{self.bucket}/{name}"
+
+    def _etag(self, key: str) -> str | None:
+        try:
+            return self.s3.head_object(Bucket=self.bucket, Key=key)["ETag"].strip('"')
+        except self.s3.exceptions.ClientError:
+            return None
 
     def _keys(self, prefix: str = "") -> dict[str, str]:
         out, token = {}, None
@@ -404,7 +359,9 @@ class S3Store:
             self.iam.delete_user_policy(UserName="trainer", PolicyName="deny")
 
     def close(self) -> None:
-        self.relay.shutdown()
+        self.relay.heal()  # requests a partition holds are let go
+        for r in self.relays.values():
+            r.shutdown()
         self.server.stop()
 
 
@@ -511,6 +468,10 @@ class Soak:
         # takeover, reported once the paused holder runs again, is not a publish after it).
         self.lost_leases: list[tuple[Proc, float, set[int]]] = []
         self.fault_i = -1
+        self.listed: set[int] = set()  # every checkpoint a listing of the store showed (invariant (8))
+        self.readers: Counter = (
+            Counter()
+        )  # `andrea status` answers checked against the truth (invariant (10))
         self.forks = 0
         self.settled = 0  # the run's newest checkpoint when the fault in progress began (reference())
         self.stopping = False
@@ -550,7 +511,7 @@ class Soak:
 
     def env(self, host: str | None = None, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(self.store.env())
+        env.update(self.store.env(host or self.host))
         env.update(
             PYTHONPATH=str(REPO),
             PYTHONUNBUFFERED="1",
@@ -672,15 +633,33 @@ class Soak:
         return rc
 
     def checkpoints(self) -> list[int]:
-        return sorted(
+        """The run's checkpoints as the store lists them now (each listing is kept: invariant (8))."""
+        listed = sorted(
             int(m.group(1)) for n in self.store.listdir("run") if (m := re.fullmatch(r"step_(\d+)\.bin", n))
         )
+        self.listed.update(listed)
+        return listed
 
     # --- faults ----------------------------------------------------------------------------------
 
     def f_sigkill(self, f: dict) -> None:
         time.sleep(f["after_s"])
         self.stop_trainer(signal.SIGKILL)
+        # (10) a reader asked while nothing trains (the killed trainer dead, not yet restarted)
+        rc, _ = self.tool("status", ["status", self.store.run_url])
+        if rc == 0:
+            self._status_truth(self.procs[-1], alive=False)
+
+    def _status_truth(self, p: Proc, alive: bool | None) -> None:
+        """(10) `andrea status`'s state against the truth: a trainer of this host alive throughout is
+        TRAINING (never CRASHED, STOPPED or COMPLETED); none alive is never TRAINING. None: unknown."""
+        m = re.search(r": (TRAINING|CRASHED|REMOTE|CREATING|PIVOTING|COMPLETED|STOPPED): ", p.text())
+        state = m.group(1) if m else "no state line"
+        self.readers[f"{'alive' if alive else 'dead' if alive is False else 'changed'} -> {state}"] += 1
+        if alive and state != "TRAINING":
+            self.violate("10", f"andrea status said {state} of a live trainer:\n{p.tail()}")
+        elif alive is False and state in ("TRAINING", "CREATING"):
+            self.violate("10", f"andrea status said {state} with no trainer alive:\n{p.tail()}")
 
     def f_sigkill_write(self, f: dict) -> None:
         """SIGKILL aimed at a checkpoint's writes: right after the boundary step is logged, the bandit
@@ -900,6 +879,234 @@ class Soak:
                 f"after a lost reply to a put of {relay.dropped[-1][1]} no checkpoint was "
                 f"written:\n{t.tail()}",
             )
+
+    # --- storage slow or gone (S3, the relay's faults: tests/s3_relay.py) ---------------------------
+
+    def f_s3_slow(self, f: dict) -> None:
+        """Every request of every host held a drawn latency: training goes on, a checkpoint after."""
+        relay, t0 = self.store.relay, time.time()
+        n0 = len(relay.delays)
+
+        def begin(_):
+            relay.latency = tuple(f["latency"])
+
+        def end():
+            relay.latency = None
+
+        self._outage(f, begin, end, f"a store answering {f['latency'][0]}-{f['latency'][1]} s late")
+        d, delays = self.did["s3-slow"], relay.delays[n0:]
+        d["requests delayed"] += len(delays)
+        d[f"delayed past the renew interval ({RENEW_S:g} s)"] += sum(x > RENEW_S for x in delays)
+        d["seconds of delay"] += round(sum(delays), 1)
+        d["renewals that failed"] += sum(
+            "lease renewal" in line and "failed" in line for t, line in self.trainer.lines if t >= t0
+        )
+
+    def f_s3_503(self, f: dict) -> None:
+        """A fraction of requests answered 503 SlowDown (not applied): the SDK's and s3fs's retries."""
+        relay, t0 = self.store.relay, time.time()
+        n0 = sum(relay.throttled.values())
+
+        def begin(_):
+            relay.slowdown = f["fraction"]
+
+        def end():
+            relay.slowdown = 0.0
+
+        self._outage(f, begin, end, f"503 SlowDown to {f['fraction']:.0%} of requests")
+        d = self.did["s3-503"]
+        d["503 answered"] += sum(relay.throttled.values()) - n0
+        d["publishes that failed (trained on)"] += sum(
+            "NOT written" in line or "renewal" in line and "failed" in line
+            for t, line in self.trainer.lines
+            if t >= t0
+        )
+
+    def f_s3_hang(self, f: dict) -> None:
+        """One request of the holder held hang_s (> ttl), then delivered; maybe with a trainer of the
+        other host watching the lease. Its renewal held: the watcher takes over, the holder's renewal
+        lands after and it stops (exit 2), publishing nothing after the takeover. Anything else held:
+        the lease is renewed meanwhile, the watcher is stopped (SIGTERM, exit 0), training goes on."""
+        relay, holder, d = self.store.relay, self.trainer, self.did["s3-hang"]
+        match = {
+            "trainer": r"^PUT .*/run/\.trainer\.json",
+            "complete": r"^POST .*/run/[^?]*\?uploadId=",
+            "any": r".",
+        }[f["match"]]
+        g0 = (self.lock() or {}).get("generation")
+        w = self._waiter(4 * TTL_S + f["hang_s"] + 30) if f["waiter"] else None
+        n0 = len(relay.hung)
+        relay.hang = {"host": self.host, "match": match, "for_s": f["hang_s"]}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(relay.hung) == n0 and holder.popen.poll() is None:
+            time.sleep(0.02)
+        relay.hang = None
+        if len(relay.hung) == n0:
+            d["never hit (no such request in 60 s)"] += 1
+            if w is not None:
+                self._stop_waiter(w)
+            return
+        held_at = time.time()
+        d[f"held {f['match']}"] += 1
+        d["seconds held"] += f["hang_s"]
+        took, present = None, set()
+        while w is not None and time.time() < held_at + f["hang_s"] + TAKEOVER_BOUND:
+            took = w.first(r"taking over the stale lock")
+            if took or w.popen.poll() is not None or time.time() > held_at + f["hang_s"] + 1:
+                break
+            listed = set(self.checkpoints())
+            if (self.lock() or {}).get("generation") == g0:
+                present = listed
+            time.sleep(0.02)
+        if took:
+            d["taken over (the holder's lease unrenewed past the ttl)"] += 1
+            self._lost_holder(holder, w, took, present, f"a request held {f['hang_s']} s")
+            return
+        if w is not None:
+            self._stop_waiter(w)
+        if holder.popen.poll() is not None:
+            self.violate(
+                "7",
+                f"a request held {f['hang_s']} s ended the holder (exit {holder.popen.returncode}), "
+                f"no takeover:\n{holder.tail()}",
+            )
+            holder.expect_exit = True
+            return
+        self._checkpoint_after(holder, f"a request held {f['hang_s']} s")
+        d["trained on"] += 1
+
+    def f_s3_partition(self, f: dict) -> None:
+        """Every request of the holder's host refused (or held until healed), reads included, while a
+        trainer of the other host waits for the lease and takes the run over; the old holder, still
+        running, is healed after_s later: it must stop (exit 2) and have published nothing after."""
+        relay, holder, d = self.store.relay, self.trainer, self.did["s3-partition"]
+        g0 = (self.lock() or {}).get("generation")
+        w = self._waiter(4 * TTL_S + 60)
+        before = Counter(relay.partitioned)
+        cut = time.time()
+        relay.cut_off(self.host, f["mode"])
+        took, present = None, set()
+        try:
+            deadline = time.monotonic() + TAKEOVER_BOUND + 10
+            while time.monotonic() < deadline:
+                took = w.first(r"taking over the stale lock")
+                if took or w.popen.poll() is not None:
+                    break
+                listed = set(self.checkpoints())
+                if (self.lock() or {}).get("generation") == g0:
+                    present = listed
+                time.sleep(0.02)
+            if took:
+                # The holder runs on, partitioned, while the new holder trains: a reader on its host too.
+                reader = self.spawn("status", ["status", self.store.run_url], host=holder.host)
+                time.sleep(f["after_s"])
+                alive = holder.popen.poll() is None
+                d["old holder still running at the heal"] += alive
+        finally:
+            relay.heal()
+        cutoff = Counter(relay.partitioned) - before  # what the partition cut off: "mode METHOD"
+        d["requests cut off"] += sum(cutoff.values())
+        d["reads cut off (GET/HEAD)"] += sum(v for k, v in cutoff.items() if k.split()[1] in ("GET", "HEAD"))
+        if not took:
+            self.violate(
+                "7",
+                f"a holder partitioned from the store ({f['mode']}) was not taken over within "
+                f"{TAKEOVER_BOUND + 10:g}s:\n{w.tail()}",
+            )
+            self._stop_waiter(w)
+            return
+        d[f"taken over ({f['mode']})"] += 1
+        d["seconds to takeover"] += round(took - cut, 1)
+        rc = reader.wait(TOOL_BOUND)
+        time.sleep(0.05)
+        d[f"reader on the partitioned host: exit {rc}"] += 1
+        if rc is None or "Traceback" in reader.text():
+            self.violate("7", f"andrea status on a partitioned host: exit {rc}:\n{reader.tail()}")
+            reader.signal(signal.SIGKILL)
+        self._lost_holder(holder, w, took, present, f"a partition ({f['mode']})")
+
+    def f_lost_complete(self, f: dict) -> None:
+        """The next CompleteMultipartUpload of f["key"] applied, its reply dropped (the object checked
+        to exist with the ETag the reply named); the retry answered 404 NoSuchUpload (S3 forgot the
+        upload) or forwarded (moto's idempotent 200). The write must count as done: no error about it,
+        a checkpoint logged as written when it was one, and training goes on."""
+        relay, t, d = self.store.relay, self.trainer, self.did["lost-complete"]
+        n = len(relay.completes_lost)
+        relay.lost_complete = {"key": f"run/{f['key']}", "retry": f["retry"]}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(relay.completes_lost) == n and t.popen.poll() is None:
+            time.sleep(0.02)
+        relay.lost_complete = None
+        if len(relay.completes_lost) == n:
+            d["never hit (no complete of it in 60 s)"] += 1
+            return
+        lost = relay.completes_lost[-1]
+        name = lost["key"].rsplit("/", 1)[1]
+        d["replies dropped"] += 1
+        d["object there with the dropped reply's ETag"] += lost["held"]
+        if not lost["held"]:
+            self.violate(
+                "7", f"lost-complete: the complete of {name} was not applied (the fault did nothing)"
+            )
+        self._checkpoint_after(t, f"the lost reply of the complete of {name}")
+        time.sleep(0.1)
+        d[f"retry answered {'/'.join(map(str, lost['retries'])) or 'never'}"] += 1
+        d["read back after NoSuchUpload (objstore._failed)"] += bool(lost["read_back"])
+        said = [
+            line
+            for at, line in t.lines
+            if at >= lost["at"] - 0.5 and ("ERROR" in line or "warning" in line) and name in line
+        ]
+        if said:
+            self.violate(
+                "7", f"a committed {name} whose complete reply was lost was reported failed: {said[0]}"
+            )
+        if name.startswith("step_"):
+            if t.first(rf"checkpoint {re.escape(name)} \(", lost["at"] - 5):
+                d["checkpoint logged as written"] += 1
+            elif t.popen.poll() is None:
+                self.violate("7", f"{name}: committed, its complete reply lost, never logged as written")
+
+    def _checkpoint_after(self, t: Proc, what: str) -> None:
+        since = time.time()
+        deadline = time.monotonic() + TERM_BOUND
+        while time.monotonic() < deadline and t.popen.poll() is None:
+            if t.first(r"checkpoint step_\d+\.bin \(", since):
+                return
+            time.sleep(0.05)
+        if t.popen.poll() is not None:
+            self.violate("7", f"{what} ended training (exit {t.popen.returncode}):\n{t.tail()}")
+            t.expect_exit = True
+        else:
+            self.violate("7", f"after {what} no checkpoint was written again:\n{t.tail()}")
+
+    def _stop_waiter(self, w: Proc) -> None:
+        """A trainer of the other host that did not take over: gone on its own (exit 2: it saw a
+        renewal), or stopped while it waits (SIGTERM: exit 0)."""
+        w.expect_exit = True
+        if w.popen.poll() is None:
+            w.signal(signal.SIGTERM)
+        rc = w.wait(TERM_BOUND)
+        if rc not in (0, 2):
+            self.violate("7", f"a trainer watching a live lease exited {rc}:\n{w.tail()}")
+            if rc is None:
+                w.signal(signal.SIGKILL)
+                w.wait(30)
+
+    def _lost_holder(self, holder: Proc, w: Proc, took: float, present: set[int], what: str) -> None:
+        """`w` took the run over from `holder`, which still runs: it must find its lease lost and exit 2
+        (and publish nothing after `took`: checked at the end)."""
+        holder.expect_exit = True
+        rc = holder.wait(TERM_BOUND)
+        self.lost_leases.append((holder, took, present))
+        if rc != 2:
+            self.violate("5", f"after {what}, the taken-over holder exited {rc}, not 2:\n{holder.tail()}")
+            if rc is None:
+                holder.signal(signal.SIGKILL)
+                holder.wait(30)
+        self.trainer, self.host = w, w.host
+        if not self.wait_training(w):
+            w.expect_exit = False
 
     # --- the power-cut layer's faults (local store) ---------------------------------------------
 
@@ -1243,10 +1450,16 @@ class Soak:
                     "4",
                 ]
             )
+        holder = self.trainer
+        alive_before = holder is not None and holder.popen.poll() is None
         procs = [(c, self.spawn(c[0], c)) for c in cmds]
         for c, p in procs:
             rc = p.wait(TOOL_BOUND)
             time.sleep(0.05)
+            if c[0] == "status" and rc == 0:
+                # (10) what it said against what was true: alive from before it started to after it ended
+                alive = alive_before and holder.popen.poll() is None
+                self._status_truth(p, alive=True if alive else None)
             if rc is None:
                 p.signal(signal.SIGKILL)
                 self.violate("7", f"andrea {c[0]} did not end within {TOOL_BOUND:g}s")
@@ -1569,11 +1782,13 @@ class Soak:
             if late:
                 self.violate("5", f"trainer pid {p.pid} published after its lease was taken over: {late}")
 
-        # (8) retention: pivot boundaries, fork points, and of the checkpoints the run published (its
-        # trainers' logs; an outage legitimately skips some) the multiples of keep_every and the newest
-        # keep_last, less a closed phase's tail (moved into its archive folder by the pivot)
+        # (8) retention: pivot boundaries, fork points, and of the checkpoints the run published the
+        # multiples of keep_every and the newest keep_last, less a closed phase's tail (moved into its
+        # archive folder by the pivot). Published: what the store's own listings showed during the soak
+        # (self.listed, after every fault and in every wait on the run), and what the trainers' logs
+        # say they wrote (an outage legitimately skips some): a log that lies cannot hide a loss.
         have = set(steps(got))
-        published = {
+        published = self.listed | {
             int(m.group(1))
             for p in self.procs
             if p.what == "trainer"
@@ -1591,6 +1806,24 @@ class Soak:
         missing = sorted(need - have)
         if missing:
             self.violate("8", f"retention did not keep {[checkpoint_name(s) for s in missing]}")
+
+        # (10) every checkpoint the run and its branches end with (archives included), read by the soak's
+        # own reader of the format, which first gives the hand-made vectors their README's verdicts
+        _check_spec_reader()
+        n_params = set()
+        self.spec_read = 0
+        for p in sorted(got_root.rglob("step_*.bin")):
+            data = p.read_bytes()
+            problem = spec_problem(data, p.name)
+            self.spec_read += 1
+            if problem:
+                self.violate("10", f"{p.relative_to(got_root)}: {problem}")
+            else:
+                n_params.add(struct.unpack_from("<i", data, 4)[0])
+        if len(n_params) > 1:
+            self.violate(
+                "10", f"the run's checkpoints hold {sorted(n_params)} parameters: one model, one count"
+            )
 
     def _same_sidecars(self, got: Path, ref: Path, where: str, boundary: int) -> None:
         a, r = got / "policy.yaml", ref / "policy.yaml"
@@ -1650,6 +1883,46 @@ class Soak:
                 p.signal(signal.SIGKILL)
                 p.wait(30)
         self.store.close()
+
+
+VECTORS = REPO.parent / "shared" / "testdata" / "checkpoints"  # the team's hand-made vectors
+if not VECTORS.is_dir():
+    VECTORS = REPO / "tests" / "data" / "checkpoints"  # their copy in the repository
+
+
+def spec_problem(data: bytes, name: str) -> str | None:
+    """What is wrong with checkpoint `data` named `name`, read from the vectors' README alone (not the
+    project's reader): little-endian [int32 step][int32 n_params][n x f32 weights][n x f32 m][n x f32 v],
+    8 + 12n bytes, the step the name's, every float finite, v (Adam's second moment) never negative."""
+    import numpy as np
+
+    if len(data) < 8:
+        return f"{len(data)} bytes: no header"
+    step, n = struct.unpack_from("<ii", data)
+    if n <= 0:
+        return f"n_params is {n}"
+    if len(data) != 8 + 12 * n:
+        return f"{len(data)} bytes where 8 + 12*{n} = {8 + 12 * n} are required"
+    m = re.fullmatch(r"step_(\d+)\.bin", name)
+    if not m or int(m.group(1)) != step:
+        return f"header step {step} disagrees with the name {name}"
+    floats = np.frombuffer(data, dtype="<f4", offset=8)
+    if not np.isfinite(floats).all():
+        return f"a non-finite value at float {int(np.argmin(np.isfinite(floats)))}"
+    if (floats[2 * n :] < 0).any():
+        return "a negative second moment (v)"
+    return None
+
+
+def _check_spec_reader() -> None:
+    """spec_problem gives every hand-made vector its README's verdict (valid: only step_000042.bin)."""
+    vectors = sorted(VECTORS.rglob("step_*.bin"))
+    if not vectors:
+        raise SystemExit(f"soak: no checkpoint vectors at {VECTORS}")
+    for v in vectors:
+        valid = v.parent == VECTORS
+        if (spec_problem(v.read_bytes(), v.name) is None) != valid:
+            raise SystemExit(f"soak: its checkpoint reader's verdict on the vector {v} is not the README's")
 
 
 def _audit_key(audit: dict) -> dict:
@@ -1736,10 +2009,15 @@ def main() -> int:
         v = ", ".join(f"{k.split()[1]} x{n}" for k, n in sorted(c.items()) if k.startswith("violations"))
         print(f"{kind:18s} {c['injected']:8d} {c['survived']:8d} {soak.wall[kind]:8.1f}  {v or '-'}")
     if soak.did:
-        print("what the layer's faults did (bench/powercut.py; summed over the faults of each kind):")
-        for kind in [*LAYER, *OPT_IN]:
+        print("what the faults did (bench/powercut.py, tests/s3_relay.py; summed over each kind's faults):")
+        for kind in [*LAYER, *OPT_IN, *STORAGE]:
             if soak.did.get(kind):
-                print(f"  {kind}: " + ", ".join(f"{k} {v}" for k, v in soak.did[kind].items()))
+                print(
+                    f"  {kind}: "
+                    + ", ".join(
+                        f"{k} {round(v, 2) if isinstance(v, float) else v}" for k, v in soak.did[kind].items()
+                    )
+                )
     layer = getattr(soak.store, "layer", None)
     if layer is not None:
         with contextlib.suppress(Exception):
@@ -1750,6 +2028,10 @@ def main() -> int:
             )
             for e in st["internal_errors"]:
                 print("  layer error: " + e.splitlines()[0])
+    if soak.readers:
+        print(f"(10) andrea status against the truth: {dict(soak.readers)}")
+    if getattr(soak, "spec_read", 0):
+        print(f"(10) checkpoints read by the soak's own reader of the format: {soak.spec_read}")
     end = [v for v in soak.violations if v[0] < 0 or v[0] >= getattr(soak, "injected", 0)]
     for _, inv, what in end:
         print(f"at the end ({inv}): {what.splitlines()[0]}")
@@ -1759,7 +2041,12 @@ def main() -> int:
             f"append mirrors left in the cache (killed writers', of files none opened since): {len(mirrors)}"
         )
     if args.store == "s3":
-        print(f"replies lost after the write: {[(k, status) for _, k, status in soak.store.relay.dropped]}")
+        relay = soak.store.relay
+        print(f"replies lost after the write: {[(k, status) for _, k, status in relay.dropped]}")
+        print(
+            "complete replies lost (key, object there with that ETag, the retries' answers, read back): "
+            f"{[(c['key'], c['held'], c['retries'], c['read_back']) for c in relay.completes_lost]}"
+        )
     print(
         f"violations: {len(soak.violations)}; wall time {wall:.0f} s "
         f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"

@@ -8,7 +8,8 @@ step; the bodies are read before the lock is taken, and an upload's abort is one
 and an abort racing: one of them wins, never both). And moto checks a multipart upload's complete
 against If-None-Match only: S3 checks If-Match there too (a conditional put of a file over twice the
 part size is one, objstore.s3_put), so it is checked here as moto checks a put's. A part uploaded to
-an upload that is gone (aborted, completed) is answered 404 NoSuchUpload, as S3 answers it (moto: 500).
+an upload that is gone (aborted, completed) is answered 404 NoSuchUpload, as S3 answers it (moto: 500),
+and so is a complete of an aborted upload (a taker aborted it while the holder's complete was in flight).
 Nothing else changes: the store is moto's.
 
     python tests/moto_s3.py -H 127.0.0.1 -p PORT
@@ -68,6 +69,7 @@ def _known_upload(method):
 
 S3Backend.upload_part = _known_upload(S3Backend.upload_part)
 S3Backend.upload_part_copy = _known_upload(S3Backend.upload_part_copy)
+S3Backend.complete_multipart_upload = _known_upload(S3Backend.complete_multipart_upload)
 S3Response._key_response_post = _complete_if_match(S3Response._key_response_post)
 for _name in ("put_object", "_key_response_post", "copy_object", "delete_object", "abort_multipart_upload"):
     setattr(S3Response, _name, _atomic(getattr(S3Response, _name)))

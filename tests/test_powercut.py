@@ -191,6 +191,25 @@ def test_the_folders_the_path_layer_creates_survive_a_power_cut(layer):
     assert run.listdir() == ["archive", "tensorboard"]
 
 
+def test_tensorboard_events_flushed_at_a_checkpoint_survive_a_power_cut(layer):
+    """Issue 48: the event files were appended without fsync on local disk, so every power cut dropped
+    the TensorBoard view since the last boot (the soak's cuts named them); the audits' and bandit's
+    events in it are not rebuilt from .loss.json. A flush (at each checkpoint) is durable now."""
+    from andrea_core.train.tensorboard import TensorBoardLog
+
+    run = RunDir(str(layer.mount / "run"))
+    run.makedirs()
+    tb = TensorBoardLog(run, segment=1, first_step=1, log=print)
+    if not tb.enabled:
+        pytest.skip("the tensorboard package is not installed")
+    tb.scalar(5, "val_loss/a", 1.5)
+    tb.flush()
+    written = run.read_bytes(tb.name)
+    dropped = layer.cut()
+    assert run.read_bytes(tb.name) == written and len(written) > 0
+    assert dropped["bytes"] == 0 and dropped["entries"] == 0, dropped
+
+
 def test_a_read_error_at_start_is_one_line_and_exit_1_not_a_traceback(layer):
     """A product defect the disk-error soak found (issue 48): an EIO reading run.yaml at a trainer's
     start ended in a traceback. Now one line naming the error, exit 1 (Restart=on-failure retries)."""

@@ -102,6 +102,7 @@ async def s3_put(
     pending: collections.deque[memoryview] = collections.deque()
     pending_size = size = 0
     upload_id = None
+    parts: list[dict] | None = None  # the completed parts, once the complete is sent
     uploads: list[asyncio.Task] = []
     slots = asyncio.Semaphore(max(1, fs.max_concurrency))
 
@@ -166,20 +167,32 @@ async def s3_put(
         for task in uploads:
             task.cancel()
         await asyncio.gather(*uploads, return_exceptions=True)
-        return await _failed(fs, path, upload_id, e, size, None if digest is None else digest.digest())
+        sha256 = None if digest is None else digest.digest()
+        return await _failed(fs, path, upload_id, e, size, sha256, parts, fence)
     finally:
         fs.invalidate_cache(path)
     return Version(size, r["ETag"])
 
 
 async def _failed(
-    fs, path: str, upload_id: str | None, e: BaseException, size: int, sha256: bytes | None
+    fs,
+    path: str,
+    upload_id: str | None,
+    e: BaseException,
+    size: int,
+    sha256: bytes | None,
+    parts: list[dict] | None = None,
+    fence: Fence | None = None,
 ) -> Version:
     """After a failed publish (raised from `e`): abort its multipart upload, if any. A refused
     conditional write whose bytes the store holds anyway (`size`, `sha256`) was our own, committed
     before its reply was lost, and its version is returned; so is an upload found gone (NoSuchUpload:
-    the SDK's retry of a complete that went through may be answered so). Any other refusal is a
-    ConcurrentWriteError, an upload aborted by someone else (a trainer taking the run over) too;
+    the SDK's retry of a complete that went through may be answered so) whose object the store holds:
+    by its bytes (`sha256`), or, for an unconditional publish (no digest kept), by the ETag S3 gives
+    the object a complete of exactly these `parts` makes. A fenced upload found gone is adopted only if
+    the fence then passes: a taker aborts the uploads right before its takeover, and its own identical
+    bytes (a bit-exact run retrains the same step) are not this writer's publish. Any other refusal is
+    a ConcurrentWriteError, an upload aborted by someone else (a trainer taking the run over) too;
     anything else is `e` itself."""
     bucket, key, _ = fs.split_path(path)
     aborted = _is_aborted_upload(e)
@@ -194,8 +207,15 @@ async def _failed(
         raise e
     if sha256 is not None:
         etag = await s3_etag_if_holding(fs, path, size, sha256)
-        if etag is not None:
-            return Version(size, etag)
+    elif aborted and parts:
+        etag = await s3_etag_if_made_of(fs, path, size, parts)
+    else:
+        etag = None
+    if etag is not None:
+        if aborted:
+            # Seen after the object: a lease still ours now was nobody else's since (LeaseLost otherwise).
+            await _fence_after_create(fence)
+        return Version(size, etag)
     if aborted:
         raise ConcurrentWriteError(
             f"s3://{path}: its upload was aborted before it completed (a trainer taking the run over aborts "
@@ -258,7 +278,8 @@ async def s3_extend(fs, path: str, data: bytes, expect: Version, fence: Fence | 
             IfMatch=expect.etag,
         )
     except BaseException as e:
-        return await _failed(fs, path, upload_id, e, len(data), hashlib.sha256(data).digest())
+        sha256 = hashlib.sha256(data).digest()
+        return await _failed(fs, path, upload_id, e, len(data), sha256, None, fence)
     finally:
         fs.invalidate_cache(path)
     return Version(len(data), r["ETag"])
@@ -279,6 +300,33 @@ async def s3_etag_if_holding(fs, path: str, size: int, sha256: bytes) -> str | N
         while chunk := await body.read(2**20):
             held.update(chunk)
     return r["ETag"] if held.digest() == sha256 else None
+
+
+def multipart_etag(parts: list[dict]) -> str | None:
+    """The ETag S3 gives the object a complete of `parts` makes: the MD5 of their MD5s (each part's
+    ETag), then "-" and their count. None if a part's ETag is no MD5 (a store that encrypts with KMS)."""
+    try:
+        md5s = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts)
+    except ValueError:
+        return None
+    if len(md5s) != 16 * len(parts):
+        return None
+    return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
+async def s3_etag_if_made_of(fs, path: str, size: int, parts: list[dict]) -> str | None:
+    """The ETag of `path` if the store holds the `size`-byte object a complete of `parts` made (one
+    HEAD; a checkpoint's bytes are not read back), else None."""
+    expect = multipart_etag(parts)
+    if expect is None:
+        return None
+    bucket, key, _ = fs.split_path(path)
+    try:
+        r = await fs._call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    etag = r.get("ETag") or ""
+    return etag if etag.strip('"') == expect and r.get("ContentLength") == size else None
 
 
 async def _body(r: dict, most: int, path: str) -> bytes:

@@ -8,7 +8,8 @@ the files live in the run directory wherever it is. The loop only appends tuples
 are encoded and appended at each checkpoint (and exit), off the step's hot path. A segment's file
 opens with a SessionLog START at its first step: TensorBoard then drops what older files logged from
 that step on (a resume, a pivot's archived tail), exactly as .loss.json's canonical history does.
-.loss.json stays the source of truth; these files are a view, and losing one loses nothing.
+.loss.json stays the source of truth; these files are a view, made durable at each flush (a power cut
+loses at most the events since the last checkpoint, as it loses the steps).
 A run's first event file (none in RUN/tensorboard/ yet: a fork's branch, whose .loss.json holds its
 parent's history up to the fork, or a run whose folder was removed) opens with train/loss and train/lr
 of the canonical history before its first step, from .loss.json: TensorBoard shows the whole history.
@@ -109,7 +110,10 @@ class TensorBoardLog:
         try:
             data = b"".join(_record(_event(p)) for p in pending)
             self.run.makedirs(TENSORBOARD_DIR)
-            self.run.append(self.name, data, durable=not self.run.is_local, lines=False)  # binary records
+            # Durable at every flush (each checkpoint, and exit): one fsync per checkpoint keeps the view
+            # as far as the checkpoints on a power cut (its audits and bandit probabilities are not
+            # rebuilt from .loss.json); between checkpoints the events are only in memory anyway.
+            self.run.append(self.name, data, durable=True, lines=False)  # binary records
         except Exception as e:  # noqa: BLE001 (a view: a full disk or a symlink loses these events, never the run)
             self._warn(f"{len(pending)} TensorBoard event(s) not written", e)
 
