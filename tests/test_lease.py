@@ -222,6 +222,30 @@ def test_memory_compare_and_put_is_exact_and_a_lost_lease_publishes_nothing(tmp_
     assert read_lock(run) == taker, "a lost lease is never released over its taker's lock"
 
 
+def test_a_holder_suspended_past_its_ttl_renews_before_it_publishes_and_finds_itself_taken_over(tmp_path):
+    """A suspended machine's monotonic clock stops; its lease's age is measured on CLOCK_BOOTTIME,
+    which does not (issue 48's finding): woken after the ttl, the holder's fence renews first, finds
+    the taker's lock and publishes nothing. Measured on CLOCK_MONOTONIC it would have published on the
+    fast path until its next renewal."""
+    from andrea_core import poll
+    from andrea_core.poll import awake_clock
+
+    if sys.platform == "linux":  # the clock that counts a suspend (a VM never suspended: equal to monotonic)
+        assert poll._AWAKE_CLOCK == time.CLOCK_BOOTTIME
+    run = RunDir(f"memory://{tmp_path.name}/run")
+    lease = lock.Lease.take(run, log=lambda m: None)
+    try:
+        run.write_json("sidecar.json", {"n": 1})
+        taker = replace_lock(run, lease.me, host="host-b", generation=2)
+        # What the awake clock shows after a suspend of one ttl: the last confirmation is a ttl old.
+        lease.confirmed_at = awake_clock() - lease.ttl_s
+        with pytest.raises(LeaseLost, match="lost its lease"):
+            run.write_json("sidecar.json", {"n": 2})
+        assert run.read_json("sidecar.json") == {"n": 1} and read_lock(run) == taker
+    finally:
+        lease.release()
+
+
 def test_a_run_directory_on_an_untested_store_is_refused_naming_it():
     for url in ("gcs://bucket/run", "gs://bucket/run", "az://container/run", "abfs://container/run"):
         with pytest.raises(ConfigError, match=r"cannot live on .*supported: a local path, file://, s3://"):

@@ -54,7 +54,7 @@ from andrea_core import faults
 from andrea_core.command import trainer_run_dir
 from andrea_core.config import ConfigError
 from andrea_core.document import Field, check
-from andrea_core.poll import poll_until
+from andrea_core.poll import awake_clock, poll_until
 from andrea_core.run.objstore import ConcurrentWriteError, Version
 from andrea_core.run.rundir import LOCK, ReplacePaused, RunDir
 from andrea_core.signals import NONCE_ENV, environ_of, process_start_ticks, trainer_nonce
@@ -598,7 +598,7 @@ class Lease:
         self.log = log
         self.renew_s = me.lease_renew_s or DEFAULT_LEASE_RENEW_S
         self.ttl_s = me.lease_ttl_s or DEFAULT_LEASE_TTL_S
-        self.confirmed_at = time.monotonic()  # taken before the write that made it ours
+        self.confirmed_at = awake_clock()  # taken before the write that made it ours
         self.lost: str | None = None
         self.failing: str | None = None  # why the renewals fail now (None: the last one went through)
         self._mutex = threading.Lock()
@@ -619,7 +619,7 @@ class Lease:
         train_args: list[str] | None = None,
     ) -> Lease:
         """Acquire the lock as a lease, fence `run`'s publishes on it and start renewing it."""
-        t0 = time.monotonic()
+        t0 = awake_clock()
         me, version = acquire_lease(
             run, log=log, world_size=world_size, agent_pid=agent_pid, stopped=stopped, train_args=train_args
         )
@@ -657,7 +657,7 @@ class Lease:
         with self._mutex:
             if self.lost is not None:
                 raise LeaseLost(self.lost)
-            t0 = time.monotonic()
+            t0 = awake_clock()
             renewed = dataclasses.replace(self.me, renewals=self.me.renewals + 1, renewed_at=time.time())
             try:
                 try:
@@ -706,7 +706,7 @@ class Lease:
         )
 
     def _unconfirmed(self, what: str, e: Exception) -> LeaseUnconfirmed:
-        age = time.monotonic() - self.confirmed_at
+        age = awake_clock() - self.confirmed_at
         return LeaseUnconfirmed(
             f"not writing {what or 'to the run'}: the lease on {self.run.url} has not been renewed for "
             f"{age:.0f}s ({type(e).__name__}: {e}); publishing resumes once a renewal goes through"
@@ -717,7 +717,7 @@ class Lease:
         is due for renewal and the renewal fails; pass if it is (re)confirmed as ours."""
         if self.lost is not None:
             raise LeaseLost(f"not writing {what}: {self.lost}" if what else self.lost)
-        if time.monotonic() - self.confirmed_at < self.ttl_s - self.renew_s:
+        if awake_clock() - self.confirmed_at < self.ttl_s - self.renew_s:
             return
         self.confirm(what)
 

@@ -29,7 +29,6 @@ import re
 import secrets
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,7 +39,7 @@ from andrea_core import faults
 from andrea_core.atomic import fsync_dir, makedirs_durable, open_nofollow
 from andrea_core.bounded import read_bounded
 from andrea_core.config import ConfigError, check_limit, limit
-from andrea_core.poll import poll_until
+from andrea_core.poll import awake_clock, poll_until
 from andrea_core.run import objstore
 from andrea_core.run.objstore import ABSENT, ConcurrentWriteError, Fence, Version
 from andrea_core.signals import process_start_ticks
@@ -383,14 +382,14 @@ class LocalStore(_Named):
                         )
                     if not guard.within_bound():
                         raise ConcurrentWriteError(
-                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            f"{final}: this process was paused for {awake_clock() - guard.since:.1f}s "
                             "while replacing it (another may have replaced it meanwhile); "
                             "not replacing it"
                         )
                     os.replace(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
                     if not guard.within_bound():
                         raise ReplacePaused(
-                            f"{final}: this process was paused for {time.monotonic() - guard.since:.1f}s "
+                            f"{final}: this process was paused for {awake_clock() - guard.since:.1f}s "
                             "while replacing it: a waiter may have replaced it meanwhile, and been "
                             "overwritten"
                         )
@@ -947,7 +946,7 @@ class _DirectoryLock:
     def __enter__(self) -> _DirectoryLock:
         # Not taken within REPLACE_WAIT_S: its holder is paused past its own bound and will write nothing.
         self.guarded = bool(poll_until(self._try_flock, REPLACE_WAIT_S, 0.01))
-        self.since = time.monotonic()
+        self.since = awake_clock()
         faults.hold_replace(REPLACE_HOLD_S / 2)
         return self
 
@@ -959,7 +958,7 @@ class _DirectoryLock:
             return False
 
     def within_bound(self) -> bool:
-        return time.monotonic() - self.since < REPLACE_HOLD_S
+        return awake_clock() - self.since < REPLACE_HOLD_S
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)  # closing drops the flock
