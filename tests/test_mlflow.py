@@ -6,6 +6,7 @@ history, step for step and to the bit; a server that is down is one warning and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -55,13 +57,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """One real tracking server for the module, SQLite store, bound to 127.0.0.1."""
+@contextlib.contextmanager
+def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
+    """A real `mlflow server` on 127.0.0.1 with its SQLite store in `root`, until the block ends."""
     mlflow = VENV / "bin" / "mlflow"
     assert mlflow.exists(), f"{mlflow} is missing: scripts/setup.sh makes it (tests/mlflow-server.txt)"
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
+    port = port or free_port()
     log = open(root / "server.log", "wb")
     server = subprocess.Popen(
         [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
@@ -78,15 +79,24 @@ def mlflow_server(tmp_path_factory):
         except httpx.HTTPError:
             return False
 
-    wait_for(up, timeout=180, what="the MLflow server")
-    yield uri
-    server.send_signal(signal.SIGTERM)
     try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-    log.close()
+        wait_for(up, timeout=180, what="the MLflow server")
+        yield uri
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One real tracking server for the module, SQLite store, bound to 127.0.0.1."""
+    with tracking_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
+        yield uri
 
 
 def env_for(uri: str, experiment: str, **extra: str) -> dict[str, str]:
@@ -276,6 +286,63 @@ def test_a_tracking_server_that_is_down_is_one_warning_and_training_completes(tm
     assert "training goes on" in warned[0] and "ConnectError" in warned[0]
     assert [e.step for e in read_history(RunDir(str(run_dir)))] == list(range(1, 31))
     assert RunDir(str(run_dir)).checkpoint_steps() == [10, 20, 30]
+
+
+@contextlib.contextmanager
+def forwarding(port: int, to: str) -> Iterator[None]:
+    """127.0.0.1:`port` forwards to the server at `to` until the block ends: a tracking server that
+    comes up at a chosen moment (a real `mlflow server` takes a minute to start on a loaded machine)."""
+    import select
+    import socketserver
+    import threading
+
+    target = ("127.0.0.1", int(to.rsplit(":", 1)[1]))
+
+    class Pipe(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            with socket.create_connection(target) as upstream:
+                ends = {self.request: upstream, upstream: self.request}
+                while True:
+                    ready, _, _ = select.select(list(ends), [], [], 30)
+                    if not ready:
+                        return
+                    for end in ready:
+                        data = end.recv(1 << 16)
+                        if not data:
+                            return
+                        ends[end].sendall(data)
+
+    socketserver.ThreadingTCPServer.allow_reuse_address = True
+    with socketserver.ThreadingTCPServer(("127.0.0.1", port), Pipe) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            server.shutdown()
+
+
+def test_a_server_that_comes_back_gets_every_step_at_the_next_checkpoint(mlflow_server, tmp_path):
+    """Down at the first checkpoints (one warning), up from a later one: the steps that waited in memory
+    and those since are sent then, and the MLflow run is the canonical history, as if never down."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    env = env_for(f"http://127.0.0.1:{port}", "back")
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    proc = start_trainer("--config", cfg, "--run-dir", str(run_dir), "--max-steps", "60", "--pace", "0.2",
+                         "--device", "cpu", log=tmp_path / "train.log", env=env)  # fmt: skip
+    wait_for(lambda: "MLflow at" in (tmp_path / "train.log").read_text(), what="the warning")
+    with forwarding(port, mlflow_server):
+        assert last_logged_step(run_dir) < 50  # checkpoints 50 and 60 are still to come
+        assert proc.wait(timeout=600) == 0
+    (mlflow_run,) = mlflow_runs(mlflow_server, "back")
+    out = (tmp_path / "train.log").read_text()
+    warned = [x for x in out.splitlines() if "warning: MLflow" in x]
+    assert len(warned) == 1 and "ConnectError" in warned[0], warned
+    assert f"MLflow at http://127.0.0.1:{port}: sending again, run {mlflow_run['id']}" in out
+    assert mlflow_run["status"] == "FINISHED" and len(mlflow_run["history"]["train/loss"]) == 60
+    assert_canonical(mlflow_run, RunDir(str(run_dir)))
 
 
 def test_mlflow_is_off_unless_configured(tmp_path, monkeypatch):

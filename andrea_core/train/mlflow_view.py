@@ -50,6 +50,7 @@ MAX_PENDING = 200_000  # steps waiting for a server that is down; past it the ol
 MAX_REPLY = 4 << 20  # bytes of one reply read, at most
 TIMEOUT = 5.0  # seconds for one request
 CLOSE_WAIT = 10.0  # seconds the trainer's exit waits for the last send
+MAX_AUDIT_METRICS = 500  # an audit's metrics sent (a policy has far fewer arms)
 KEY_RE = re.compile(r"[A-Za-z0-9_./ -]{1,250}")  # what MLflow accepts as a metric key
 
 
@@ -248,8 +249,12 @@ class MlflowView:
             with self._lock:
                 if gen != self._gen:
                     return  # a rollback meanwhile: the next wake checks the MLflow run again
-                train = [p for p in self._train if p[0] <= self.frontier][: BATCH // 2]
-                audits = [a for a in self._audits if a[0] <= self.frontier][:10]
+                train = [p for p in self._train if p[0] <= self.frontier][: (BATCH - 100) // 2]
+                audits, room = [], BATCH - 2 * len(train)  # two metrics a step; one request at most
+                for a in self._audits:
+                    if a[0] <= self.frontier and len(a[1]) <= room:
+                        audits.append(a)
+                        room -= len(a[1])
             if not train and not audits:
                 return
             self._log_batch(_train_metrics(train) + [m for a in audits for m in _metrics_of(*a)])
@@ -294,6 +299,10 @@ class MlflowView:
             self.run_id = self._create(experiment, tags)
         logged = latest.get("train/loss", 0)
         audited = max((s for k, s in latest.items() if not k.startswith("train/")), default=-1)
+        with self._lock:  # what a send whose reply was lost delivered after all: not sent twice
+            if gen == self._gen:
+                self._train = [p for p in self._train if p[0] > logged]
+                self._audits = [a for a in self._audits if a[0] > audited]
         metrics: list[dict] = []
         if logged + 1 < pending:
             history = [e for e in read_history(self.run) if logged < e.step < pending]
@@ -464,11 +473,8 @@ def _audit_metrics(audit: dict[str, Any]) -> dict[str, float]:
     for key in ("distinct_1", "distinct_2", "repetition", "gzip_ratio"):
         if key in metrics:
             out[f"audit/{key}"] = metrics[key]
-    return {
-        k: float(v)
-        for k, v in out.items()
-        if KEY_RE.fullmatch(k) and type(v) in (int, float) and not isinstance(v, bool)
-    }
+    good = [(k, float(v)) for k, v in out.items() if KEY_RE.fullmatch(k) and type(v) in (int, float)]
+    return dict(good[:MAX_AUDIT_METRICS])
 
 
 def _metrics_of(step: int, metrics: dict[str, float], t: float) -> list[dict]:
