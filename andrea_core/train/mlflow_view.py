@@ -113,7 +113,11 @@ def open_view(
     if problem is not None:
         log(f"warning: {ENV_URI}={shown_uri(uri)!r}: {problem}; no MLflow run is logged, training goes on")
         return _Off()
-    return MlflowView(run, uri, segment, first_step, audits, log)
+    try:
+        return MlflowView(run, uri, segment, first_step, audits, log)
+    except Exception as e:  # noqa: BLE001 (a view: httpx missing, a bad certificate setting: never the run's end)
+        log(f"warning: MLflow at {shown_uri(uri)}: not started ({type(e).__name__}: {e}); training goes on")
+        return _Off()
 
 
 class _Off:
