@@ -3,6 +3,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+PYTHON=${PYTHON:-python3}
+# The MLflow tracking server tests/test_mlflow.py starts: a venv of its own (mlflow 3.17 wants
+# pyarrow<26; the product itself speaks MLflow's REST API through httpx and needs no mlflow).
+# ANDREA_SKIP_MLFLOW_SERVER=1 leaves it out (tests/test_mlflow.py then fails, naming it).
+mlflow_stamp=.venv-mlflow/.andrea-installed
+if [ "${ANDREA_SKIP_MLFLOW_SERVER:-0}" != 1 ] && { [ ! -f "$mlflow_stamp" ] || ! cmp -s tests/mlflow-server.txt "$mlflow_stamp"; }; then
+  echo "test: installing the MLflow tracking server the tests use (.venv-mlflow, tests/mlflow-server.txt)"
+  [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow
+  .venv-mlflow/bin/python -m pip install --quiet --disable-pip-version-check -r tests/mlflow-server.txt 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  .venv-mlflow/bin/python -c "import mlflow.server" \
+    || { echo "test: the MLflow server failed to import (.venv-mlflow)" >&2; exit 1; }
+  cp tests/mlflow-server.txt "$mlflow_stamp"
+fi
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 mkdir -p "$PREFECT_HOME"
 # Programs some tests need, from Debian's packages where missing, once: the Prefect UI test drives a

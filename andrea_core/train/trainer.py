@@ -50,6 +50,7 @@ from andrea_core.train import distributed, events
 from andrea_core.train.audit import Auditor
 from andrea_core.train.checkpoint_writer import Checkpointer
 from andrea_core.train.guard import Divergence, Guard, roll_back
+from andrea_core.train.mlflow_view import open_view
 from andrea_core.train.optim import build_optimizer, lr_at
 from andrea_core.train.progress import Progress
 from andrea_core.train.setup import prepare_run
@@ -281,7 +282,8 @@ class Trainer:
         if self.world.is_main:
             self._open_segment(self.start_step)
         else:
-            self.auditor = self.loss_log = self.tensorboard = self.resume_check = _RankZeroOnly()
+            self.auditor = self.loss_log = self.tensorboard = _RankZeroOnly()
+            self.resume_check = self.mlflow = _RankZeroOnly()
         if ckpt is None:
             self.auditor.record(0)  # the untrained model: what every later audit is read against
         elif self.world.is_main and self._audit_missing(self.start_step):
@@ -424,6 +426,7 @@ class Trainer:
         for arm, state in (self.data.mixer.state_dict().get("arms") or {}).items():
             self.tensorboard.scalar(step, f"bandit/p/{arm}", state["p"])
         self.tensorboard.flush()
+        self.mlflow.flush(step)  # MLflow's view, if configured: sent up to this checkpoint, off this thread
         if audit:
             self._audit(step)
         return name
@@ -467,7 +470,12 @@ class Trainer:
         )
         # The TensorBoard view: events buffered in memory, appended at checkpoints.
         self.tensorboard = TensorBoardLog(self.run, self.loss_log.segment, step + 1, self.log)
-        self.auditor.on_written = self.tensorboard.audit
+        # MLflow's, if configured (mlflow_view.py): one sender per trainer, restarted at a rollback.
+        view = getattr(self, "mlflow", None)
+        self.mlflow = open_view(
+            self.run, self.loss_log.segment, step + 1, self.auditor.audits, self.log, view
+        )
+        self.auditor.on_written = lambda audit: (self.tensorboard.audit(audit), self.mlflow.audit(audit))
 
     def _conditions(self) -> dict:
         """What bit-equality with another segment rests on (docs/design.md "Determinism")."""
@@ -516,6 +524,7 @@ class Trainer:
             now = time.time()
             self.tensorboard.scalar(result.step, "train/loss", result.loss, now)
             self.tensorboard.scalar(result.step, "train/lr", result.lr, now)
+            self.mlflow.step(result.step, result.loss, result.lr, now)
             self.guard.check(result.step, result.loss, result.grad_norm, result.arm)  # raises Divergence
             every = self.cfg.train.checkpoint_every
             next_ckpt = min(self.max_steps, (result.step // every + 1) * every)
@@ -657,6 +666,8 @@ class Trainer:
             if hasattr(self, "resume_check"):
                 with contextlib.suppress(lock.LeaseLost):  # its verdict over the steps trained again so far
                     self.resume_check.finish()
+            if hasattr(self, "mlflow"):
+                self.mlflow.close(clean=sys.exc_info()[0] is None)  # bounded; a view: never raises
             if hasattr(self, "loss_log"):
                 # A lost lease refuses the last publish (the unpublished tail stays in the cache mirror).
                 with contextlib.suppress(lock.LeaseLost):

@@ -1,0 +1,396 @@
+"""MLflow's view of a run (issue 46.2), against a real MLflow tracking server (`mlflow server` on
+127.0.0.1 with its SQLite store, from the venv scripts/test.sh makes: .venv-mlflow, pinned in
+tests/mlflow-server.txt), read back through MLflow's own client in that venv: after a SIGKILL and a
+resume, a guard rollback, a pivot and a fork, the MLflow run's metric history is .loss.json's canonical
+history, step for step and to the bit; a server that is down is one warning and training goes on."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from tiny import tiny_config
+
+from andrea_core.run.loss_log import read_history
+from andrea_core.run.rundir import RunDir
+from andrea_core.run.samples import read_audits
+from andrea_core.train.mlflow_view import run_key
+
+VENV = Path(os.environ.get("ANDREA_MLFLOW_VENV", REPO / ".venv-mlflow"))
+PACE = "0.05"  # seconds per step at least: a SIGUSR1 and a SIGKILL land between checkpoints
+
+# Everything the test reads back, through MLflow's own client (not this product's REST calls).
+READ_BACK = """
+import json, sys
+from mlflow import MlflowClient
+from mlflow.entities import ViewType
+client = MlflowClient(sys.argv[1])
+experiment = client.get_experiment_by_name(sys.argv[2])
+runs = client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL) if experiment else []
+out = []
+for r in runs:
+    history = {
+        key: [[m.step, m.value, m.timestamp] for m in client.get_metric_history(r.info.run_id, key)]
+        for key in r.data.metrics
+    }
+    info = {"id": r.info.run_id, "stage": r.info.lifecycle_stage, "status": r.info.status}
+    out.append({**info, "tags": r.data.tags, "history": history})
+print(json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
+    """A real `mlflow server` on 127.0.0.1 with its SQLite store in `root`, until the block ends."""
+    mlflow = VENV / "bin" / "mlflow"
+    assert mlflow.exists(), f"{mlflow} is missing: scripts/test.sh makes it (tests/mlflow-server.txt)"
+    port = port or free_port()
+    log = open(root / "server.log", "wb")
+    server = subprocess.Popen(
+        [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, cwd=root, env={**os.environ, "MLFLOW_TRACKING_URI": ""},
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert server.poll() is None, (root / "server.log").read_text()[-3000:]
+        try:
+            return httpx.get(f"{uri}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, timeout=180, what="the MLflow server")
+        yield uri
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One real tracking server for the module, SQLite store, bound to 127.0.0.1."""
+    with tracking_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
+        yield uri
+
+
+def env_for(uri: str, experiment: str, **extra: str) -> dict[str, str]:
+    return {**_env(), "MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": experiment, **extra}
+
+
+def mlflow_runs(uri: str, experiment: str) -> list[dict]:
+    proc = subprocess.run(
+        [str(VENV / "bin" / "python"), "-c", READ_BACK, uri, experiment],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def active(runs: list[dict]) -> list[dict]:
+    return [r for r in runs if r["stage"] == "active"]
+
+
+def assert_canonical(mlflow_run: dict, run: RunDir) -> None:
+    """train/loss and train/lr are the canonical history, one value per step, to the bit; val_loss/ARM
+    and audit/FIGURE are the audits .samples.json holds."""
+    history = read_history(run)
+    assert history
+    for key, field in (("train/loss", "loss"), ("train/lr", "lr")):
+        got = sorted((step, value) for step, value, _ in mlflow_run["history"][key])
+        assert got == [(e.step, getattr(e, field)) for e in history], key
+    # Every audit .samples.json holds (a pivot archives the closed phase's: MLflow keeps those too).
+    audits = read_audits(run)
+    assert audits
+    for arm in audits[-1]["metrics"]["val_loss"]:
+        got = dict(unique_steps(mlflow_run, f"val_loss/{arm}"))
+        assert [got[a["step"]] for a in audits] == [a["metrics"]["val_loss"][arm] for a in audits]
+    got = dict(unique_steps(mlflow_run, "audit/distinct_2"))
+    assert [got[a["step"]] for a in audits] == [a["metrics"]["distinct_2"] for a in audits]
+
+
+def unique_steps(mlflow_run: dict, key: str) -> list[tuple[int, float]]:
+    """(step, value) of a metric's history, sorted; each step once."""
+    got = sorted((step, value) for step, value, _ in mlflow_run["history"][key])
+    assert len({s for s, _ in got}) == len(got), f"{key}: a step logged twice"
+    return got
+
+
+def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonical_one(
+    mlflow_server, tiny_reference, tmp_path
+):
+    """A trained run (copied) trains on with MLflow on: its first start back-fills steps 1..300 from
+    .loss.json; a SIGUSR1 checkpoint is sent; a SIGKILL after it loses the steps since (logged in
+    .loss.json's segment, never sent); the resume trains them again and continues the same MLflow run."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_reference, run_dir)
+    run = RunDir(str(run_dir))
+    env = env_for(mlflow_server, "killed")
+    proc = start_trainer("--run-dir", str(run_dir), "--max-steps", "400", "--pace", PACE, "--device", "cpu",
+                         log=tmp_path / "a.log", env=env)  # fmt: skip
+    wait_for(lambda: last_logged_step(run) >= 320, what="step 320")
+    before = set(run.checkpoint_steps())
+    proc.send_signal(signal.SIGUSR1)
+    (usr1,) = wait_for(lambda: set(run.checkpoint_steps()) - before, what="the SIGUSR1 checkpoint")
+    assert usr1 < 390
+
+    def sent() -> int:  # the newest train/loss step the server holds (0: no run yet)
+        reply = httpx.get(f"{mlflow_server}/api/2.0/mlflow/experiments/get-by-name",
+                          params={"experiment_name": "killed"}).json()  # fmt: skip
+        if "experiment" not in reply:
+            return 0
+        experiment = reply["experiment"]["experiment_id"]
+        found = httpx.post(f"{mlflow_server}/api/2.0/mlflow/runs/search",
+                           json={"experiment_ids": [experiment]}).json()  # fmt: skip
+        runs = found.get("runs", [])
+        assert len(runs) <= 1
+        metrics = runs[0]["data"].get("metrics", []) if runs else []
+        return max([m["step"] for m in metrics if m["key"] == "train/loss"] + [0])
+
+    wait_for(lambda: sent() == usr1, what=f"MLflow to hold step {usr1}")
+    wait_for(lambda: last_logged_step(run) >= usr1 + 5, what="5 steps past the checkpoint")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = last_logged_step(run)
+    assert usr1 + 5 <= killed_at < 400 and run.checkpoint_steps()[-1] == usr1
+    assert sent() == usr1  # nothing past the newest checkpoint was sent
+
+    out = andrea("train", "--run-dir", str(run_dir), "--device", "cpu", env=env)
+    assert [x for x in (out.stdout + out.stderr).splitlines() if "MLflow" in x] == []
+    history = read_history(run)
+    assert len({e.segment for e in history}) >= 3  # the reference's, the killed start's, the resume's
+
+    (mlflow_run,) = mlflow_runs(mlflow_server, "killed")  # one MLflow run: continued, none superseded
+    assert mlflow_run["stage"] == "active" and mlflow_run["status"] == "FINISHED"
+    assert mlflow_run["tags"]["andrea.run"] == run.url
+    assert mlflow_run["tags"]["andrea.run_key"] == run_key(run.url)
+    assert mlflow_run["tags"]["andrea.phase"] == "1" and "mlflow.parentRunId" not in mlflow_run["tags"]
+    assert len(mlflow_run["history"]["train/loss"]) == 400  # no step twice
+    assert_canonical(mlflow_run, run)
+    stamps = {step: t for step, _, t in mlflow_run["history"]["train/loss"]}
+    # Steps 1..300 were back-filled from .loss.json, with their logged times; the steps trained again
+    # after the kill are the resume's (logged after its segment's first line), not the killed start's.
+    assert [stamps[e.step] for e in history[:300]] == [round(e.time * 1000) for e in history[:300]]
+    resumed = min(e.time for e in history if e.segment == history[-1].segment)
+    assert all(stamps[s] >= round(resumed * 1000) - 1 for s in range(usr1 + 1, killed_at + 1))
+
+
+def test_after_a_guard_rollback_the_mlflow_run_is_the_canonical_history(mlflow_server, tmp_path):
+    """The batch at data position 25 poisons a step: the guard rolls back to checkpoint 10 while MLflow
+    holds steps 1..20 of the abandoned timeline, which it cannot take back: the MLflow run is made again
+    from the canonical history and the old one is tagged and put in MLflow's trash."""
+    from test_guard import POISON, poisoned_config
+
+    run_dir = tmp_path / "run"
+    env = env_for(mlflow_server, "rollback", ANDREA_TEST_GUARD_NAN_AT=str(POISON))
+    cfg = poisoned_config(tmp_path)
+    # Steps 1..20 first (the MLflow run holds them when the trainer exits), then on: the poisoned step 25
+    # rolls back to checkpoint 10, and 11..20 as MLflow holds them are an abandoned timeline.
+    andrea(
+        "train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "20", "--device", "cpu", env=env
+    )
+    (first,) = active(mlflow_runs(mlflow_server, "rollback"))
+    assert sorted(s for s, _, _ in first["history"]["train/loss"]) == list(range(1, 21))
+    out = andrea("train", "--run-dir", str(run_dir), "--max-steps", "60", "--device", "cpu", env=env)
+    run = RunDir(str(run_dir))
+    assert [e.step for e in read_history(run)] == list(range(1, 61))
+    assert any(
+        json.loads(x)["action"] == "rollback" for x in (run_dir / "guard.jsonl").read_text().splitlines()
+    )
+
+    runs = mlflow_runs(mlflow_server, "rollback")
+    (current,) = active(runs)
+    (old,) = [r for r in runs if r["stage"] == "deleted"]
+    assert old["id"] == first["id"]
+    assert (
+        old["tags"]["andrea.superseded_by"] == current["id"]
+        and current["tags"]["andrea.supersedes"] == old["id"]
+    )
+    assert old["tags"]["andrea.superseded_at_step"] == "11"
+    assert max(s for s, _, _ in old["history"]["train/loss"]) >= 11  # it held the abandoned steps
+    assert f"MLflow: run {old['id']} held step" in out.stdout + out.stderr
+    assert current["status"] == "FINISHED" and len(current["history"]["train/loss"]) == 60
+    assert_canonical(current, run)
+    # The abandoned timeline's losses differ from the canonical ones at the steps it shares with them.
+    abandoned = {s: v for s, v, _ in old["history"]["train/loss"] if s > 10}
+    canonical = {e.step: e.loss for e in read_history(run)}
+    assert any(v != canonical[s] and not math.isnan(v) for s, v in abandoned.items())
+
+
+def test_a_pivot_is_tagged_and_a_forks_branch_is_nested_under_its_parent(mlflow_server, tmp_path):
+    parent = tmp_path / "parent"
+    env = env_for(mlflow_server, "lineage")
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    andrea(
+        "train", "--config", cfg, "--run-dir", str(parent), "--max-steps", "20", "--device", "cpu", env=env
+    )
+    andrea("pivot", str(parent), "--policy", "tiny-mix", "--no-restart", env=env)  # at step 20
+    andrea("train", "--run-dir", str(parent), "--max-steps", "30", "--device", "cpu", env=env)
+    out = andrea("fork", str(parent), "--step", "10", "--branch", "b", "--replicates", "1", env=env)
+    (url,) = [line.split(": ", 1)[1] for line in out.stdout.strip().splitlines()]
+    andrea("train", "--run-dir", url, "--max-steps", "25", "--device", "cpu", env=env)
+
+    runs = active(mlflow_runs(mlflow_server, "lineage"))
+    assert len(runs) == 2
+    (p,) = [r for r in runs if r["tags"]["andrea.run"] == RunDir(str(parent)).url]
+    (b,) = [r for r in runs if r["tags"]["andrea.run"] == RunDir(url).url]
+    assert p["tags"]["andrea.phase"] == "2" and p["tags"]["andrea.phase_start"] == "20"
+    assert p["tags"]["andrea.pivots"] == "1"
+    assert_canonical(p, RunDir(str(parent)))
+    assert b["tags"]["mlflow.parentRunId"] == p["id"]
+    assert b["tags"]["andrea.parent"] == RunDir(str(parent)).url and b["tags"]["andrea.fork_step"] == "10"
+    assert b["tags"]["andrea.branch"] == "b"
+    # The branch's history is its .loss.json's: the parent's steps 1..10, then its own 11..25.
+    branch_history = read_history(RunDir(url))
+    assert [e.step for e in branch_history] == list(range(1, 26))
+    got = sorted((s, v) for s, v, _ in b["history"]["train/loss"])
+    assert got == [(e.step, e.loss) for e in branch_history]
+    parents = {s: v for s, v, _ in p["history"]["train/loss"]}
+    assert got[:10] == [(s, parents[s]) for s in range(1, 11)]
+
+
+def test_a_tracking_server_that_is_down_is_one_warning_and_training_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    env = env_for(f"http://127.0.0.1:{free_port()}", "down")  # nothing listens there
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    proc = andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "30", "--device", "cpu",
+                  env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warned = [x for x in (proc.stdout + proc.stderr).splitlines() if "MLflow" in x]
+    assert len(warned) == 1 and "andrea: warning: MLflow at http://127.0.0.1:" in warned[0], warned
+    assert "training goes on" in warned[0] and "ConnectError" in warned[0]
+    assert [e.step for e in read_history(RunDir(str(run_dir)))] == list(range(1, 31))
+    assert RunDir(str(run_dir)).checkpoint_steps() == [10, 20, 30]
+
+
+@contextlib.contextmanager
+def forwarding(port: int, to: str) -> Iterator[None]:
+    """127.0.0.1:`port` forwards to the server at `to` until the block ends: a tracking server that
+    comes up at a chosen moment (a real `mlflow server` takes a minute to start on a loaded machine)."""
+    import select
+    import socketserver
+    import threading
+
+    target = ("127.0.0.1", int(to.rsplit(":", 1)[1]))
+
+    class Pipe(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            with socket.create_connection(target) as upstream:
+                ends = {self.request: upstream, upstream: self.request}
+                while True:
+                    ready, _, _ = select.select(list(ends), [], [], 30)
+                    if not ready:
+                        return
+                    for end in ready:
+                        data = end.recv(1 << 16)
+                        if not data:
+                            return
+                        ends[end].sendall(data)
+
+    socketserver.ThreadingTCPServer.allow_reuse_address = True
+    with socketserver.ThreadingTCPServer(("127.0.0.1", port), Pipe) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            server.shutdown()
+
+
+def test_a_server_that_comes_back_gets_every_step_at_the_next_checkpoint(mlflow_server, tmp_path):
+    """Down at the first checkpoints (one warning), up from a later one: the steps that waited in memory
+    and those since are sent then, and the MLflow run is the canonical history, as if never down."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    env = env_for(f"http://127.0.0.1:{port}", "back")
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    proc = start_trainer("--config", cfg, "--run-dir", str(run_dir), "--max-steps", "60", "--pace", "0.2",
+                         "--device", "cpu", log=tmp_path / "train.log", env=env)  # fmt: skip
+    wait_for(lambda: "MLflow at" in (tmp_path / "train.log").read_text(), what="the warning")
+    with forwarding(port, mlflow_server):
+        assert last_logged_step(run_dir) < 50  # checkpoints 50 and 60 are still to come
+        assert proc.wait(timeout=600) == 0
+    (mlflow_run,) = mlflow_runs(mlflow_server, "back")
+    out = (tmp_path / "train.log").read_text()
+    warned = [x for x in out.splitlines() if "warning: MLflow" in x]
+    assert len(warned) == 1 and "ConnectError" in warned[0], warned
+    assert f"MLflow at http://127.0.0.1:{port}: sending again, run {mlflow_run['id']}" in out
+    assert mlflow_run["status"] == "FINISHED" and len(mlflow_run["history"]["train/loss"]) == 60
+    assert_canonical(mlflow_run, RunDir(str(run_dir)))
+
+
+def test_mlflow_is_off_unless_configured(tmp_path, monkeypatch):
+    """Without MLFLOW_TRACKING_URI (or with ANDREA_MLFLOW=0) a trainer imports no HTTP client."""
+    from conftest import andrea_imports
+
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+    cfg = tiny_config(tmp_path, train__checkpoint_every=5)
+    args = (
+        "train",
+        "--config",
+        cfg,
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "5",
+        "--device",
+        "cpu",
+    )
+    assert andrea_imports("httpx", *args) is False
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("ANDREA_MLFLOW", "0")
+    assert andrea_imports("httpx", *args[:-2], "--max-steps", "10", "--device", "cpu") is False
+
+
+@pytest.mark.parametrize(
+    "uri, problem",
+    [
+        ("file:///tmp/mlruns", "only an http(s):// tracking server"),
+        ("sqlite:///mlflow.db", "only an http(s):// tracking server"),
+        ("http://user:s3cret@", "no host"),
+        ("http://user:s3cret@host:99999", "not a URL"),
+        ("http://host/?token=1", "a query"),
+    ],
+)
+def test_a_uri_that_is_not_a_tracking_server_is_one_warning_naming_it(uri, problem, tmp_path, monkeypatch):
+    """A local mlruns folder or a database (MLflow's other stores) is not sent to: one warning, its
+    password not shown, and the view is off."""
+    from andrea_core.train.mlflow_view import _Off, open_view
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    said: list[str] = []
+    view = open_view(RunDir(str(tmp_path)), 1, 1, [], log=said.append)
+    assert isinstance(view, _Off)
+    (line,) = said
+    assert line.startswith("warning: MLFLOW_TRACKING_URI=") and problem in line and "s3cret" not in line
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
