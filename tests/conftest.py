@@ -224,6 +224,22 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real Prefect server for this worker's modules (tests/prefect_ephemeral.py), started when the
+    first of them asks; its log in test-output/prefect/server-<worker>.log."""
+    from prefect_ephemeral import start_prefect_server
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    log = REPO / "test-output" / "prefect" / f"server-{worker}.log"
+    server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"), log)
+    yield server
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # this process's flow runs' logs, while the server still answers
+    server.stop()
+
+
 _bucket_numbers = itertools.count()
 
 
