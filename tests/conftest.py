@@ -68,6 +68,30 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tu
     return folder, json.loads(done.read_text())
 
 
+def library_run(tmp_path_factory, to: Path, max_steps: int, *args: str, **overrides) -> Path:
+    """A library of trained runs (issue 45.1): andrea-tiny (tests/tiny.py's tiny_config with `overrides`)
+    trained from step 0 by `andrea train --max-steps MAX_STEPS ARGS`, once per test session for each
+    recipe (built_once: modules that ask for the same recipe, on either worker, share one training),
+    then copied (shutil.copytree, links kept) to `to`, which is returned: the copy is the caller's to
+    change. For tests that need a run at step N and are not about creating or training one."""
+    import shutil
+
+    from tests.tiny import tiny_config
+
+    recipe = [str(max_steps), *args, *(f"{k}={v}" for k, v in sorted(overrides.items()))]
+    name = "library-" + re.sub(r"[^A-Za-z0-9=.]+", "-", "-".join(recipe)).strip("-")
+
+    def train(folder: Path) -> dict:
+        cfg = tiny_config(folder, **overrides)
+        run = str(folder / "run")
+        andrea("train", "--config", cfg, "--run-dir", run, "--max-steps", str(max_steps), *args)
+        return {}
+
+    folder, _ = built_once(tmp_path_factory, name, train)
+    shutil.copytree(folder / "run", to, symlinks=True)
+    return to
+
+
 @pytest.fixture
 def one_thread():
     """Small ops run fastest on one thread; results do not depend on it."""
@@ -197,6 +221,22 @@ def s3_server():
     server = start_s3_server()
     server.use_in_this_process()
     yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real Prefect server for this worker's modules (tests/prefect_ephemeral.py), started when the
+    first of them asks; its log in test-output/prefect/server-<worker>.log."""
+    from prefect_ephemeral import start_prefect_server
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    log = REPO / "test-output" / "prefect" / f"server-{worker}.log"
+    server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"), log)
+    yield server
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # this process's flow runs' logs, while the server still answers
     server.stop()
 
 

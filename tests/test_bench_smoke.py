@@ -1,7 +1,7 @@
-"""Every benchmark that runs on a CPU still runs, at its smallest size, and prints the figures its
-issue asks for. Not a timed test: nothing here compares a speed. It exists because a benchmark that
-broke unnoticed (bench/audit.py did, when the trainer gained `world`) wastes the rare GPU session that
-was lent to run it."""
+"""Every benchmark that runs on a CPU still runs, at its smallest size (the least steps, repeats and
+data that still take each code path), and prints the figures its issue asks for. Not a timed test:
+nothing here compares a speed. It exists because a benchmark that broke unnoticed (bench/audit.py
+did, when the trainer gained `world`) wastes the rare GPU session that was lent to run it."""
 
 from __future__ import annotations
 
@@ -85,16 +85,16 @@ def test_checkpoint_io_and_loss_log_print_their_figures(tmp_path):
 
 
 def test_dashboard_prints_before_now_and_the_status_read():
-    out = bench("dashboard.py", "--steps", "3000", "--segments", "7", "--repeats", "1")
-    assert "dashboard of a run of 3,000 steps in 7 segments" in out, out
+    out = bench("dashboard.py", "--steps", "600", "--segments", "3", "--repeats", "1")
+    assert "dashboard of a run of 600 steps in 3 segments" in out, out
     assert re.search(rf"before \(.*\): {NUMBER} s", out), out
     assert re.search(rf"now \(.*\):\s+{NUMBER} s\s+\({NUMBER}x\)", out), out
     assert re.search(rf"now \(the log's end.*\): {NUMBER} s\s+\({NUMBER}x\)", out), out
 
 
 def test_ddp_overhead_prints_the_flag_all_reduce():
-    out = bench("ddp_overhead.py", "--config", "andrea-tiny", "--nproc", "2", "--steps", "12", "--skip", "2",
-                "--flag-iterations", "50")  # fmt: skip
+    out = bench("ddp_overhead.py", "--config", "andrea-tiny", "--nproc", "2", "--steps", "5", "--skip", "2",
+                "--flag-iterations", "10")  # fmt: skip
     assert re.search(rf"\(a\) 1 process, batch 8:\s+{NUMBER} ms/step", out), out
     assert re.search(rf"\(b\) 2 ranks, global batch 16:\s+{NUMBER} ms/step", out), out
     assert re.search(rf"\(c\) flag all-reduce: {NUMBER} us per step", out), out
@@ -113,8 +113,9 @@ def test_divergence_prints_the_three_runs_and_the_clean_headroom():
 def test_peer_nanogpt_runs_the_andrea_side_alone_without_a_checkout(tmp_path):
     """No nanoGPT checkout in CI: the andrea side runs (a round, a final run and its validation loss on
     nanoGPT's estimator) and the nanoGPT side says loudly that it was skipped; nothing is fetched."""
-    out = bench("peer_nanogpt.py", "--pairs", "1", "--round-steps", "30", "--skip", "5", "--final-steps",
-                "30", "--threads", "1", "--chars", "200000", "--workdir", str(tmp_path))  # fmt: skip
+    out = bench("peer_nanogpt.py", "--pairs", "1", "--round-steps", "9", "--skip", "2", "--window", "3",
+                "--final-steps", "9", "--threads", "1", "--chars", "200000",
+                "--workdir", str(tmp_path))  # fmt: skip
     text = rf"text: 200,000 characters of Python .*, {NUMBER} distinct; train 180,000, val 20,000"
     assert re.search(text, out), out
     assert re.search(rf"B1 andrea\s+median\s+{NUMBER} ms\s+mean\s+{NUMBER} ms\s+\(load {NUMBER}", out), out

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from conftest import REPO, _env, andrea, last_logged_step, library_run, start_trainer, wait_for
 from prefect_ephemeral import ephemeral_prefect  # noqa: F401
 from test_pivot_checks import half_policy
 from test_retention import fabricated_run
@@ -50,11 +50,9 @@ def wait_until_stopped(run: Path, timeout: float = 300) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """andrea-tiny trained to step 200 (checkpoints 100 and 200, sidecars of its one phase)."""
-    folder = tmp_path_factory.mktemp("cli-pivot")
-    run = folder / "base"
-    andrea("train", "--config", tiny_config(folder), "--run-dir", str(run), "--max-steps", "200")
-    return run
+    """andrea-tiny trained to step 200 (checkpoints 100 and 200, sidecars of its one phase): the
+    library's (conftest.library_run), this module's copy."""
+    return library_run(tmp_path_factory, tmp_path_factory.mktemp("cli-pivot") / "base", 200)
 
 
 def copy_run(base: Path, to: Path) -> Path:

@@ -24,15 +24,13 @@ from andrea_core.ops.fork import BranchSpec, fork
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import RunDir
 from andrea_core.train.optim import build_optimizer
-from tests.conftest import _env, andrea
-from tests.tiny import tiny_config
+from tests.conftest import _env, andrea, library_run
 
 
 @pytest.fixture(scope="module")
 def forked(tmp_path_factory):
     folder = tmp_path_factory.mktemp("compare")
-    parent = RunDir(folder / "parent")
-    andrea("train", "--config", tiny_config(folder), "--run-dir", parent.url, "--max-steps", "100")
+    parent = RunDir(library_run(tmp_path_factory, folder / "parent", 100))  # andrea-tiny at step 100
     branches = [BranchSpec("base"), BranchSpec("frozen", {"train.lr": 1e-9, "train.min_lr": 0.0})]
     urls = fork(parent.url, branches, 100, replicates=2)
     for url in urls:

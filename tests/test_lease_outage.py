@@ -1,9 +1,10 @@
-"""A storage outage longer than a lease (issue 23.2): 36 s of a full tmpfs (not a byte left) or of a store
-denying s3:PutObject (IAM policy), four times the lease's ttl (renew 3 s, ttl 9 s: the defaults of 10 s
-and 30 s scaled by 0.3, so that the test takes a minute less) and longer than the 20 s that ended
-training before. A failed renewal is not a lost lease: training goes on, nothing is published
-meanwhile, the first checkpoint boundary after the outage writes a valid checkpoint, and the trainer
-exits 0 at the end."""
+"""A storage outage longer than a lease (issue 23.2): a full tmpfs (not a byte left) or a store denying
+s3:PutObject (IAM policy) for four times the lease's ttl, at the default lease timings (renew 10 s,
+ttl 30 s: lock.DEFAULT_LEASE_*) scaled by 0.3, so that the test takes minutes less: renew 3 s, ttl
+9 s, a 36 s outage (120 s at the defaults; longer than the 20 s that ended training before). The
+trainer's lock records the timings it ran under, and the test checks them. A failed renewal is not a
+lost lease: training goes on, nothing is published meanwhile, the first checkpoint boundary after the
+outage writes a valid checkpoint, and the trainer exits 0 at the end. README.md says the same."""
 
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ from test_full_disk import (
 )
 
 from andrea_core.checkpoint import CheckpointError
+from andrea_core.run.lock import DEFAULT_LEASE_RENEW_S, DEFAULT_LEASE_TTL_S, LEASE_RENEW_ENV, LEASE_TTL_ENV
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
 from tests.conftest import _env, start_trainer, wait_for
 from tests.tiny import tiny_config
 
 EVERY = 20
-OUTAGE_S = 36
-LEASE = {"ANDREA_LEASE_RENEW_S": "3", "ANDREA_LEASE_TTL_S": "9"}
+RENEW_S, TTL_S = DEFAULT_LEASE_RENEW_S * 3 / 10, DEFAULT_LEASE_TTL_S * 3 / 10  # the defaults x 0.3
+OUTAGE_S = 4 * TTL_S
+LEASE = {LEASE_RENEW_ENV: f"{RENEW_S:g}", LEASE_TTL_ENV: f"{TTL_S:g}"}
 
 
 def valid_steps(run: RunDir) -> dict[int, bytes]:
@@ -51,6 +54,8 @@ def ride_out_an_outage(run: RunDir, tmp_path, start_outage, end_outage) -> None:
     trainer = start_trainer(*args, env=env, log=log)
     try:
         wait_for(lambda: len(valid_steps(run)) >= 2, timeout=300, what="two checkpoints")
+        held = json.loads(run.read_bytes(".trainer.json"))
+        assert (held["lease_renew_s"], held["lease_ttl_s"]) == (RENEW_S, TTL_S) == (3, 9), held
         start_outage()
         t0 = time.monotonic()
         kept = valid_steps(run)
@@ -77,7 +82,7 @@ def ride_out_an_outage(run: RunDir, tmp_path, start_outage, end_outage) -> None:
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-    print(f"outage of {OUTAGE_S}s ridden out; first checkpoint after it: step {first} (ended ~{ended_at})")
+    print(f"outage of {OUTAGE_S:g}s ridden out; first checkpoint after it: step {first} (ended ~{ended_at})")
     held = json.loads(run.read_bytes(".trainer.json"))
     assert held["released"] and held["generation"] == 1, "the same lease throughout"
     loss_lines_whole_but_last_of(run.read_bytes(".loss.json"))

@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, andrea, flock_held_elsewhere
+from conftest import REPO, _env, andrea, flock_held_elsewhere, library_run
 
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
-from tests.tiny import tiny_config
 
 PHASE = "archive/phase_001_step_000200"
 
@@ -32,10 +31,8 @@ def files_of(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("abandon")
-    run = folder / "base"
-    andrea("train", "--config", tiny_config(folder), "--run-dir", str(run), "--max-steps", "200")
-    return run
+    """andrea-tiny trained to step 200: the library's (conftest.library_run), this module's copy."""
+    return library_run(tmp_path_factory, tmp_path_factory.mktemp("abandon") / "base", 200)
 
 
 def pivot_killed_after(run: Path, point: str) -> None:

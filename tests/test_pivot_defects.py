@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, andrea, start_trainer, wait_for
+from conftest import REPO, _env, andrea, library_run, start_trainer, wait_for
 
 from andrea_core.data.policy import load_policy
 from andrea_core.ops.pivot import PivotJournal
@@ -29,11 +29,9 @@ from tests.tiny import tiny_config
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """andrea-tiny trained by `andrea train --max-steps 200` (its lock records that command line)."""
-    folder = tmp_path_factory.mktemp("pivot-defects")
-    run = folder / "base"
-    andrea("train", "--config", tiny_config(folder), "--run-dir", str(run), "--max-steps", "200")
-    return run
+    """andrea-tiny trained by `andrea train --max-steps 200` (its lock records that command line): the
+    library's (conftest.library_run), this module's copy."""
+    return library_run(tmp_path_factory, tmp_path_factory.mktemp("pivot-defects") / "base", 200)
 
 
 def copy(trained: Path, tmp_path: Path) -> RunDir:

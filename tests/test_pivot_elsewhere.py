@@ -8,18 +8,23 @@ request file it reads at each lease renewal), so it works from any machine that 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, start_trainer, wait_for
+from conftest import REPO, _env, last_logged_step, start_trainer, wait_for
 
-from andrea_core.run.rundir import RunDir
+from andrea_core.run.lock import REQUEST
+from andrea_core.run.rundir import LOCK, LOSS_LOG, RunDir
 from tests.tiny import tiny_config
 
+EVERY = 20
 FAST_LEASE = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "3"}
 
 
@@ -56,9 +61,11 @@ def andrea_from(prefix: list[str], env: dict[str, str], *args: str) -> subproces
     )
 
 
-@pytest.mark.parametrize("how", ["pid-namespace", pytest.param("another-host-s3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "how, at", [("pid-namespace", "now"), pytest.param("another-host-s3", "boundary", marks=pytest.mark.slow)]
+)
 def test_nothing_is_pivoted_abandoned_collected_or_forked_under_a_trainer_that_cannot_be_checked(
-    how, tmp_path, request
+    how, at, tmp_path, request
 ):
     if how == "pid-namespace":
         url, host = str(tmp_path / "run"), None
@@ -66,7 +73,7 @@ def test_nothing_is_pivoted_abandoned_collected_or_forked_under_a_trainer_that_c
         url, host = f"{request.getfixturevalue('s3_bucket')}/run", "host-a"
     run = RunDir(url)
     prefix, env = elsewhere(how)
-    cfg = tiny_config(tmp_path, train__checkpoint_every=20)
+    cfg = tiny_config(tmp_path, train__checkpoint_every=EVERY)
     trainer_env = _env() | FAST_LEASE | ({"ANDREA_TEST_HOST": host} if host else {})
     trainer = start_trainer(
         "--config", cfg, "--run-dir", url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05",
@@ -99,18 +106,41 @@ def test_nothing_is_pivoted_abandoned_collected_or_forked_under_a_trainer_that_c
         assert "CRASHED" not in status.stdout
         assert trainer.poll() is None and not run.exists("pivot.json") and not run.exists("archive")
 
-        # The pivot itself asks that trainer through the run directory: it checkpoints at the boundary,
-        # stops at the stop request as on SIGTERM (exit 0), and the pivot completes from here.
-        pivot = andrea_from(prefix, env, "pivot", url, "--policy", "tiny-mix", "--no-restart")
+        # A request addressed to another lease generation (one left behind, or forged) is not this
+        # trainer's: two renewals later it still trains, having taken none.
+        held = json.loads(run.read_bytes(LOCK))
+        stale = {"format": 1, "request": "stop", "generation": held["generation"] + 1, "id": "not-yours"}
+        run.write_json(REQUEST, stale | {"by": "host-z", "at": time.time()})
+        renewals = []
+        wait_for(lambda: renewals.append(run.read_bytes(LOCK)) or len(set(renewals)) >= 3, 60, "two renewals")
+        assert trainer.poll() is None and "requested by" not in (tmp_path / "trainer.log").read_text()
+
+        # The pivot itself asks that trainer through the run directory: at "now" a checkpoint request
+        # (as SIGUSR1: the step in flight), at "boundary" none (the next checkpoint on the grid); then
+        # it stops at the stop request as on SIGTERM (exit 0), and the pivot completes from here.
+        newest, logged = max(run.checkpoint_steps()), last_logged_step(run)
+        loss_log = run.read_bytes(LOSS_LOG)
+        pivot = andrea_from(prefix, env, "pivot", url, "--policy", "tiny-mix", "--no-restart", "--at", at)
         assert pivot.returncode == 0, pivot.stdout + pivot.stderr
         assert "to stop (" in pivot.stdout and ".trainer-request.json" in pivot.stdout, pivot.stdout
         assert trainer.wait(120) == 0
         log = (tmp_path / "trainer.log").read_text()
         assert "stop requested by" in log and "(as SIGTERM)" in log, log[-2000:]
+        boundary = int(re.search(r"pivot checkpoint step_(\d+)\.bin is valid", pivot.stdout)[1])
+        if at == "now":
+            assert log.count("checkpoint requested by") == 1 and "(as SIGUSR1)" in log, log[-2000:]
+            assert "asked (.trainer-request.json)" in pivot.stdout, pivot.stdout
+            assert boundary > logged and boundary > newest, (boundary, logged, newest)
+        else:
+            assert "checkpoint requested by" not in log, log[-2000:]
+            assert boundary % EVERY == 0 and boundary > newest, (boundary, newest)
         folder = run.listdir("archive")
-        assert len(folder) == 1 and run.exists(f"archive/{folder[0]}/.state.json")
+        assert folder == [f"phase_001_step_{boundary:06d}"] and run.exists(f"archive/{folder[0]}/.state.json")
         assert not run.exists(".state.json") and not run.exists("pivot.json")
         assert "name: tiny-mix" in run.read_text("policy.yaml")
+        # The audit trail only grew, and the new phase starts at the pivot checkpoint.
+        assert run.read_bytes(LOSS_LOG).startswith(loss_log)
+        assert max(run.checkpoint_steps()) >= boundary and run.read_checkpoint(boundary).step == boundary
     finally:
         trainer.send_signal(signal.SIGTERM)
         trainer.wait(120)

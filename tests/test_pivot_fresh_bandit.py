@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from andrea_core.ops.pivot import pivot_run_directory
 from andrea_core.run.rundir import STATE, RunDir
-from tests.conftest import andrea
-from tests.tiny import tiny_config
+from tests.conftest import andrea, library_run
 
 DOCS_ONLY = """\
 name: docs-only
@@ -17,9 +16,8 @@ arms:
 """
 
 
-def test_resume_after_a_pivot_that_drops_the_boundary_steps_arm(tmp_path):
-    run = RunDir(tmp_path / "run")
-    andrea("train", "--config", tiny_config(tmp_path), "--run-dir", run.url, "--max-steps", "100")
+def test_resume_after_a_pivot_that_drops_the_boundary_steps_arm(tmp_path, tmp_path_factory):
+    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 100))  # andrea-tiny at step 100
     pivot_run_directory(run, 100, DOCS_ONLY)  # step 100 was drawn from stdlib-code, gone now
     resumed = andrea("train", "--run-dir", run.url, "--max-steps", "102")
     assert "a fresh bandit from step 100" in resumed.stdout

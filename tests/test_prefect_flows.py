@@ -1,6 +1,7 @@
-"""The Prefect layer end to end: a real local Prefect server and a process worker started here (127.0.0.1,
-a free port, PREFECT_HOME in a temporary folder), the repository's prefect.yaml deployed with
-`prefect deploy --all`, real trainer processes, and the UI in headless Chromium.
+"""The Prefect layer end to end: a real local Prefect server (this test worker's, tests/prefect_ephemeral.py:
+127.0.0.1, a free port, PREFECT_HOME in a temporary folder) and a process worker started here, the
+repository's prefect.yaml deployed with `prefect deploy --all`, real trainer processes, and the UI in
+headless Chromium.
 
 The tests share one server, worker and "live" run and build on each other in file order, like an
 operator's day: train, audit-fork the live run, refuse a busy GPU, pivot, cancel, look at the UI, lose
@@ -15,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +45,7 @@ from andrea_core.train.trainer import step_seed
 from tasks.artifacts import run_key, run_name
 from tests.browser import Chromium, chromium_path
 from tests.conftest import REPO, last_logged_step, wait_for
+from tests.prefect_ephemeral import PrefectServer
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -57,12 +58,6 @@ CRASH_AFTER_S = 60
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _timed(name: str, value: float) -> None:
     TIMINGS[name] = round(value, 1) if name.endswith("(s)") else float(f"{value:.3g}")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -70,26 +65,21 @@ def _timed(name: str, value: float) -> None:
 
 
 class Stack:
-    """The server, the worker and what the tests share."""
+    """The server (this test worker's), this module's worker and what the tests share."""
 
-    def __init__(self, home: Path, port: int):
-        self.home = home
-        self.api = f"http://127.0.0.1:{port}/api"
-        self.ui = f"http://127.0.0.1:{port}"
+    def __init__(self, server: PrefectServer, module: str):
+        self.home = server.home
+        self.api = server.api
+        self.ui = server.ui
+        self.worker_name = f"andrea-test-{module}"  # another module's worker may still show ONLINE
         self.env = {
-            **os.environ,
-            "PREFECT_HOME": str(home),
-            "PREFECT_API_URL": self.api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "1",
-            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+            **server.env(),
             "PREFECT_WORKER_QUERY_SECONDS": "2",
             # The crash automation's window, 90 s for an operator: 60 here (heartbeats come every 30 s).
             "ANDREA_CRASH_AFTER_S": str(CRASH_AFTER_S),
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
             "PYTHONUNBUFFERED": "1",
         }
-        self.server: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
         self.live: dict = {}  # run dir and flow run of the trainer the tests share
         self.cancelled: list[UUID] = []  # flow runs cancelled: the crash automation must leave them alone
@@ -113,7 +103,7 @@ class Stack:
     def start_worker(self) -> None:
         log = open(OUT / "worker.log", "ab")
         self.worker = subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", "andrea", "--type", "process"],
+            [PREFECT, "worker", "start", "--pool", "andrea", "--type", "process", "--name", self.worker_name],
             env=self.env,
             cwd=REPO,
             stdout=log,
@@ -121,7 +111,10 @@ class Stack:
         )
         with client() as c:
             wait_for(
-                lambda: any(w.status.value == "ONLINE" for w in c.read_workers_for_work_pool("andrea")),
+                lambda: any(
+                    w.name == self.worker_name and w.status.value == "ONLINE"
+                    for w in c.read_workers_for_work_pool("andrea")
+                ),
                 timeout=120,
                 what="the worker to come online",
             )
@@ -146,29 +139,13 @@ def client():
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, token_cache_dir):
+def stack(request, prefect_server, tmp_path_factory, token_cache_dir):
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     OUT.mkdir(parents=True, exist_ok=True)
-    s = Stack(tmp_path_factory.mktemp("prefect-home"), _free_port())
-    t0 = time.monotonic()
-    s.server = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", s.api.split(":")[2].split("/")[0]],
-        env=s.env,
-        cwd=REPO,
-        stdout=open(OUT / "server.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{s.api}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    s = Stack(prefect_server, request.module.__name__.rsplit(".", 1)[-1])
+    _timed("server start to healthy (s)", prefect_server.start_s)
     try:
-        wait_for(healthy, timeout=240, what="the Prefect server to be healthy")
-        _timed("server start to healthy (s)", time.monotonic() - t0)
         with temporary_settings(updates={PREFECT_API_URL: s.api, PREFECT_HOME: str(s.home)}):
             t0 = time.monotonic()
             setup = subprocess.run(
@@ -189,18 +166,12 @@ def stack(tmp_path_factory, token_cache_dir):
             s.start_worker()
             _timed("worker start to online (s)", time.monotonic() - t0)
             yield s
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=10)  # this process's flow runs' logs, under these settings
     finally:
         _stop_trainers(tmp_path_factory.getbasetemp())
-        from prefect.logging.handlers import APILogWorker
-
-        APILogWorker.drain_all(timeout=10)  # this process's flow runs' logs, while the server is up
         s.stop_worker()
-        if s.server.poll() is None:
-            s.server.terminate()
-            try:
-                s.server.wait(30)
-            except subprocess.TimeoutExpired:
-                s.server.kill()
 
 
 def _stop_trainers(base: Path) -> None:

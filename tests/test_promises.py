@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from conftest import REPO, _env, andrea, last_logged_step, library_run, start_trainer, wait_for
 from corpus_files import document, jsonl_bytes
 from test_retention import fabricated_run
 from tiny import tiny_config
@@ -75,12 +75,10 @@ def test_status_says_remote_for_a_lock_of_another_host_and_names_a_newer_checkpo
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """andrea-tiny trained to step 20 (checkpoints 10 and 20)."""
-    folder = tmp_path_factory.mktemp("promises")
-    run = folder / "run"
-    andrea("train", "--config", tiny_config(folder, train__checkpoint_every=10), "--run-dir", str(run),
-           "--max-steps", "20")  # fmt: skip
-    return run
+    """andrea-tiny trained to step 20 (checkpoints 10 and 20): the library's (conftest.library_run),
+    this module's copy."""
+    run = tmp_path_factory.mktemp("promises") / "run"
+    return library_run(tmp_path_factory, run, 20, train__checkpoint_every=10)
 
 
 def tree(folder) -> dict[str, bytes]:

@@ -23,8 +23,7 @@ from andrea_core.run.lineage import fork_records, format_lineage, read_lineage
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.retention import protected_steps
 from andrea_core.run.rundir import FORKS, LOSS_LOG, RunDir
-from tests.conftest import REPO, TINY, _env, andrea
-from tests.tiny import tiny_config
+from tests.conftest import REPO, TINY, _env, andrea, library_run
 
 # --- 17.1: a policy names packages; nothing it names is ever imported ---------------------------
 
@@ -79,12 +78,11 @@ def load_yaml_text(text: str):
 
 
 @pytest.mark.slow
-def test_resuming_a_run_whose_policy_names_a_payload_runs_nothing(tmp_path, monkeypatch):
+def test_resuming_a_run_whose_policy_names_a_payload_runs_nothing(tmp_path, tmp_path_factory, monkeypatch):
     marker = tmp_path / "marker"
     plant_payload(tmp_path, marker)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the run's folder is importable, as runs/ is
-    run = tmp_path / "run"
-    andrea("train", "--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "10")
+    run = library_run(tmp_path_factory, tmp_path / "run", 10)  # andrea-tiny at step 10
     (run / "policy.yaml").write_text(docstrings_policy(["evil.payload.x"]))
     out = andrea("train", "--run-dir", str(run), "--max-steps", "20", check=False)
     assert out.returncode == 2, out.stderr
@@ -181,9 +179,8 @@ def test_run_dir_refuses_a_protocol_outside_the_allow_list(http_server, monkeypa
     RunDir("/tmp/still-local")
 
 
-def test_lineage_does_not_follow_a_forks_line_to_a_refused_protocol(tmp_path, http_server):
-    run = tmp_path / "run"
-    andrea("train", "--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "5")
+def test_lineage_does_not_follow_a_forks_line_to_a_refused_protocol(tmp_path, tmp_path_factory, http_server):
+    run = library_run(tmp_path_factory, tmp_path / "run", 5)  # andrea-tiny at step 5
     line = {"step": 5, "branches": [f"{http_server.url}/branch"], "names": ["b"], "time": 1.0}
     (run / FORKS).write_text(json.dumps(line) + "\n")
     text = andrea("lineage", str(run)).stdout
@@ -308,9 +305,8 @@ def test_deeply_nested_loss_line_is_skipped_like_a_torn_one(tmp_path):
     assert [e.step for e in read_history(RunDir(str(tmp_path)))] == [1, 2]
 
 
-def test_malformed_forks_lines_are_skipped_by_every_reader(tmp_path):
-    run_path = tmp_path / "run"
-    andrea("train", "--config", tiny_config(tmp_path), "--run-dir", str(run_path), "--max-steps", "5")
+def test_malformed_forks_lines_are_skipped_by_every_reader(tmp_path, tmp_path_factory):
+    run_path = library_run(tmp_path_factory, tmp_path / "run", 5)  # andrea-tiny at step 5
     run = RunDir(str(run_path))
     lines = [
         json.dumps({"step": 5, "branches": [], "names": ["a"], "time": 1.0}).encode(),

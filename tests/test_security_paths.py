@@ -15,8 +15,7 @@ import pytest
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.run.rundir import LOCK, LOSS_LOG, RunDir, UnsafeRunPath, check_name
-from tests.conftest import REPO, andrea
-from tests.tiny import tiny_config
+from tests.conftest import REPO, andrea, library_run
 
 DATA_JSONL = "data.jsonl"
 
@@ -25,9 +24,8 @@ DATA_JSONL = "data.jsonl"
 def base(tmp_path_factory) -> Path:
     """A finished tiny run (checkpoints at 10 and 20), copied by each test."""
     root = tmp_path_factory.mktemp("paths-base")
-    cfg = tiny_config(root, train__checkpoint_every=10, train__sample_every=10**6)
-    andrea("train", "--config", cfg, "--run-dir", str(root / "run"), "--max-steps", "20", "--device", "cpu")
-    return root / "run"
+    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
+    return library_run(tmp_path_factory, root / "run", 20, "--device", "cpu", **every)  # conftest's library
 
 
 def copy_run(base: Path, to: Path) -> Path:

@@ -14,8 +14,7 @@ import pytest
 from andrea_core.data.policy import load_policy
 from andrea_core.ops.supervise import LossLogSnapshot
 from andrea_core.run.rundir import RunDir
-from tests.conftest import andrea
-from tests.tiny import tiny_config
+from tests.conftest import andrea, library_run
 
 PHASE = "archive/phase_001_step_000010"
 
@@ -23,9 +22,8 @@ PHASE = "archive/phase_001_step_000010"
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pivot-base")
-    cfg = tiny_config(root, train__checkpoint_every=10, train__sample_every=10**6)
-    andrea("train", "--config", cfg, "--run-dir", str(root / "run"), "--max-steps", "20", "--device", "cpu")
-    return root / "run"
+    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
+    return library_run(tmp_path_factory, root / "run", 20, "--device", "cpu", **every)  # conftest's library
 
 
 def victim(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import time
@@ -57,7 +58,21 @@ def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
 
         text = andrea("status", str(run_dir)).stdout
         assert f"{run_dir}: TRAINING: trainer pid {trainer.pid} on {socket.gethostname()}" in text
-        assert "tokens/s" in text and "ETA" in text and "(newest valid)" in text
+        assert "(newest valid)" in text
+        # The text's speed and ETA are the run's own figures, not words: tokens/s is the steps/s times
+        # the tokens of a step, within the pace, and the ETA the steps left at that speed (this call's
+        # reading, a moment after the JSON's: a step or two later).
+        shown = re.search(r"^  step +(\d+) of (\d+) ", text, re.M)
+        speed = re.search(r"^  speed +([\d,]+) tokens/s, ([\d.]+) steps/s over the last minute$", text, re.M)
+        eta = re.search(r"^  ETA +([\d.]+) (s|min|h) \(step (\d+) at ", text, re.M)
+        assert shown and speed and eta, text
+        step, tokens_per_s, steps_per_s = int(shown[1]), int(speed[1].replace(",", "")), float(speed[2])
+        assert int(shown[2]) == int(eta[3]) == CMDLINE_MAX and step >= st["step"], text
+        assert 0 < steps_per_s <= 1.1 / PACE, text
+        assert abs(tokens_per_s - TOKENS_PER_STEP * steps_per_s) <= TOKENS_PER_STEP * 0.005 + 1, text
+        eta_s = float(eta[1]) * {"s": 1, "min": 60, "h": 3600}[eta[2]]
+        expected = (CMDLINE_MAX - step) / steps_per_s
+        assert abs(eta_s - expected) <= 0.05 * expected + 60, (eta_s, expected, text)  # shown in whole min
     finally:
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(timeout=300) == 0
@@ -88,6 +103,14 @@ def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
             timeout=300,
             what="a checkpoint past the stop",
         )
+        # Killed with steps logged after its newest checkpoint (frozen first, so that what it wrote is
+        # what status reads): the steps a crash loses are then always there to be named.
+        while True:
+            trainer.send_signal(signal.SIGSTOP)
+            if last_logged_step(run) > max(run.checkpoint_steps()):
+                break
+            trainer.send_signal(signal.SIGCONT)
+            wait_for(lambda: last_logged_step(run) % EVERY, timeout=60, what="a step past a checkpoint")
         trainer.send_signal(signal.SIGKILL)
         assert trainer.wait(timeout=60) == -signal.SIGKILL
     finally:
@@ -102,9 +125,9 @@ def test_status_of_a_live_then_stopped_then_crashed_run(tmp_path):
     text = andrea("status", str(run_dir)).stdout
     assert f"CRASHED: trainer pid {trainer.pid} (started " in text
     assert "is dead but its lock remains" in text and "takes over the stale lock" in text
-    if st["step"] > st["newest_checkpoint"]:
-        lost = f"steps {st['newest_checkpoint'] + 1}..{st['step']} logged after"
-        assert lost in text
+    assert st["step"] > st["newest_checkpoint"], st
+    lost = f"steps {st['newest_checkpoint'] + 1}..{st['step']} logged after "
+    assert f"{lost}{checkpoint_name(st['newest_checkpoint'])} are lost; " in text, text
 
     # A closed phase (as a pivot leaves it) and the policy now in force.
     boundary = st["newest_checkpoint"]

@@ -25,7 +25,7 @@ from andrea_core.ops.supervise import (
 from andrea_core.run.lock import TrainerIdentity, _boot_id, live_trainer, process_start_ticks, read_lock
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
-from tests.conftest import REPO, _env, andrea, last_logged_step, wait_for
+from tests.conftest import REPO, _env, andrea, last_logged_step, library_run, wait_for
 from tests.tiny import tiny_config
 
 
@@ -89,9 +89,8 @@ def test_a_trainer_stopped_by_a_pivot_reports_its_checkpoint_where_the_pivot_arc
     pytest.fail("3 pivots stopped their trainer right at the boundary: nothing was archived")
 
 
-def test_trainer_process_reports_a_refused_start(tmp_path):
-    run = RunDir(tmp_path / "run")
-    andrea("train", "--config", tiny_config(tmp_path), "--run-dir", run.url, "--max-steps", "10")
+def test_trainer_process_reports_a_refused_start(tmp_path, tmp_path_factory):
+    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 10))  # andrea-tiny at step 10
     trainer = TrainerProcess(run.url, config=str(REPO / "configs" / "andrea-12m.yaml"), max_steps=20).start()
     for _ in trainer.lines():
         pass

@@ -3,11 +3,12 @@ resume and a pivot (one event file per segment) they equal .loss.json's canonica
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
 import pytest
-from conftest import andrea
+from conftest import _env, andrea
 from tiny import tiny_config
 
 from andrea_core.run.loss_log import read_history
@@ -27,19 +28,23 @@ def accumulated(folder):
 def test_tensorboard_events_equal_the_canonical_history_across_a_resume_and_a_pivot(tmp_path):
     run_dir = tmp_path / "run"
     run = RunDir(str(run_dir))
-    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
-    andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "10")
-    andrea("train", "--run-dir", str(run_dir), "--max-steps", "25")  # checkpoints 20 and 25
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10, train__log_every=5)
+    # The trainers' own records of their speed (train/events.py), to read train/tokens_per_s against.
+    events = tmp_path / "events.jsonl"
+    events.touch()
+    env = _env() | {"ANDREA_EVENTS": str(events)}
+    andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "10", env=env)
+    andrea("train", "--run-dir", str(run_dir), "--max-steps", "25", env=env)  # checkpoints 20 and 25
     # A torn newest checkpoint: the next start refuses it and resumes from step 20, logging 21..25 again
     # over what the second segment's events hold (its file stays; TensorBoard must drop that tail).
     ckpt = run_dir / "step_000025.bin"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
-    andrea("train", "--run-dir", str(run_dir), "--max-steps", "30")
+    andrea("train", "--run-dir", str(run_dir), "--max-steps", "30", env=env)
     andrea("pivot", str(run_dir), "--policy", "tiny-mix", "--no-restart")  # at step 30
-    andrea("train", "--run-dir", str(run_dir), "--max-steps", "40")
+    andrea("train", "--run-dir", str(run_dir), "--max-steps", "50", env=env)  # checkpoints 40 and 50
 
     history = read_history(run)
-    assert [e.step for e in history] == list(range(1, 41)) and {e.segment for e in history} == {1, 2, 3, 4}
+    assert [e.step for e in history] == list(range(1, 51)) and {e.segment for e in history} == {1, 2, 3, 4}
     assert [e.segment for e in history if e.step in (20, 21, 30, 31)] == [2, 3, 3, 4]
     files = sorted(p.name for p in (run_dir / "tensorboard").iterdir())
     assert [f.rsplit(".", 1)[1] for f in files] == [f"segment000{k}" for k in (1, 2, 3, 4)]
@@ -54,13 +59,37 @@ def test_tensorboard_events_equal_the_canonical_history_across_a_resume_and_a_pi
     assert loss == [(e.step, float(np.float32(e.loss))) for e in history]
     lr = [(e.step, e.value) for e in acc.Scalars("train/lr")]
     assert lr == [(e.step, float(np.float32(e.lr))) for e in history]
-    # The audits of the phase in force, per arm; the bandit's probability per arm at its checkpoints.
+    # tokens/s at every log_every step, as the trainer that logged the step measured it (the last
+    # record of a step: 21..25 were logged twice, the second timeline's are canonical).
+    speed = {}
+    for line in events.read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "progress":
+            speed[record["step"]] = float(np.float32(record["tokens_per_s"]))
+    got = [(e.step, e.value) for e in acc.Scalars("train/tokens_per_s")]
+    assert got == [(s, speed[s]) for s in range(5, 51, 5)] and all(v > 0 for _, v in got), (got, speed)
+    # The audits of the phase in force, per arm, and their text metrics.
     audits = read_audits(run)
+    assert [a["step"] for a in audits] and audits[-1]["step"] == 50
     for arm in audits[-1]["metrics"]["val_loss"]:
         got = {e.step: e.value for e in acc.Scalars(f"val_loss/{arm}")}
         for a in audits:
             assert got[a["step"]] == float(np.float32(a["metrics"]["val_loss"][arm]))
-        assert [p.step for p in acc.Scalars(f"bandit/p/{arm}")][-1] == 40
+    for key in ("distinct_1", "distinct_2", "repetition", "gzip_ratio"):
+        got = {e.step: e.value for e in acc.Scalars(f"audit/{key}")}
+        assert {a["step"]: float(np.float32(a["metrics"][key])) for a in audits}.items() <= got.items(), key
+    # The bandit's probability per arm at each of its checkpoints, as its state file holds it: the
+    # phase in force (tiny-mix's three arms, checkpoints 40 and 50) and the archived one (one arm).
+    (phase,) = (run_dir / "archive").iterdir()
+    seen = 0
+    for state_file in (run_dir / ".state.json", phase / ".state.json"):
+        head = json.loads(state_file.read_text())
+        for state in (head, *head["previous"]):
+            for arm, bandit in state["arms"].items():
+                got = {e.step: e.value for e in acc.Scalars(f"bandit/p/{arm}")}
+                assert got[state["step"]] == float(np.float32(bandit["p"])), (arm, state["step"])
+                seen += 1
+    assert seen >= 3 * 2 + 1 and [p.step for p in acc.Scalars("bandit/p/docs-prose")] == [40, 50]
     (text,) = [e for e in acc.Tensors("audit/samples") if e.step == audits[-1]["step"]]
     assert repr(audits[-1]["samples"][0]["prompt"]) in text.tensor_proto.string_val[0].decode()
 
@@ -143,3 +172,14 @@ def test_a_fork_branchs_tensorboard_holds_the_history_its_loss_log_holds(tmp_pat
         (e.step, float(np.float32(e.lr))) for e in history
     ]
     assert [e.wall_time for e in acc.Scalars("train/loss")][:10] == [e.time for e in history[:10]]
+
+
+def test_andrea_tensorboard_0_writes_no_events(tmp_path):
+    """ANDREA_TENSORBOARD=0 turns the view off: no RUN/tensorboard, and the run trains as ever."""
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10, train__log_every=5)
+    env = _env() | {"ANDREA_TENSORBOARD": "0"}
+    andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "10", env=env)
+    assert not (run_dir / "tensorboard").exists()
+    assert [e.step for e in read_history(RunDir(str(run_dir)))] == list(range(1, 11))
+    assert RunDir(str(run_dir)).checkpoint_steps() == [10]
