@@ -48,6 +48,8 @@ def soak(store: str, work: Path) -> None:
             "1",
             "--store",
             store,
+            "--kinds",
+            ",".join(KINDS[store]),
             "--work",
             str(work),
         ],  # fmt: skip
@@ -64,6 +66,17 @@ def soak(store: str, work: Path) -> None:
         assert (injected, survived, violations) == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
     assert proc.returncode == 0, out[-6000:]
+
+
+def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
+    """bench/soak.py's kinds, each thrown in CI: here (KINDS), or on moto five storage kinds twice each
+    (tests/test_soak_storage.py). A kind added to the soak and to neither fails here."""
+    import soak as bench_soak
+    from test_soak_storage import STORAGE
+
+    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {*COMMON, "disk-full", *LAYER}
+    assert set(bench_soak.KINDS["s3"]) == {*KINDS["s3"], *STORAGE}
+    assert not set(KINDS["s3"]) & set(STORAGE), "each storage kind is thrown in one module"
 
 
 def test_a_seeded_fault_of_every_kind_on_a_tmpfs_breaks_no_invariant(tmp_path):
