@@ -201,7 +201,7 @@ def main() -> None:
     p.add_argument("--replicates", type=int, default=3)
     p.add_argument("--parent-steps", type=int, default=120)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--val", type=lambda s: [int(v) for v in s.split(",")], default=[32, 256])
+    p.add_argument("--val", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128, 256])
     p.add_argument("--report", action="store_true", help="only print the figures of the forks made")
     a = p.parse_args()
     work = Path(a.workdir)
