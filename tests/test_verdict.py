@@ -200,6 +200,31 @@ def test_one_run_a_branch_with_no_held_out_noise_prints_no_ratio():
     )
 
 
+def test_held_out_sequences_are_scored_in_chunks_of_bounded_logits(monkeypatch):
+    """The default held-out set (256 an arm) at once would hold 256 x block x vocab logits (24 GiB at
+    andrea-120m): scored in chunks of LOGITS_AT_ONCE, each sequence's loss is its own forward's."""
+    import torch
+    import torch.nn.functional as F
+
+    from andrea_core.model.gpt import GPT
+    from andrea_core.model_config import ModelConfig
+    from andrea_core.ops import compare
+
+    assert compare.DEFAULT_VAL_SEQUENCES == 256 and compare.LOGITS_AT_ONCE == 1 << 28
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda xi, *a: calls.append(len(xi)) or forward(xi, *a))
+    monkeypatch.setattr(compare, "LOGITS_AT_ONCE", 3 * 16 * 64 + 5)  # 3 sequences' logits at once
+    got = compare.sequence_losses(model, x, y)
+    assert calls == [3, 3, 2] and got.shape == (8,) and got.dtype == np.float64
+    with torch.no_grad():
+        each = [F.cross_entropy(forward(x[i : i + 1])[0][0], y[i]).item() for i in range(8)]
+    assert got == pytest.approx(each, rel=1e-6)
+
+
 FORGED = r"$\sqrt{\frac{a}{b}}\undefinedcommand$"
 
 
