@@ -18,7 +18,9 @@ The noise of the margin has two parts: training (how much a run's held-out loss 
 order: the spread of the replicates, pooled over the ranked branches) and held-out sampling (the
 standard error of the paired per-sequence difference). The leader is the winner only when the margin
 exceeds Student's t critical value (two-sided, LEVEL) times the noise; one run a branch measures no
-training noise, so it names no winner. Without a winner the verdict says what would decide it. A
+training noise, so it names no winner; nor does a noise below NOISE_RESOLUTION (replicates that
+scored the same: the verdict says so). The held-out batch is DEFAULT_VAL_SEQUENCES an arm unless
+asked otherwise. Without a winner the verdict says what would decide it. A
 branch in which the divergence guard acted after the fork did not train under its overrides alone:
 it is shown with its events and ranked apart, never the winner. Training-loss figures (final, EMA,
 spread) are reported beside it.
