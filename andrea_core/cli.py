@@ -421,13 +421,18 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from andrea_core.checkpoint import CheckpointError
-    from andrea_core.ops.compare import compare_branches, default_report_dir, forked_from, write_report
+    from andrea_core.ops.compare import (
+        DEFAULT_VAL_SEQUENCES,
+        compare_branches,
+        default_report_dir,
+        forked_from,
+        write_report,
+    )
 
+    val_sequences = DEFAULT_VAL_SEQUENCES if args.val_sequences is None else args.val_sequences
     try:
         parent, step = forked_from(args.branch_dirs)
-        comparison = compare_branches(
-            parent, args.branch_dirs, step, val_sequences=args.val_sequences, warn=_warn
-        )
+        comparison = compare_branches(parent, args.branch_dirs, step, val_sequences=val_sequences, warn=_warn)
     except CheckpointError as e:
         return _refuse(e)
     paths = write_report(comparison, args.out or default_report_dir(parent, step))
@@ -589,7 +594,11 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("compare", help="score fork branches on the same held-out data: the verdict")
     co.add_argument("branch_dirs", nargs="+", metavar="branch_dir")
     co.add_argument("--out", help="report folder (default: beside the parent, <run>-fork<step>-report)")
-    co.add_argument("--val-sequences", type=int, default=32, help="held-out sequences per arm (32)")
+    co.add_argument(
+        "--val-sequences",
+        type=int,
+        help="held-out sequences per arm (default: ops/compare.DEFAULT_VAL_SEQUENCES, 256)",
+    )
     co.add_argument("--json", action="store_true")
     co.set_defaults(fn=cmd_compare)
 

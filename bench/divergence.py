@@ -21,7 +21,8 @@ diverging  the same config three times, each a real `andrea train` process: at -
 
   .venv/bin/python bench/divergence.py                      # andrea-tiny, 300 steps, lr 1.0
   .venv/bin/python bench/divergence.py --clean 10000        # andrea-tiny, 10,000 clean steps
-  .venv/bin/python bench/divergence.py --config andrea-12m --clean 2000 --threads 2
+  .venv/bin/python bench/divergence.py --config andrea-12m --clean 2000 --threads 2 --run-root DIR
+      # a rerun resumes DIR/clean; with --no-train, only the figures of the steps it has
   .venv/bin/python bench/divergence.py --scenarios          # the scenario table
 """
 
@@ -42,6 +43,7 @@ import yaml  # noqa: E402
 from andrea_core.config import load_run_config  # noqa: E402
 from andrea_core.run.guard_events import read_events  # noqa: E402
 from andrea_core.run.loss_log import parse_entries, read_history  # noqa: E402
+from andrea_core.run.record import read_run  # noqa: E402
 from andrea_core.run.rundir import LOSS_LOG, RunDir  # noqa: E402
 from andrea_core.train.guard import _median  # noqa: E402
 
@@ -205,20 +207,35 @@ def headroom(values: list[tuple[str | None, float]], window: int, skip: int) -> 
 
 
 def clean(args: argparse.Namespace, root: Path) -> None:
-    overrides = {
-        "train.max_steps": args.clean,
-        "train.checkpoint_every": max(args.clean // 4, 1),
-        "train.log_every": max(args.clean // 10, 1),
-        "train.num_threads": args.threads,
-        "train.lr_decay_steps": max(args.clean, load_run_config(args.config).train.lr_decay_steps),
-    }
-    cfg = write_config(root, "clean", args.config, overrides)
-    rc = train(cfg, root / "clean", args.device)
+    """A run already in <run-root>/clean (one stopped by a signal: it checkpoints and exits 0) is
+    resumed; with --no-train its figures are those of the steps it has."""
     run = RunDir(str(root / "clean"))
+    if args.no_train:
+        rc = "not run: --no-train"
+    elif run.exists("run.yaml"):
+        rc = train(None, root / "clean", args.device)
+    else:
+        overrides = {
+            "train.max_steps": args.clean,
+            "train.checkpoint_every": max(args.clean // 4, 1),
+            "train.log_every": max(args.clean // 10, 1),
+            "train.num_threads": args.threads,
+            "train.lr_decay_steps": max(args.clean, load_run_config(args.config).train.lr_decay_steps),
+        }
+        rc = train(write_config(root, "clean", args.config, overrides), root / "clean", args.device)
     history = read_history(run)
     events = read_events(run)
-    g = load_run_config(cfg).train.guard
-    print(f"clean: {args.config}, {len(history)} steps with the guard on (exit {rc}): {len(events)} events")
+    record = read_run(run)
+    g = record.config.train.guard
+    span = (
+        f" ({(history[-1].time - history[0].time) / 3600:.2f} h from the first to the last)"
+        if history
+        else ""
+    )
+    print(
+        f"clean: {record.config.name}, {len(history)} of {record.config.train.max_steps} steps with the "
+        f"guard on{span} (exit {rc}): {len(events)} events"
+    )
     print(f"false-positive rate: {len(events)} / {len(history)} steps")
     for skip in (0, g.window):
         loss = headroom([(e.arm, e.loss) for e in history], g.window, skip)
@@ -275,6 +292,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--run-root", help="where the runs go (default: a temporary folder, removed)")
+    p.add_argument("--no-train", action="store_true", help="with --clean: the figures of the run there")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-divergence-") as tmp:
         root = Path(args.run_root or tmp)

@@ -1,7 +1,7 @@
 """Calibration of the audit fork's verdict (issue 42): how often it names a winner between branches
 that differ only in their data order (A/A), and how often it tells a real difference (A/B) the right
-way round, at 32 and 256 held-out sequences an arm; beside today's rule (one run a branch, the
-held-out paired standard error alone, a winner above 2.0 of them).
+way round, at 32 and 256 held-out sequences an arm (256: compare's default, DEFAULT_VAL_SEQUENCES);
+beside today's rule (one run a branch, the held-out paired standard error alone, a winner above 2.0).
 
 One andrea-tiny parent trained to --parent-steps; each fork copies its checkpoint into two branches of
 --replicates runs each (ops/fork.fork), every run trained --steps more in this process (train/trainer),
@@ -10,7 +10,8 @@ then scored by ops/compare.compare_branches. A/A fork i: branches "a" (train.see
 train.seed 5000+j (replicate r of both shares one data order). Forks are made in the order A/A, A/A,
 A/B, ... and each fork's figures are appended to <workdir>/forks.jsonl as it ends, so a run cut short
 still reports what it made; a rerun goes on from there. Every fork's runs are its own: the forks are
-independent, and the rates' intervals (Wilson, 95%) are binomial.
+independent, and the rates' intervals (Wilson, 95%) are binomial. A held-out size in --val that the
+forks made were not scored at is scored from their runs on disk (compare only, no training).
 
     nice -n 5 .venv/bin/python bench/verdict_calibration.py --aa 40 --ab 20   # about 360 runs x 100 steps
 """
@@ -65,7 +66,7 @@ def today(c: compare.Comparison, lo: str, hi: str) -> str | None:
     return None
 
 
-def one_fork(work: Path, parent: str, kind: str, i: int, a: dict) -> dict:
+def specs_of(work: Path, kind: str, i: int) -> list[BranchSpec]:
     specs = (
         [BranchSpec("a", {"train.seed": 1000 + 2 * i}), BranchSpec("b", {"train.seed": 1001 + 2 * i})]
         if kind == "AA"
@@ -77,30 +78,43 @@ def one_fork(work: Path, parent: str, kind: str, i: int, a: dict) -> dict:
     for s in specs:  # a fork is known by its step and names: each fork's own
         s.name = f"{kind}{i:03d}-{s.name}"
         s.url = str(work / s.name)
-    role = lambda name: None if name is None else name.split("-", 1)[1]  # noqa: E731
+    return specs
+
+
+def one_fork(work: Path, parent: str, kind: str, i: int, a: dict) -> dict:
+    specs = specs_of(work, kind, i)
     urls = fork(parent, specs, a.parent_steps, log=lambda m: None, replicates=a.replicates)
     seconds = [train(u, max_steps=a.parent_steps + a.steps) for u in urls]
     out = {"kind": kind, "index": i, "train_s": seconds, "runs": len(urls)}
     for n in a.val:
-        t0 = time.perf_counter()
-        c = compare.compare_branches(parent, urls, a.parent_steps, val_sequences=n, warn=lambda m: None)
-        names = [s.name for s in specs]
-        out[str(n)] = {
-            "winner": role(c.winner),
-            "leader": role(c.leader),
-            "margin": c.margin,
-            "noise": c.noise,
-            "noise_training": c.noise_training,
-            "noise_held_out": c.noise_held_out,
-            "critical": c.critical,
-            "df": c.df,
-            "df_held_out": c.df_held_out,
-            "step": c.step,
-            "today": role(today(c, *names)),
-            "compare_s": time.perf_counter() - t0,
-            "val": {role(b.name): b.replicate_val for b in c.branches},
-        }
+        out[str(n)] = score(parent, specs, a, n)
     return out
+
+
+def score(parent: str, specs: list[BranchSpec], a, n: int) -> dict:
+    """One fork's verdict at `n` held-out sequences an arm, from its runs as they are on disk: a fork
+    made earlier is scored at a held-out size it lacks without training again."""
+    role = lambda name: None if name is None else name.split("-", 1)[1]  # noqa: E731
+    t0 = time.perf_counter()
+    c = compare.compare_branches(
+        parent, [s.url for s in specs], a.parent_steps, val_sequences=n, warn=lambda m: None
+    )
+    names = [s.name for s in specs]
+    return {
+        "winner": role(c.winner),
+        "leader": role(c.leader),
+        "margin": c.margin,
+        "noise": c.noise,
+        "noise_training": c.noise_training,
+        "noise_held_out": c.noise_held_out,
+        "critical": c.critical,
+        "df": c.df,
+        "df_held_out": c.df_held_out,
+        "step": c.step,
+        "today": role(today(c, *names)),
+        "compare_s": time.perf_counter() - t0,
+        "val": {role(b.name): b.replicate_val for b in c.branches},
+    }
 
 
 def rescore(rows: list[dict], a) -> None:
@@ -135,6 +149,7 @@ def summarize(rows: list[dict], a) -> str:
     )
     lines.append("|---|---|---|---|---|---|---|")
     for n in a.val:
+        default = " (default)" if n == compare.DEFAULT_VAL_SEQUENCES else ""
         for rule, key in (("new (replicates, t-test)", "winner"), ("today (1 run, held-out SE x2)", "today")):
             fw = sum(1 for r in aa if r[str(n)][key] is not None)
             right = sum(1 for r in ab if r[str(n)][key] == "base")
@@ -142,7 +157,8 @@ def summarize(rows: list[dict], a) -> str:
             lo, hi = wilson(fw, len(aa))
             plo, phi = wilson(right, len(ab))
             lines.append(
-                f"| {n} | {rule} | {fw}/{len(aa)} ({fw / max(len(aa), 1):.1%}) | {lo:.1%}-{hi:.1%} | "
+                f"| {n}{default} | {rule} | {fw}/{len(aa)} ({fw / max(len(aa), 1):.1%}) "
+                f"| {lo:.1%}-{hi:.1%} | "
                 f"{right}/{len(ab)} ({right / max(len(ab), 1):.1%}) | {plo:.1%}-{phi:.1%} | {wrong} |"
             )
     if rows:
@@ -185,7 +201,7 @@ def main() -> None:
     p.add_argument("--replicates", type=int, default=3)
     p.add_argument("--parent-steps", type=int, default=120)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--val", type=lambda s: [int(v) for v in s.split(",")], default=[32, 256])
+    p.add_argument("--val", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128, 256])
     p.add_argument("--report", action="store_true", help="only print the figures of the forks made")
     a = p.parse_args()
     work = Path(a.workdir)
@@ -209,6 +225,15 @@ def main() -> None:
                 i = next(it, None)
                 if i is not None:
                     order.append((kind, i))
+        lacking = [r for r in rows if any(str(n) not in r for n in a.val)]
+        for r in lacking:  # a held-out size these forks were not scored at: from their runs on disk
+            specs = specs_of(work, r["kind"], r["index"])
+            r.update({str(n): score(parent, specs, a, n) for n in a.val if str(n) not in r})
+            print(f"{r['kind']} {r['index']}: scored at " + ", ".join(map(str, a.val)), flush=True)
+        if lacking:
+            tmp = log.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(log)
         for kind, i in order:
             if (kind, i) in done:
                 continue

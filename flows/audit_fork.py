@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed, State
 
-from andrea_core.ops.compare import default_report_dir
+from andrea_core.ops.compare import DEFAULT_VAL_SEQUENCES, default_report_dir
 from andrea_core.ops.fork import DEFAULT_REPLICATES
 from andrea_core.run.rundir import RunDir
 from tasks.artifacts import publish_fork_report, run_name
@@ -48,7 +48,7 @@ def audit_fork(
     pace: float = 0.0,
     gpu_slot: str | None = "auto",
     slot_timeout_s: float | None = 60.0,
-    val_sequences: int = 32,
+    val_sequences: int = DEFAULT_VAL_SEQUENCES,
     report_dir: str | None = None,
     replicates: int = DEFAULT_REPLICATES,
 ) -> State:

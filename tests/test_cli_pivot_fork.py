@@ -323,6 +323,8 @@ def test_fork_and_compare_from_the_shell_and_a_fork_killed_mid_copy(trained, tmp
     out = andrea("compare", urls["base"], urls["hot"], "--out", str(report))
     assert re.search(r"margin \d+\.\d{4}, noise \d+\.\d{4}", out.stdout), out.stdout
     assert (report / "report.md").read_text().startswith(f"# Audit fork of `{parent}` at step 100")
+    # The default held-out set (ops/compare.DEFAULT_VAL_SEQUENCES; 32 told lr 1e-4 apart in 17 of 20).
+    assert "Held-out data: 256 sequences of 64 tokens" in (report / "report.md").read_text()
     assert (report / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A fork killed right after copying its first branch's checkpoint, then rerun.

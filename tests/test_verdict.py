@@ -4,6 +4,7 @@ naming the branch that falls short); and, item 15 of issue 43, a forged branch n
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -14,10 +15,12 @@ from andrea_core.checkpoint import checkpoint_name, encode
 from andrea_core.config import ConfigError
 from andrea_core.ops.compare import (
     LEVEL,
+    NOISE_RESOLUTION,
     BranchResult,
     Comparison,
     _name_winner,
     compare_branches,
+    markdown_text,
     plot_comparison,
     report_markdown,
     t_critical,
@@ -138,6 +141,88 @@ def test_the_json_and_the_report_carry_the_noise_parts_and_the_test():
         "a winner when the margin exceeds 2.78x the noise (Student's t, 4 degrees of freedom, the training "
         "part's; the held-out part's 7 are not counted)"
     ) in md
+
+
+@pytest.mark.parametrize("factor, measured", [(1.05, True), (0.95, False)])
+def test_a_noise_below_the_resolution_of_the_losses_is_none(factor, measured):
+    """A noise of factor x NOISE_RESOLUTION (1e-6 nats), the lead 0.05: just above it the t-test
+    judges (a winner, the ratio printed); just below it there is no noise to weigh the lead against
+    and the verdict says so, not "inf standard errors" nor a winner for a lead of any size."""
+    assert NOISE_RESOLUTION == 1e-6
+    d = factor * NOISE_RESOLUTION / math.sqrt(2 / 3)  # the replicates' spread; held-out: none
+    a = branch("a", [2.0 - d, 2.0, 2.0 + d])
+    b = branch("b", [2.05 - d, 2.05, 2.05 + d])
+    c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a], step=120)
+    _name_winner(c)
+    assert c.noise == pytest.approx(factor * NOISE_RESOLUTION, rel=1e-6)
+    assert "inf" not in c.verdict and json.dumps(c.to_dict(), allow_nan=False)
+    if measured:
+        assert c.winner == "a" and c.verdict.startswith("a converges best: held-out loss 2.0000 vs 2.0500")
+        assert f"{0.05 / c.noise:.1f} standard errors, a winner needs 2.78" in c.verdict
+        return
+    assert c.winner is None and c.significant is False and c.leader == "a"
+    assert c.verdict == (
+        "no winner: no noise measured (a leads: held-out loss 2.0000 vs 2.0500 for b at step 120; margin "
+        "0.0500; the replicates of each branch scored the same, 3+3 of them, and the lead is the same on "
+        "every one of the 8 held-out sequences, so the test has nothing to weigh it against); replicates "
+        "that score the same did not train on different data orders: check each replicate's train.seed, "
+        "and fork again with replicates whose data orders differ"
+    )
+    md = report_markdown(c)
+    assert f"**No winner: no noise measured.** {markdown_text(c.verdict)}\n" in md
+    assert f"What would decide it: {markdown_text(c.to_decide)}.\n" in md
+
+
+def test_branches_that_scored_the_same_are_said_to_be_the_same(tmp_path):
+    """A real compare of branches whose every run holds the fork point's weights (no noise, no lead):
+    once "0.0 standard errors ... a lead of 0.0000 would be decisive at this noise"."""
+    parent, urls = _fake_fork(tmp_path, {"a": [120], "b": [120]}, replicates=2)
+    c = compare_branches(parent.url, [urls[0], urls[2]], 100, val_sequences=4)
+    assert c.noise == 0 and c.margin == 0 and c.df == 2 and c.winner is None
+    mean = c.branches[0].val_mean
+    assert c.verdict == (
+        f"no winner: {c.leader} and {c.runner_up} scored the same (held-out loss {mean:.4f} at step 120, on "
+        "every held-out sequence and in every replicate): nothing tells them apart; if they should "
+        "differ, check the branches' overrides; replicates that score the same did not train on "
+        "different data orders (check each replicate's train.seed)"
+    )
+    assert json.loads(json.dumps(c.to_dict(), allow_nan=False))["noise"] == 0
+
+
+def test_one_run_a_branch_with_no_held_out_noise_prints_no_ratio():
+    a, b = branch("a", [2.0]), branch("b", [2.5])
+    c = Comparison("/runs/p", 10, ["a"], SEQS.size, 64, [b, a], step=120)
+    _name_winner(c)
+    assert c.winner is None and c.noise < NOISE_RESOLUTION
+    assert c.verdict.startswith(
+        "no winner: training noise unmeasured (a leads: held-out loss 2.0000 vs 2.5000 for b at step 120; "
+        "margin 0.5000, the same lead on every one of the 8 held-out sequences, but one run a branch"
+    )
+
+
+def test_held_out_sequences_are_scored_in_chunks_of_bounded_logits(monkeypatch):
+    """The default held-out set (256 an arm) at once would hold 256 x block x vocab logits (24 GiB at
+    andrea-120m): scored in chunks of LOGITS_AT_ONCE, each sequence's loss is its own forward's."""
+    import torch
+    import torch.nn.functional as F
+
+    from andrea_core.model.gpt import GPT
+    from andrea_core.model_config import ModelConfig
+    from andrea_core.ops import compare
+
+    assert compare.DEFAULT_VAL_SEQUENCES == 256 and compare.LOGITS_AT_ONCE == 1 << 28
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda xi, *a: calls.append(len(xi)) or forward(xi, *a))
+    monkeypatch.setattr(compare, "LOGITS_AT_ONCE", 3 * 16 * 64 + 5)  # 3 sequences' logits at once
+    got = compare.sequence_losses(model, x, y)
+    assert calls == [3, 3, 2] and got.shape == (8,) and got.dtype == np.float64
+    with torch.no_grad():
+        each = [F.cross_entropy(forward(x[i : i + 1])[0][0], y[i]).item() for i in range(8)]
+    assert got == pytest.approx(each, rel=1e-6)
 
 
 FORGED = r"$\sqrt{\frac{a}{b}}\undefinedcommand$"

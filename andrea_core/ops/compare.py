@@ -18,7 +18,9 @@ The noise of the margin has two parts: training (how much a run's held-out loss 
 order: the spread of the replicates, pooled over the ranked branches) and held-out sampling (the
 standard error of the paired per-sequence difference). The leader is the winner only when the margin
 exceeds Student's t critical value (two-sided, LEVEL) times the noise; one run a branch measures no
-training noise, so it names no winner. Without a winner the verdict says what would decide it. A
+training noise, so it names no winner; nor does a noise below NOISE_RESOLUTION (replicates that
+scored the same: the verdict says so). The held-out batch is DEFAULT_VAL_SEQUENCES an arm unless
+asked otherwise. Without a winner the verdict says what would decide it. A
 branch in which the divergence guard acted after the fork did not train under its overrides alone:
 it is shown with its events and ranked apart, never the winner. Training-loss figures (final, EMA,
 spread) are reported beside it.
@@ -63,6 +65,9 @@ from andrea_core.train.optim import build_optimizer
 from andrea_core.untrusted import markdown_code, markdown_text  # the one sanitizer; re-exported
 
 LEVEL = 0.05  # the false-winner rate the verdict is calibrated to (two-sided: either branch may lead)
+# A noise (or lead) at or below this is none: float32 losses near 2-8 nats are spaced 2.4e-7 to 9.5e-7,
+# so a spread below a millionth of a nat is not a measurement (the verdict then names no winner).
+NOISE_RESOLUTION = 1e-6
 # The data settings that decide which tokens of an arm are held out: a branch must share the parent's.
 SPLIT_FIELDS = ("val_fraction", "max_source_bytes")
 UNTRAINED = "untrained: no checkpoint past the fork point"
@@ -340,6 +345,14 @@ def check_held_out(
 
 
 MAX_VAL_SEQUENCES = 4096  # per arm: held-out scoring runs every branch's model over all of them
+# Per arm, on the default path (`andrea compare`, the audit-fork flow): at 3 replicates a branch, 32
+# left the held-out part of the noise (±0.012) near the training part (±0.015) and told the lr-1e-4
+# fork apart in 17 of 20; 256 (±0.004) in 20 of 20, A/A false winners 1 of 40 at both (bench/README.md,
+# verdict_calibration.py). It costs scoring only: forward passes, no training.
+DEFAULT_VAL_SEQUENCES = 256
+# Logits held at once while scoring (sequences x block x vocab, float32: 1 GiB): the held-out batch is
+# scored in chunks of sequences, whatever its size (256 x 1024 x 22,528 at 120M would be 24 GiB at once).
+LOGITS_AT_ONCE = 1 << 28
 
 
 def check_audit(
@@ -376,9 +389,15 @@ def default_report_dir(parent_url: str, fork_step: int) -> str:
 
 @torch.no_grad()
 def sequence_losses(model: GPT, x: torch.Tensor, y: torch.Tensor) -> np.ndarray:
-    logits, _ = model(x)
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-    return per_token.view(y.shape).mean(dim=1).double().numpy()
+    """Each sequence's mean token loss, scored in chunks of at most LOGITS_AT_ONCE logits."""
+    chunk = max(1, LOGITS_AT_ONCE // (y.shape[1] * model.cfg.vocab_size))
+    out = []
+    for i in range(0, y.shape[0], chunk):
+        logits, _ = model(x[i : i + chunk])
+        yi = y[i : i + chunk]
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), yi.flatten(), reduction="none")
+        out.append(per_token.view(yi.shape).mean(dim=1).double().numpy())
+    return np.concatenate(out)
 
 
 def compare_branches(
@@ -386,7 +405,7 @@ def compare_branches(
     branch_urls: list[str],
     fork_step: int,
     *,
-    val_sequences: int = 32,
+    val_sequences: int = DEFAULT_VAL_SEQUENCES,
     window: int = 50,
     failed: dict[str, str] | None = None,
     warn: Callable[[str], None] = print,
@@ -636,11 +655,14 @@ def _name_winner(c: Comparison) -> None:
     )
     if variance is None:
         c.noise = c.noise_held_out
-        ratio = c.margin / c.noise if c.noise > 0 else math.inf
+        errors = (
+            f"{c.margin / c.noise:.1f} held-out standard errors"
+            if c.noise > NOISE_RESOLUTION
+            else f"the same lead on every one of the {diff.size} held-out sequences"
+        )
         c.verdict = (
-            f"no winner: training noise unmeasured ({best.name} leads: {figures}, {ratio:.1f} held-out "
-            f"standard errors, but one run a branch cannot tell a better setting from a luckier data "
-            f"order){aside}"
+            f"no winner: training noise unmeasured ({best.name} leads: {figures}, {errors}, but one run "
+            f"a branch cannot tell a better setting from a luckier data order){aside}"
         )
         c.to_decide = (
             f"fork again with --replicates {DEFAULT_REPLICATES} (each branch trained {DEFAULT_REPLICATES} "
@@ -652,7 +674,10 @@ def _name_winner(c: Comparison) -> None:
     c.noise, c.df_effective, c.critical, c.significant = verdict_test(
         c.margin, c.noise_training, c.df, c.noise_held_out, c.df_held_out
     )
-    ratio = c.margin / c.noise if c.noise > 0 else math.inf
+    if c.noise <= NOISE_RESOLUTION:
+        _no_noise(c, best, second, figures, aside)
+        return
+    ratio = c.margin / c.noise
     figures += (
         f", noise ±{c.noise:.4f} (training ±{c.noise_training:.4f} from {best.replicates}+"
         f"{second.replicates} replicates, held-out ±{c.noise_held_out:.4f}): {ratio:.1f} standard errors, "
@@ -664,6 +689,36 @@ def _name_winner(c: Comparison) -> None:
         return
     c.to_decide = what_would_decide(c, variance, len(ranked))
     c.verdict = f"no winner: within noise ({best.name} leads: {figures}){aside}; {c.to_decide}"
+
+
+def _no_noise(c: Comparison, best: BranchResult, second: BranchResult, figures: str, aside: str) -> None:
+    """No noise measured (below NOISE_RESOLUTION): every replicate of each ranked branch scored the
+    same, and the lead is the same on every held-out sequence. A t-test would divide by zero (a lead of
+    any size "infinitely" significant, or none at all); replicates that agree to the last bit did not
+    train on different data orders, so the verdict names no winner and says so."""
+    c.significant = False
+    if c.margin <= NOISE_RESOLUTION:
+        c.verdict = (
+            f"no winner: {best.name} and {second.name} scored the same (held-out loss {best.val_mean:.4f} at "
+            f"step {c.step}, on every held-out sequence and in every replicate): nothing tells them apart"
+            f"{aside}"
+        )
+        c.to_decide = (
+            "if they should differ, check the branches' overrides; replicates that score the same did not "
+            "train on different data orders (check each replicate's train.seed)"
+        )
+    else:
+        c.verdict = (
+            f"no winner: no noise measured ({best.name} leads: {figures}; the replicates of each branch "
+            f"scored the same, {best.replicates}+{second.replicates} of them, and the lead is the same on "
+            f"every one of the {second.per_sequence.size} held-out sequences, so the test has nothing to "
+            f"weigh it against){aside}"
+        )
+        c.to_decide = (
+            "replicates that score the same did not train on different data orders: check each "
+            "replicate's train.seed, and fork again with replicates whose data orders differ"
+        )
+    c.verdict += "; " + c.to_decide
 
 
 def what_would_decide(c: Comparison, variance: float, n_ranked: int) -> str:
@@ -803,6 +858,8 @@ def _fmt(v: float | None, digits: int = 4) -> str:
 def headline(c: Comparison) -> str:
     if c.winner:
         return f"**Winner: {markdown_code(c.winner)}**."
+    if c.margin is not None and c.critical and c.noise is not None and c.noise <= NOISE_RESOLUTION:
+        return "**No winner: no noise measured.**"
     if c.margin is not None:
         return "**No winner: within noise.**" if c.critical else "**No winner: training noise unmeasured.**"
     return "**No winner.**"
