@@ -89,7 +89,9 @@ def _fault(name: str, value: Any, spec: Field) -> str | None:
         bounded = math.isfinite(spec.low) or math.isfinite(spec.high)
         if spec.finite and not math.isfinite(value) and not bounded:
             return f"{name} {value!r} is not finite"
-        if not (spec.low <= value <= spec.high and (math.isfinite(value) or not spec.finite)):
+        if math.isnan(value) and not spec.finite:
+            pass  # NaN is allowed where non-finite numbers are (it has no place between bounds)
+        elif not (spec.low <= value <= spec.high and (math.isfinite(value) or not spec.finite)):
             return f"{name} {value!r} is outside {spec.low:g}..{spec.high:g}"
     elif isinstance(value, str):
         if not spec.low <= len(value) <= spec.high or (spec.printable and not value.isprintable()):

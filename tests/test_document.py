@@ -4,6 +4,7 @@ and the readers ported onto it (lock, pivot journal, target, forks, guard events
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -55,6 +56,26 @@ def test_each_fault_names_the_field_and_its_value(doc, error):
 def test_a_well_formed_document_is_returned_as_it_is_with_fields_it_does_not_know():
     doc = {"n": 3, "x": None, "name": "ok", "kind": "b", "folder": "p_12", "words": ["w"], "new": {}}
     assert check(doc, SCHEMA) is doc
+
+
+def test_a_field_declared_non_finite_takes_nan_and_infinities_and_a_real_guard_line_parses():
+    """guard.jsonl records NaN and inf as a non-finite step's value (the run's own writer): a field
+    declared `finite=False` takes them, a bounded one still refuses what lies outside its bounds."""
+    from andrea_core.run.guard_events import _event
+
+    free = {"v": Field((int, float), finite=False)}
+    for v in (math.nan, math.inf, -math.inf, 1.5):
+        assert check({"v": v}, free)["v"] is v
+    bounded = {"v": Field((int, float), low=0, high=1, finite=False)}
+    with pytest.raises(DocumentError, match="v -inf is outside 0..1"):
+        check({"v": -math.inf}, bounded)
+    line = (
+        '{"format":1,"number":1,"action":"rollback","step":25,"spike_start":25,"kind":"non-finite-grad-norm",'
+        '"value":NaN,"statistic":null,"threshold":null,"rolled_back_to":10,"level":0,"skip":15,'
+        '"lr_scale":0.3,"cooldown":1000,"time":1796549490.539}'
+    )
+    e = _event(json.loads(line))
+    assert math.isnan(e.value) and (e.rolled_back_to, e.skip, e.lr_scale, e.cooldown) == (10, 15, 0.3, 1000)
 
 
 def test_a_shown_value_is_one_bounded_line_whatever_it_holds():
