@@ -332,8 +332,9 @@ def test_an_audit_a_failed_write_kept_survives_a_rollbacks_new_segment(layer, ti
     kept = next(a for a in old.audits if a["step"] == 300)
     # The rollback's new segment, by the trainer's own method (a namespace stands for the trainer).
     host = SimpleNamespace(
-        run=run, cfg=cfg, model=model, data=data, device="cpu", log=said.append, auditor=old
-    )
+        run=run, cfg=cfg, model=model, data=data, device="cpu", log=said.append, auditor=old,
+        resume_check=SimpleNamespace(finish=lambda: None), _conditions=lambda: {},
+    )  # fmt: skip
     Trainer._open_segment(host, 300)
     new = host.auditor
     assert new is not old and read_audits(run) == [a for a in old.audits if a["step"] != 300]
