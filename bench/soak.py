@@ -835,20 +835,8 @@ class Soak:
                 time.sleep(0.05)
         finally:
             end()
-        if t.popen.poll() is not None:
-            self.violate(
-                "7", f"{what} for {f['for_s']}s ended training (exit {t.popen.returncode}):\n{t.tail()}"
-            )
-            t.expect_exit = True  # reported once
-            return
-        # The next boundary after the outage publishes a checkpoint again.
-        since = time.time()
-        deadline = time.monotonic() + TERM_BOUND
-        while time.monotonic() < deadline and t.popen.poll() is None:
-            if t.first(r"checkpoint step_\d+\.bin \(", since):
-                return
-            time.sleep(0.05)
-        self.violate("7", f"after {what} for {f['for_s']}s no checkpoint was written again:\n{t.tail()}")
+        # Ended during the outage, or the next boundary after it publishes a checkpoint again.
+        self._checkpoint_after(t, f"{what} for {f['for_s']}s")
 
     def f_s3_lost_reply(self, f: dict) -> None:
         relay, t = self.store.relay, self.trainer
@@ -860,25 +848,7 @@ class Soak:
         relay.armed = None
         if len(relay.dropped) == n:
             return  # nothing of that key was put in a minute (the trainer may have ended: see below)
-        since = time.time()
-        deadline = time.monotonic() + TERM_BOUND
-        while time.monotonic() < deadline and t.popen.poll() is None:
-            if t.first(r"checkpoint step_\d+\.bin \(", since):
-                return
-            time.sleep(0.05)
-        if t.popen.poll() is not None:
-            self.violate(
-                "7",
-                f"a lost reply to a put of {relay.dropped[-1][1]} ended training "
-                f"(exit {t.popen.returncode}):\n{t.tail()}",
-            )
-            t.expect_exit = True
-        else:
-            self.violate(
-                "7",
-                f"after a lost reply to a put of {relay.dropped[-1][1]} no checkpoint was "
-                f"written:\n{t.tail()}",
-            )
+        self._checkpoint_after(t, f"a lost reply to a put of {relay.dropped[-1][1]}")
 
     # --- storage slow or gone (S3, the relay's faults: tests/s3_relay.py) ---------------------------
 
