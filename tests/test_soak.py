@@ -32,41 +32,49 @@ KINDS = {
     "local": [*COMMON, "disk-full", *([] if NO_LAYER else LAYER)],
     "s3": [*COMMON, "s3-deny", "s3-lost-reply"],
 }
-FAULTS = {store: len(kinds) for store, kinds in KINDS.items()}  # every kind once (the deck's first round)
 
 
-def soak(store: str, work: Path) -> None:
-    """bench/soak.py --faults FAULTS[store] --seed 1 on `store`: every kind of KINDS[store] injected once
-    and survived, 0 violations."""
+def run_soak(
+    store: str, kinds: list[str], each: int, work: Path, timeout: float = 3600
+) -> tuple[int, str, dict]:
+    """bench/soak.py --faults each*len(kinds) --seed 1 --kinds KINDS on `store`: its exit status, its
+    output, and its table (kind -> (injected, survived, violations), every kind of the store: 0 for
+    those not drawn)."""
     proc = subprocess.run(
         [
             sys.executable,
             str(REPO / "bench" / "soak.py"),
             "--faults",
-            str(FAULTS[store]),
+            str(each * len(kinds)),
             "--seed",
             "1",
             "--store",
             store,
             "--kinds",
-            ",".join(KINDS[store]),
+            ",".join(kinds),
             "--work",
             str(work),
         ],  # fmt: skip
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=3600,
+        timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     table = re.findall(r"^([a-z0-9-]+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(.+)$", out, re.M)
-    # The table names every kind of the store (those not in --kinds with 0): exactly KINDS[store] drawn.
-    drawn = {kind: rest for kind, *rest in table if rest[0] != "0"}
+    return proc.returncode, out, {kind: tuple(rest) for kind, *rest in table}
+
+
+def soak(store: str, work: Path) -> None:
+    """bench/soak.py on `store`: every kind of KINDS[store] injected once and survived, 0 violations."""
+    returncode, out, table = run_soak(store, KINDS[store], 1, work)
+    # Exactly KINDS[store] drawn (the table's other kinds at 0).
+    drawn = {kind: row for kind, row in table.items() if row[0] != "0"}
     assert sorted(drawn) == sorted(KINDS[store]), out[-6000:]
     for kind, row in drawn.items():
-        assert tuple(row) == ("1", "1", "-"), (kind, out[-6000:])
+        assert row == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
-    assert proc.returncode == 0, out[-6000:]
+    assert returncode == 0, out[-6000:]
 
 
 def test_every_kind_the_soak_draws_is_thrown_by_the_suite():

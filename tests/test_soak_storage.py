@@ -7,11 +7,9 @@ still-running holder, the store did answer late and did answer 503."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from test_soak import run_soak
 
 pytestmark = pytest.mark.slow
 STORAGE = ["s3-slow", "s3-503", "s3-hang", "s3-partition", "lost-complete"]
@@ -26,34 +24,10 @@ def did(out: str, kind: str) -> dict[str, str]:
 
 
 def test_storage_slow_throttled_hung_partitioned_and_lost_completes_break_no_invariant(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "soak.py"),
-            "--store",
-            "s3",
-            "--faults",
-            str(EACH * len(STORAGE)),
-            "--seed",
-            "1",
-            "--kinds",
-            ",".join(STORAGE),
-            "--work",
-            str(tmp_path / "soak"),
-        ],  # fmt: skip
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    out = proc.stdout + proc.stderr
-    table = {
-        k: (int(i), int(s), v)
-        for k, i, s, v in re.findall(r"^([a-z0-9-]+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(.+)$", out, re.M)
-    }
+    returncode, out, table = run_soak("s3", STORAGE, EACH, tmp_path / "soak", timeout=1800)
     for kind in STORAGE:
-        assert table[kind] == (EACH, EACH, "-"), (kind, out[-6000:])
-    assert re.search(r"^violations: 0;", out, re.M) and proc.returncode == 0, out[-6000:]
+        assert table[kind] == (str(EACH), str(EACH), "-"), (kind, out[-6000:])
+    assert re.search(r"^violations: 0;", out, re.M) and returncode == 0, out[-6000:]
     lost = did(out, "lost-complete")
     assert int(lost["replies dropped"]) == int(lost["object there with the dropped reply's ETag"]) >= 1, lost
     part = did(out, "s3-partition")
