@@ -188,6 +188,15 @@ def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def refused(proc: subprocess.CompletedProcess, *named: str) -> str:
+    """The one `andrea: error:` line of a refusal (exit 2), which must name each of `named`."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("andrea: error:")]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stdout, proc.stderr)
+    for what in named:
+        assert what in lines[0], (what, lines[0])
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_reference(tmp_path_factory) -> Path:
     """andrea-tiny trained straight to step 300 on the CPU (checkpoints 100, 200, 300), once per session
