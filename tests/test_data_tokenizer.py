@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Iterable
 
 import numpy as np
 import pytest
-from conftest import REPO, andrea
+from conftest import REPO, _env, andrea, refused
+from tiny import tiny_config
 
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data import tokens
 from andrea_core.data.pipeline import DataPipeline
-from andrea_core.data.policy import ArmSpec, read_policy
+from andrea_core.data.policy import ArmSpec, load_policy, read_policy
 from andrea_core.data.sources import open_source
 from andrea_core.data.tokens import BPE_TRAIN_BYTES, ByteTokenizer, run_tokenizer, token_cache
 from andrea_core.ops.fork import BranchSpec, fork
@@ -160,3 +162,25 @@ def test_creating_an_andrea_12m_run_trains_its_bpe_on_bounded_text(tmp_path, mon
     # character there can overshoot the byte budget by a few bytes (measured: 6 of 1,333,333).
     assert 0 < max(sum(map(len, docs)) for docs in per_arm) <= share
     assert sum(len(d) for d in trained_on[0]) <= BPE_TRAIN_BYTES
+
+
+# --- andrea data prepare RUN (issue 30: a promise no test held the code to)
+
+
+def test_data_prepare_of_a_run_builds_the_caches_its_trainer_then_reuses(tmp_path):
+    cfg = tiny_config(tmp_path, data__policy="tiny-mix", data__tokenizer="bpe", model__vocab_size=300)
+    run = tmp_path / "run"
+    andrea("train", "--config", cfg, "--run-dir", str(run), "--max-steps", "1")  # the session's caches
+    # Another machine, with no caches yet: prepare builds them, for the run's own tokenizer.
+    cache = tmp_path / "cache"
+    env = _env() | {"ANDREA_CACHE_DIR": str(cache)}
+    prepared = andrea("data", "prepare", str(run), "--json", env=env)
+    rows = json.loads(prepared.stdout)
+    assert sorted(r["arm"] for r in rows) == sorted(a.name for a in load_policy("tiny-mix")[0].arms)
+    built = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    assert len([p for p in built if p.suffix == ".u16"]) == len(rows), built  # one per arm, for its BPE
+    resumed = andrea("train", "--run-dir", str(run), "--max-steps", "2", env=env)
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == built  # reused as built
+    assert "resuming" in resumed.stdout
+    proc = andrea("data", "prepare", str(run), "--config", cfg, check=False, env=env)
+    refused(proc, f"{run} is a run", "drop --config")
