@@ -6,16 +6,20 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import REPO, andrea, last_logged_step, start_trainer, wait_for
+from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from test_retention import fabricated_run
 from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import load_run_config
 from andrea_core.ops.status import run_status, throughput
 from andrea_core.run import lock
+from andrea_core.run.lock import read_lock
 from andrea_core.run.loss_log import LossEntry
 from andrea_core.run.rundir import LOCK, POLICY_YAML, RunDir
 from andrea_core.train.setup import create_run
@@ -183,3 +187,36 @@ def test_a_live_trainer_silent_for_a_minute_shows_no_speed(tmp_path):
         assert silent.eta_s is None and "last step logged 61.0 s ago" in silent.summary
     finally:
         lock.release(run, me)
+
+
+# --- `andrea status` REMOTE (issue 30: a promise no test held the code to)
+
+
+def test_status_says_remote_for_a_lock_of_another_host_and_names_a_newer_checkpoint_that_fails(tmp_path):
+    run = fabricated_run(str(tmp_path / "run"), [100, 200])
+    (tmp_path / "run" / checkpoint_name(300)).write_bytes(b"torn by a lost upload")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "from andrea_core.run import lock; from andrea_core.run.rundir import RunDir; "
+         f"import time; lock.Lease.take(RunDir({run.url!r})); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env=_env() | {"ANDREA_TEST_HOST": "host-b", "ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (st,) = json.loads(andrea("status", run.url, "--json").stdout)
+        assert st["state"] == "remote" and st["trainer"] is None
+        assert (
+            f"locked by trainer pid {holder.pid} on host host-b, which cannot be checked from here"
+            in (st["summary"])
+        )
+        assert st["newest_checkpoint"] == 200
+        (why,) = st["refused_checkpoints"]
+        assert checkpoint_name(300) in why
+        text = andrea("status", run.url).stdout
+        assert text.startswith(f"{run.url}: REMOTE: locked by trainer pid {holder.pid} on host host-b")
+        assert f"  checkpoint  {checkpoint_name(200)} (newest valid)\n" in text
+        assert f"  REFUSED     {why}\n" in text
+        assert read_lock(run).host == "host-b"  # status only looked
+    finally:
+        holder.kill()
+        holder.wait()
