@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -16,12 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import andrea, andrea_imports
+from conftest import (
+    andrea,
+    andrea_imports,
+)
 from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name, restore
+from andrea_core.config import load_run_config
 from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
+from andrea_core.ops.export import ExportError, gpt2_state_dict
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import TOKENIZER_JSON, RunDir
 from andrea_core.train.optim import build_optimizer
@@ -342,3 +348,40 @@ def test_sample_bad_inputs_exit_2_naming_them(trained, tmp_path):
     assert tree_digest(run) == before
     assert_refused(andrea("sample", str(trained), "--prompt", "", check=False), "--prompt")
     assert_refused(andrea("sample", str(trained), "--prompt", "x", "--top-k", "0", check=False), "--top-k")
+
+
+# --- issue 43.17 (review): export's modes -------------------------------------------------------------------
+
+
+def test_export_writes_every_file_with_one_mode(tmp_path):
+    """model.safetensors was 0600 (safetensors' own create), config.json and the others 0644."""
+    from conftest import TINY
+
+    from andrea_core.config import load_run_config
+    from andrea_core.ops.export import export_checkpoint
+    from andrea_core.train.trainer import Trainer
+
+    cfg = load_run_config(TINY).with_overrides({"train.checkpoint_every": 2, "train.sample_every": 10**6})
+    Trainer(str(tmp_path / "run"), cfg, max_steps=2, device="cpu", log=lambda m: None).train()
+    out = tmp_path / "hf"
+    old = os.umask(0o022)
+    try:
+        result = export_checkpoint(str(tmp_path / "run"), out)
+    finally:
+        os.umask(old)
+    modes = {name: (out / name).stat().st_mode & 0o777 for name in result.files}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+# --- export (issue 30: a promise no test held the code to)
+
+
+def test_export_fails_naming_a_parameter_missing_from_its_rename_table():
+    model = GPT(load_run_config("andrea-tiny").model)
+    named = dict(model.named_parameters())
+    assert set(gpt2_state_dict(named))  # every parameter of today's model has its GPT-2 name
+    named["blocks.0.attn.rotary.inv_freq"] = torch.zeros(4)  # a parameter a later model might add
+    with pytest.raises(
+        ExportError, match=r"parameter blocks\.0\.attn\.rotary\.inv_freq has no GPT-2 counterpart"
+    ):
+        gpt2_state_dict(named)
