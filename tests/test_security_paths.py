@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from andrea_core.checkpoint import checkpoint_name
-from andrea_core.run.rundir import LOCK, LOSS_LOG, RunDir, UnsafeRunPath, check_name
+from andrea_core.run.loss_log import LossWriter
+from andrea_core.run.rundir import LOCK, LOSS_LOG, TARGET, RunDir, UnsafeRunPath, check_name
 from tests.conftest import REPO, andrea, library_run
 
 DATA_JSONL = "data.jsonl"
@@ -236,3 +237,36 @@ def test_every_name_pattern_refuses_a_trailing_newline():
         # No anchors: a pattern written for fullmatch, never for match() and `$`.
         assert not pattern.pattern.startswith("^") and not pattern.pattern.endswith("$"), pattern
     assert step_from_name("step_000100.bin\n") is None
+
+
+# --- issue 43.9 (review): hard links ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [TARGET, "guard.jsonl", "tensorboard/events.out.tfevents.1.host"])
+def test_an_append_through_a_hard_link_to_a_file_outside_the_run_is_refused(tmp_path, name):
+    run = RunDir(tmp_path / "run")
+    run.makedirs("tensorboard")
+    outside = tmp_path / "victim.txt"
+    outside.write_bytes(b"the victim's own bytes\n")
+    os.link(outside, tmp_path / "run" / name)
+    with pytest.raises(UnsafeRunPath, match=r"a hard link \(2 links\) where a run file should be"):
+        run.append(name, b'{"max_steps": 500, "by": "andrea pivot"}\n', lines=not name.startswith("tensor"))
+    assert outside.read_bytes() == b"the victim's own bytes\n"
+
+
+def test_the_loss_log_and_a_trainer_log_are_never_written_through_a_hard_link(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.makedirs()
+    outside = tmp_path / "victim.txt"
+    outside.write_bytes(b"x\n")
+    os.link(outside, tmp_path / "run" / LOSS_LOG)
+    with pytest.raises(UnsafeRunPath, match="hard link"):
+        LossWriter(run, warn=lambda m: None)
+    os.link(outside, tmp_path / "run" / "trainer.log")
+    with pytest.raises(UnsafeRunPath, match="hard link"):
+        run.open_log("trainer.log")
+    assert outside.read_bytes() == b"x\n" and os.stat(outside).st_nlink == 3
+    # A file of the run with one link is appended to as ever; a whole-file write replaces a link.
+    run.append("data.jsonl", b'{"a": 1}\n')
+    run.write_text(LOSS_LOG, "")
+    assert outside.read_bytes() == b"x\n" and (tmp_path / "run" / "data.jsonl").read_bytes() == b'{"a": 1}\n'
