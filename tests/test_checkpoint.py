@@ -12,11 +12,20 @@ import pytest
 import torch
 from conftest import REPO, TINY, andrea
 
-from andrea_core.checkpoint import CheckpointError, checkpoint_name, decode, encode, step_from_name
+from andrea_core.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    decode,
+    encode,
+    encode_header,
+    step_from_name,
+)
 from andrea_core.config import load_run_config
 from andrea_core.run.loss_log import read_history
+from andrea_core.run.retention import apply_retention
 from andrea_core.run.rundir import RunDir
 from andrea_core.train.trainer import Trainer
+from tests.tiny import tiny_config
 
 # The hand-made vectors live in the project (copied from the shared test data, which ANDREA_SHARED may
 # still point at instead), so that they run in a bare clone too.
@@ -189,3 +198,36 @@ def test_bad_newest_checkpoint_is_refused_and_resume_falls_back(trained_run, tmp
     straight = [(e.step, e.loss, e.lr, e.arm) for e in read_history(RunDir(str(trained_run)))]
     assert resumed == [e for e in straight if 200 < e[0] <= 250]
     assert RunDir(str(run)).read_checkpoint(250, n_params).step == 250
+
+
+# --- issue 14.8 (review): one canonical name per step -------------------------------------------------------
+
+
+def test_canonical_names_only():
+    assert step_from_name("step_000350.bin") == 350
+    assert step_from_name("step_1234567.bin") == 1234567  # more digits only when the step needs them
+    assert step_from_name("step_0000350.bin") is None
+    assert step_from_name("step_0001234567.bin") is None
+
+
+def test_a_non_canonical_checkpoint_name_is_ignored_with_a_warning_and_left_alone(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tiny_config(tmp_path, train__checkpoint_every=10)
+    andrea("train", "--config", config, "--run-dir", str(run_dir), "--max-steps", "20")
+    good = (run_dir / checkpoint_name(20)).read_bytes()
+    stray = run_dir / "step_0000030.bin"  # 7 digits for step 30: not the name the trainer writes
+    stray.write_bytes(encode_header(30, int.from_bytes(good[4:8], "little")) + good[8:])
+    run = RunDir(str(run_dir))
+    assert run.checkpoint_steps() == [10, 20]
+    warnings: list[str] = []
+    assert run.checkpoint_steps(warn=warnings.append) == [10, 20]
+    assert warnings and "step_0000030.bin" in warnings[0] and "not a canonical checkpoint name" in warnings[0]
+
+    proc = andrea("train", "--run-dir", str(run_dir), "--max-steps", "25", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"resuming {run.url} from step_000020.bin" in proc.stdout
+    assert "ignoring" in proc.stdout and "step_0000030.bin" in proc.stdout
+    assert stray.read_bytes()[:4] == (30).to_bytes(4, "little")  # never moved, never deleted
+    assert not (run_dir / "refused").exists()
+    plan = apply_retention(run, load_run_config(tiny_config(tmp_path)).retention, None, lambda m: None)
+    assert 30 not in plan.delete and stray.exists()
