@@ -19,6 +19,8 @@ from andrea_core.run.record import read_run, run_n_params
 from andrea_core.run.retention import apply_retention, plan_retention
 from andrea_core.run.rundir import RunDir
 from andrea_core.train.setup import create_run
+from andrea_core.train.trainer import Trainer
+from tests.tiny import tiny_config
 
 CFG = RetentionConfig(keep_last=3, keep_every=500)
 GRID = list(range(100, 2001, 100))
@@ -178,3 +180,34 @@ def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path)
         "│           └── phase 1  steps 30..80 (current)  policy stdlib-only\n"
         "└── phase 2  steps 110..200 (current)  policy default\n"
     )
+
+
+# --- issue 14.5 (review): a retention error is not a failed checkpoint --------------------------------------
+
+
+def test_a_retention_error_is_logged_as_such_and_retried_at_the_next_checkpoint(tmp_path, monkeypatch):
+    cfg = load_run_config(
+        tiny_config(tmp_path, train__checkpoint_every=10, retention__keep_last=2, retention__keep_every=None)
+    )
+    url = str(tmp_path / "run")
+    denied: list[str] = []
+    real_remove = RunDir.remove
+
+    def remove(self, name):  # a delete the store denies, once (step 30's retention)
+        if not denied:
+            denied.append(name)
+            raise PermissionError(13, "Permission denied", self.path(name))
+        return real_remove(self, name)
+
+    monkeypatch.setattr(RunDir, "remove", remove)
+    logged: list[str] = []
+    result = Trainer(url, cfg, max_steps=40, device="cpu", log=logged.append).train()
+    text = "\n".join(logged)
+    assert "NOT written" not in text, text
+    assert result.reason == "completed" and result.checkpoint == checkpoint_name(40)
+    assert denied == [checkpoint_name(10)]
+    assert any(
+        line.startswith("ERROR: retention after step_000030.bin failed: PermissionError") for line in logged
+    ), text
+    # Retried at step 40's checkpoint: the two newest stay, everything older is gone.
+    assert RunDir(url).checkpoint_steps() == [30, 40]
