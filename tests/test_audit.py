@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
-from conftest import TINY, andrea
+from conftest import TINY, andrea, last_logged_step
 from data_runs import EVERY, STEPS, mix_runs
+from tiny import tiny_config
 
-from andrea_core.checkpoint import restore
+from andrea_core.checkpoint import checkpoint_name, restore
 from andrea_core.config import ConfigError, load_run_config
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import load_policy
+from andrea_core.model.device import pick_device
 from andrea_core.model.gpt import GPT
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import SAMPLES, RunDir
 from andrea_core.run.samples import FORMAT, read_audits
-from andrea_core.train.audit import run_audit, validation_losses
+from andrea_core.train.audit import Auditor, run_audit, validation_losses
 from andrea_core.train.optim import build_optimizer
+from andrea_core.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +142,60 @@ def test_a_resumed_step_whose_audit_is_missing_is_audited_again_from_its_checkpo
     again = andrea("train", "--run-dir", str(run), "--max-steps", "300", "--device", "cpu")
     assert "is missing" not in again.stdout + again.stderr  # present: nothing is audited twice
     assert read_audits(RunDir(str(run))) == [*kept, recorded[300]]
+
+
+# --- issue 14.4 (review): a stop seen during an off-grid sample audit still checkpoints that step -----------
+
+
+def test_sigterm_during_an_off_grid_audit_checkpoints_that_step(tmp_path, monkeypatch):
+    cfg = load_run_config(tiny_config(tmp_path, train__checkpoint_every=20, train__sample_every=3))
+    url = str(tmp_path / "run")
+    real_record = Auditor.record
+
+    def record(self, step):
+        if step == 27:  # an audit off the checkpoint grid: the SIGTERM lands while it runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_record(self, step)
+
+    monkeypatch.setattr(Auditor, "record", record)
+    result = Trainer(url, cfg, max_steps=200, device="cpu", log=lambda m: None).train()
+    run = RunDir(url)
+    assert result.reason == "SIGTERM" and result.step == 27
+    assert result.checkpoint == checkpoint_name(27)
+    assert run.checkpoint_steps() == [20, 27] and run.read_checkpoint(27).step == 27
+    assert last_logged_step(run) == 27  # nothing trained that the checkpoint does not hold
+
+
+# --- promises of the README and docs/design.md no test held the code to: the sample audit's window
+# and schedule, and the device `auto` picks
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    """andrea-tiny, 110 steps, an audit every 5 steps (not the default: every checkpoint, 100), the
+    device left to `auto`."""
+    tmp = tmp_path_factory.mktemp("audited")
+    run = tmp / "run"
+    proc = andrea("train", "--config", tiny_config(tmp, train__sample_every=5), "--run-dir", str(run),
+                  "--max-steps", "110")  # fmt: skip
+    return RunDir(str(run)), proc.stdout
+
+
+def test_samples_json_keeps_the_newest_20_audits_of_a_non_default_schedule(audited):
+    run, _ = audited
+    # Audits at 0 (the untrained baseline), 5, 10, ..., 110: 23 in all, of which the newest 20 stay.
+    assert [a["step"] for a in read_audits(run)] == list(range(15, 111, 5))
+    assert run.checkpoint_steps() == [100, 110]
+
+
+def test_device_auto_picks_cuda_when_present_else_the_cpu(audited, monkeypatch):
+    _, out = audited
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"parameters on {here}\n" in out  # what the trainer used, on this machine
+    # Both branches wherever the suite runs: the choice depends on whether CUDA is there, nothing else.
+    for available, picked in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert pick_device("auto") == picked
+        assert pick_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="--device cuda:1: CUDA is not available on this machine"):
+        pick_device("cuda:1")
