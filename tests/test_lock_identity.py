@@ -158,7 +158,7 @@ def test_exactly_one_of_many_real_trainers_started_together_trains(fresh, tmp_pa
 
 
 def test_a_lock_create_whose_reply_is_lost_is_still_ours(s3_bucket, monkeypatch):
-    from tests.test_review_storage import drop_first_reply
+    from tests.test_object_store import drop_first_reply
 
     run = RunDir(f"{s3_bucket}/run")
     answers = drop_first_reply(run.fs, monkeypatch, lambda kw: kw["Key"].endswith("/" + LOCK))

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import fcntl
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import fsspec
+import fsspec.config
 import numpy as np
 import pytest
 from conftest import TINY, andrea, flock_held_elsewhere, start_trainer, wait_for
 
 from andrea_core import cli
-from andrea_core.checkpoint import checkpoint_name, decode
+from andrea_core.checkpoint import checkpoint_name, decode, step_from_name
 from andrea_core.config import load_run_config
 from andrea_core.faults import REPLACE_HELD as TEST_HOLD_ENV
 from andrea_core.ops.fork import BranchSpec, fork
@@ -27,6 +30,7 @@ from andrea_core.run.loss_log import LossWriter, canonical, parse_lines, read_hi
 from andrea_core.run.objstore import ConcurrentWriteError
 from andrea_core.run.rundir import FORKS, LOCK, LOSS_LOG, RunDir
 from andrea_core.train.trainer import Trainer
+from tests.tiny import tiny_config as tiny_config_file
 
 MiB = 2**20
 
@@ -245,7 +249,7 @@ def test_an_s3_checkpoint_is_read_in_two_gets_and_the_vectors_get_the_readers_ve
     one replaced between the two GETs is refused as not one version."""
     from test_checkpoint import EXPECTED, VECTORS
 
-    from andrea_core.checkpoint import CheckpointError, step_from_name
+    from andrea_core.checkpoint import CheckpointError
 
     run = RunDir(f"{s3_bucket}/vectors")
     call_s3 = run.fs._call_s3
@@ -762,3 +766,228 @@ def test_a_crashed_writers_mirror_is_removed_by_the_next_open_and_a_live_ones_ne
         for proc in (crashed, live, holder, older):
             if proc.poll() is None:
                 proc.kill()
+
+
+# --- issue 43.10 (review): a lying object store -------------------------------------------------------------
+
+
+class LyingStore(http.server.ThreadingHTTPServer):
+    """Answers every GET 206 "bytes 0-99/100" (or, for a suffix range, the same lie) with a 300 MiB body,
+    and counts what it managed to send."""
+
+    BODY = 300 * MiB
+
+    def __init__(self):
+        self.sent = 0
+        self.gets = 0
+        super().__init__(("127.0.0.1", 0), LyingHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class LyingHandler(http.server.BaseHTTPRequestHandler):
+    server: LyingStore
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.gets += 1
+        self.send_response(206)
+        self.send_header("Content-Range", "bytes 0-99/100")
+        self.send_header("Content-Length", str(LyingStore.BODY))
+        self.send_header("ETag", '"lie"')
+        self.end_headers()
+        chunk = b"\0" * MiB
+        try:
+            for _ in range(LyingStore.BODY // MiB):
+                self.wfile.write(chunk)
+                self.server.sent += len(chunk)
+        except OSError:  # the reader hung up: what it refused is not sent
+            pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def lying_store(monkeypatch):
+    server = LyingStore()
+    monkeypatch.setitem(fsspec.config.conf.setdefault("s3", {}), "endpoint_url", server.endpoint)
+    monkeypatch.setitem(fsspec.config.conf["s3"], "key", "k")
+    monkeypatch.setitem(fsspec.config.conf["s3"], "secret", "s")
+    monkeypatch.setitem(fsspec.config.conf["s3"], "skip_instance_cache", True)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_lying_store_is_read_no_further_than_the_bound(lying_store):
+    """read_bounded, read_tail and read_checkpoint each count the body as it arrives: the lie (100
+    bytes announced, 300 MiB sent) is refused after at most the bound and a chunk, not read whole."""
+    run = RunDir("s3://bucket/run")
+    with pytest.raises(OSError, match=r"s3://bucket/run/run.yaml: the store sent more than the 100 bytes"):
+        run.read_bounded("run.yaml")
+    with pytest.raises(OSError, match=r"s3://bucket/run/.loss.json: the store sent more than the 4096 bytes"):
+        run.read_tail(LOSS_LOG, 4096)
+    with pytest.raises(Exception, match=r"step_000100.bin.*the store sent more than the 8 bytes"):
+        run.read_checkpoint(100)
+    assert lying_store.gets == 3
+    # What the server pushed before the reader hung up is what the sockets' buffers took: far from the
+    # 3 x 300 MiB the old reader took in (and held: 675 MiB peak RSS for one read).
+    assert lying_store.sent < 3 * 64 * MiB, lying_store.sent
+
+
+# --- issue 43.7 (review): the loss log's mirror in a cache shared by two pid namespaces ---------------------
+
+
+def test_a_mirror_of_another_writer_with_our_pid_is_never_truncated(tmp_path, monkeypatch):
+    """Two processes with one pid (two pid namespaces) sharing one cache folder: the mirror `NAME.<pid>`
+    of the one that opened first is its own, held under its flock; the second opens its own beside it
+    and never truncates the first's (opened with O_TRUNC, it lost the first's unpublished tail)."""
+    import fcntl
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    run = RunDir(f"memory://{tmp_path.name}/run")
+    run.makedirs()
+    theirs = run.cache_path(f"{LOSS_LOG}.{os.getpid()}")
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b'{"step": 1, "unpublished": "theirs"}\n')
+    with open(theirs, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # its writer lives (in its own pid namespace)
+        writer = LossWriter(run, warn=lambda m: None)
+        writer.log(1, 2.0, 1e-3, "a", 8, 0.0)
+        writer.flush()
+        assert theirs.read_bytes() == b'{"step": 1, "unpublished": "theirs"}\n'
+        assert writer._file.path != theirs and writer._file.path.name == f"{LOSS_LOG}.{os.getpid()}.1"
+        writer.close()
+    assert theirs.exists() and not writer._file.path.exists()
+    assert b'"loss":2.0' in run.read_bytes(LOSS_LOG)
+
+
+# --- issue 14.1 (review): a conditional put whose reply is lost ---------------------------------------------
+
+
+def drop_first_reply(fs, monkeypatch, which, method: str = "put_object") -> list[str]:
+    """Make the store commit a put whose reply never arrives, then receive the SDK's identical retry:
+    for the `method` calls (put_object, or the complete of a multipart upload) `which` picks, the real
+    request is sent twice and the caller sees only the second answer (on S3, a 412 for a conditional
+    put). Returns what each retry answered."""
+    real = fs._call_s3
+    answers: list[str] = []
+
+    async def call_s3(called, *args, **kwargs):
+        if called == method and which(kwargs):
+            await real(called, *args, **kwargs)  # committed; the reply is lost on the way back
+            try:
+                r = await real(called, *args, **kwargs)
+            except Exception as e:
+                answers.append(type(e.__cause__ or e).__name__ + ": " + str(e))
+                raise
+            answers.append("ok")
+            return r
+        return await real(called, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", call_s3)
+    return answers
+
+
+def test_a_loss_log_put_whose_reply_is_lost_stops_no_checkpoint(tmp_path, s3_bucket, monkeypatch):
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_run_config(tiny_config_file(tmp_path, train__checkpoint_every=10, retention__keep_last=None))
+    url = f"{s3_bucket}/run"
+    puts = []
+    # The trainer holds the lease: its publishes are fenced multipart uploads (objstore.s3_put), whose
+    # complete carries the condition (If-Match).
+    answers = drop_first_reply(
+        RunDir(url).fs,
+        monkeypatch,
+        lambda kw: kw["Key"].endswith("/.loss.json") and len(puts.append(kw) or puts) == 2,
+        method="complete_multipart_upload",
+    )
+    logged: list[str] = []
+    result = Trainer(url, cfg, max_steps=60, device="cpu", log=logged.append).train()
+    # The retry of the complete that had committed: the store answers it as done (a complete is
+    # idempotent), or refuses its condition (412), which s3_put resolves by reading back its own bytes.
+    assert len(answers) == 1 and (
+        answers[0] == "ok" or "pre-conditions you specified did not hold" in answers[0]
+    ), answers
+    text = "\n".join(logged)
+    assert "NOT written" not in text, text
+    assert result.reason == "completed" and result.step == 60
+    run = RunDir(url)
+    assert len(puts) >= 6  # one publish per checkpoint at least, every one after the lost reply accepted
+    assert run.checkpoint_steps() == [10, 20, 30, 40, 50, 60]
+    from andrea_core.run.loss_log import read_history
+
+    assert [e.step for e in read_history(run)] == list(range(1, 61))
+
+
+def test_a_publish_that_committed_but_failed_is_adopted_at_the_next(tmp_path, s3_bucket, monkeypatch):
+    """The put reached the store, then the call failed anyway (retries exhausted on a lost reply): the
+    next publish finds the store holding this writer's own earlier bytes and goes on from them."""
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(tmp_path / "cache"))
+    from andrea_core.run.objstore import ConcurrentWriteError
+    from andrea_core.run.rundir import LOSS_LOG
+
+    run = RunDir(f"{s3_bucket}/run")
+    f = run.open_append(LOSS_LOG)
+    f.write(b"one\n", durable=True)
+    real = run.fs._call_s3
+
+    async def committed_then_failed(method, *args, **kwargs):
+        r = await real(method, *args, **kwargs)
+        if method == "put_object":
+            raise OSError(104, "Connection reset by peer")
+        return r
+
+    monkeypatch.setattr(run.fs, "_call_s3", committed_then_failed)
+    with pytest.raises(OSError, match="reset"):
+        f.write(b"two\n", durable=True)
+    monkeypatch.setattr(run.fs, "_call_s3", real)
+    assert run.read_bytes(LOSS_LOG) == b"one\ntwo\n"
+    f.write(b"three\n", durable=True)
+    assert run.read_bytes(LOSS_LOG) == b"one\ntwo\nthree\n"
+    f.close()
+    # A true foreign write is still refused, and nothing of it is lost.
+    g = run.open_append(LOSS_LOG)
+    run.write_atomic(LOSS_LOG, b"someone else's\n")
+    g.write(b"four\n")
+    with pytest.raises(ConcurrentWriteError, match="changed since this process read it"):
+        g.publish()
+    assert run.read_bytes(LOSS_LOG) == b"someone else's\n"
+
+
+# --- issue 18.2 (review): every pending multipart upload is aborted, not the first page ---------------------
+
+
+@pytest.fixture(scope="module")
+def paged_s3_server():
+    import sys
+    from pathlib import Path
+
+    from s3_server import start_s3_server
+
+    server = start_s3_server(server=[sys.executable, str(Path(__file__).with_name("moto_paged.py"))])
+    yield server
+    server.stop()
+
+
+def test_abort_uploads_pages_through_a_truncated_listing(paged_s3_server):
+    import fsspec.asyn
+
+    from andrea_core.run import objstore
+
+    fs = paged_s3_server.client()
+    fs.mkdir("paged")
+    keys = [f"run/step_{s:06d}.bin" for s in (100, 200, 300)] * 2 + ["run-other/step_000100.bin"]
+    for key in keys:
+        fs.call_s3("create_multipart_upload", Bucket="paged", Key=key)
+    first = fs.call_s3("list_multipart_uploads", Bucket="paged", Prefix="run/")
+    assert first["IsTruncated"] and len(first["Uploads"]) == 2  # the server pages at 2
+    logged: list[str] = []
+    aborted = fsspec.asyn.sync(fs.loop, objstore.s3_abort_uploads, fs, "paged/run", logged.append)
+    assert sorted(aborted) == sorted(keys[:6]) and len(logged) == 6
+    left = fs.call_s3("list_multipart_uploads", Bucket="paged")
+    assert [u["Key"] for u in left.get("Uploads", [])] == ["run-other/step_000100.bin"]
