@@ -9,12 +9,15 @@ import signal
 
 import numpy as np
 import pytest
+import torch
+import yaml
 from conftest import TINY, andrea, last_logged_step, lock_released, start_trainer, wait_for
+from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name, encode
 from andrea_core.config import load_run_config
 from andrea_core.run.loss_log import read_history
-from andrea_core.run.rundir import LOSS_LOG, RunDir
+from andrea_core.run.rundir import LOSS_LOG, RUN_YAML, RunDir
 from andrea_core.train.trainer import Trainer
 
 PACE = "0.03"  # seconds per step: slow enough to land signals mid-run, 300 steps in ~10 s
@@ -151,3 +154,27 @@ def test_sigint_mid_run_is_sigterm(tmp_path):
     assert stopped % 100 != 0 and RunDir(str(run)).checkpoint_steps() == [stopped]
     assert f"andrea: SIGINT: stopped at step {stopped}, checkpoint {name}" in log.read_text()
     assert RunDir(str(run)).read_checkpoint(stopped).step == stopped and lock_released(run)
+
+
+# --- a promise of the README and docs/design.md no test held the code to: the resume warnings for
+# another environment
+
+
+def test_a_resume_in_another_environment_warns_naming_the_difference(tmp_path):
+    """Another torch version (as on another machine), and a frozen thread count above this machine's
+    cores: the run trains on, with a warning for each."""
+    threads = (os.cpu_count() or 1) + 1
+    run = tmp_path / "run"
+    andrea("train", "--config", tiny_config(tmp_path, train__num_threads=threads), "--run-dir", str(run),
+           "--max-steps", "4")  # fmt: skip
+    record = yaml.safe_load((run / RUN_YAML).read_text())
+    record["environment"]["torch"] = "2.12.0+cpu"
+    (run / RUN_YAML).write_text(yaml.safe_dump(record, sort_keys=False))
+
+    out = andrea("train", "--run-dir", str(run), "--max-steps", "8").stdout
+    assert (
+        f"warning: torch is {torch.__version__!r} here but the run was created with '2.12.0+cpu': resumed "
+        "CPU results will match the original only to rounding, not bit for bit"
+    ) in out
+    assert f"warning: num_threads {threads} exceeds this machine's {os.cpu_count()} cores" in out
+    assert RunDir(str(run)).checkpoint_steps() == [4, 8]

@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.ops.supervise import (
@@ -225,3 +226,27 @@ def test_a_forged_request_in_the_human_log_is_never_read_as_progress_or_an_error
     assert trainer.total == 100_000 and trainer.loss is not None and trainer.loss > 0.01
     assert outcome.reason == "SIGTERM" and outcome.ok and outcome.step == real
     assert outcome.checkpoint == checkpoint_name(real) and outcome.detail == ""
+
+
+# --- a promise of the README and docs/design.md no test held the code to: the GPU slot a device
+# string maps to
+
+
+def test_gpu_slot_names_auto_and_explicit():
+    assert gpu_slot_name("test-gpu", "cpu") == "test-gpu"  # an explicit name, as given
+    assert gpu_slot_name(None, "cuda:1") is None and gpu_slot_name("", "cpu") is None
+    assert gpu_slot_name("auto", "cpu") is None  # the CPU holds no GPU slot
+    if not torch.cuda.is_available():
+        assert gpu_slot_name("auto", "auto") is None
+        return
+    assert gpu_slot_name("auto", "auto") == f"gpu-{torch.cuda.current_device()}"
+    assert gpu_slot_name("auto", "cuda") == f"gpu-{torch.cuda.current_device()}"
+    for i in range(torch.cuda.device_count()):
+        assert gpu_slot_name("auto", f"cuda:{i}") == f"gpu-{i}"
+
+
+def test_auto_maps_a_cuda_device_string_to_its_gpu_slot(monkeypatch):
+    """On a machine without CUDA, the mapping of "cuda:N" strings alone (no device is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_slot_name("auto", "cuda:0") == "gpu-0"
+    assert gpu_slot_name("auto", "cuda:3") == "gpu-3"
