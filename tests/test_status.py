@@ -220,3 +220,23 @@ def test_status_says_remote_for_a_lock_of_another_host_and_names_a_newer_checkpo
     finally:
         holder.kill()
         holder.wait()
+
+
+# --- a small friction a new user met (issue 26.6): a reader that goes away
+
+
+def test_a_reader_gone_ends_the_command_quietly(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    create_run(run, load_run_config(tiny_config(tmp_path)))
+    # `andrea status RUN ... | head -c 100`: far more output than a pipe holds, the reader gone early.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "andrea_core", "status", *[run.url] * 200],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert proc.stdout.read(100).startswith(run.url.encode())
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert (proc.wait(timeout=120), stderr) == (128 + 13, b"")  # as if ended by SIGPIPE, no traceback
