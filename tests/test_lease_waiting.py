@@ -157,11 +157,12 @@ class FailingWrites:
     store refusing puts does to the renewal); reads work."""
 
     def __init__(self, run: RunDir, error: OSError):
-        self.failing, self.error = True, error
+        self.failing, self.error, self.failed = True, error, 0
         self.replace = run.replace_if_unchanged
 
     def __call__(self, name, data, expect):
         if self.failing:
+            self.failed += 1
             raise self.error
         return self.replace(name, data, expect)
 
@@ -180,7 +181,8 @@ def test_a_renewal_that_fails_refuses_publishes_but_never_loses_the_lease(tmp_pa
     try:
         writes = FailingWrites(run, error)
         monkeypatch.setattr(run, "replace_if_unchanged", writes)
-        time.sleep(1.5)  # several renewals fail, past ttl - renew
+        # Several renewals fail (5, 0.2 s apart), past ttl - renew (0.4 s) since the last that went through.
+        wait_for(lambda: writes.failed >= 5, 30, "five failed renewals")
         assert lease.lost is None
         unconfirmed = r"not writing sidecar.json: the lease on .* not been renewed"
         with pytest.raises(LeaseUnconfirmed, match=unconfirmed):
