@@ -28,7 +28,7 @@ from andrea_core.run.loss_log import read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.retention import apply_retention
 from andrea_core.run.rundir import FORKS, LOSS_LOG, POLICY_YAML, RUN_YAML, RunDir
-from tests.conftest import REPO, TINY, _env, andrea, library_run, refused
+from tests.conftest import REPO, TINY, _env, andrea, library_run, refused, wait_for
 
 NAMES = ["a", "a.r1", "a.r2", "b", "b.r1", "b.r2"]
 
@@ -297,14 +297,12 @@ def test_a_fork_waits_out_the_retention_pass_under_way_and_says_when_it_lost_the
             target=lambda: result.append(fork(run.url, [BranchSpec("a")], 200, logs.append))
         )
         forking.start()
-        deadline = time.monotonic() + 30
-        while not logs and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: logs, 30, "the fork to say it waits")
         assert logs == [
             f"{run.url}: waiting for trainer pid {os.getpid()}'s next checkpoint: a retention pass under way "
             "when the fork was recorded may still delete step_000200.bin (at most 600s)"
         ]
-        time.sleep(0.5)
+        forking.join(0.5)  # a fork that (wrongly) stopped waiting ends here at once
         assert forking.is_alive()  # still waiting: the pass is not known to be over
         for step in under_way.delete:  # the pass ends as it planned, before the line
             run.remove(checkpoint_name(step))
