@@ -81,8 +81,11 @@ LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitr
 # The relay's (tests/s3_relay.py, issue 48 item 3): storage slow, throttled, hung, partitioned from the
 # holder's host, and a CompleteMultipartUpload applied with its reply lost.
 STORAGE = ["s3-slow", "s3-503", "s3-hang", "s3-partition", "lost-complete"]
+# The machine's (issue 48, items 4-5): the wall clock stepped and a suspend (bench/clockshim.c in every
+# process of a host), the kernel's OOM killer in a memory cgroup (tests/memcg.py), a full cache folder.
+SYSTEM = ["clock-step", "suspend", "oom-trainer", "cache-full"]
 KINDS = {
-    "local": [*COMMON, "disk-full", *LAYER, "bitflip"],
+    "local": [*COMMON, "disk-full", *LAYER, "bitflip", *SYSTEM],
     "s3": [*COMMON, "s3-deny", "s3-lost-reply", *STORAGE],
 }
 # Drawn only when named in --kinds: a known, open product defect (the checkpoint format has no checksum,
@@ -177,8 +180,50 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
         elif kind == "fork":
             f["kill"] = rng.choice(["checkpoint", "random", None])
             f["kill_s"] = round(rng.uniform(0.2, 3.0), 2)
+        f.update(draw_system(rng, kind))
         out.append(f)
     return out
+
+
+def draw_system(rng: random.Random, kind: str) -> dict:
+    """The SYSTEM kinds' parameters (nothing drawn for the others: their schedules stay as they were)."""
+    if kind == "clock-step":  # back or forward, by half a minute (inside status's window) up to a day
+        return {"shift_s": rng.choice([-1, 1]) * rng.choice([30, 600, 86400]), "waiter": rng.random() < 0.5}
+    if kind == "suspend":  # longer than the ttl; at a random moment or as a checkpoint's step is logged
+        return {
+            "stop_s": round(rng.uniform(TTL_S + 2.0, 3 * TTL_S + 2.0), 2),
+            "at": rng.choice(["random", "ckpt"]),
+        }
+    if kind == "oom-trainer":
+        return {"after_s": round(rng.uniform(0.0, 4.0), 2)}
+    if kind == "cache-full":
+        return {"leave": rng.choice([0, 64 * 1024])}
+    return {}
+
+
+def system_unavailable() -> dict[str, str]:
+    """The SYSTEM kinds that cannot run here, and why: the clocks need a C compiler (the shim), an OOM
+    kill a memory cgroup (root)."""
+    import shutil as _shutil
+
+    from memcg import unavailable
+
+    out = {}
+    if not _shutil.which("cc"):
+        out.update(dict.fromkeys(["clock-step", "suspend"], "no C compiler (cc) for bench/clockshim.c"))
+    if why := unavailable():
+        out["oom-trainer"] = why
+    return out
+
+
+def system_missing(kinds: list[str] | None, ap: argparse.ArgumentParser) -> None:
+    """Leave out the SYSTEM kinds that cannot run here (saying so); refuse them when named in --kinds."""
+    missing = system_unavailable()
+    for kind, why in missing.items():
+        print(f"soak: {kind} is not drawn: {why}")
+    KINDS["local"] = [k for k in KINDS["local"] if k not in missing]
+    if kinds and set(kinds) & set(missing):
+        ap.error(f"--kinds: {sorted(set(kinds) & set(missing))} cannot run here ({missing})")
 
 
 # --- stores ------------------------------------------------------------------------------------------
@@ -520,6 +565,7 @@ class Soak:
             ANDREA_LEASE_TTL_S=str(TTL_S),
             ANDREA_TEST_HOST=host or self.host,
         )
+        env.update(self._clock_env(host or self.host))
         env.pop("ANDREA_TEST_PIVOT_KILL_AFTER", None)
         env.pop("ANDREA_TEST_FORK_KILL_AFTER", None)
         env.update(extra)
@@ -1455,6 +1501,288 @@ class Soak:
             if self.trainer.popen.poll() is None:
                 self.violate("5", f"a refused second trainer changed the lock: {before} -> {after}")
 
+    # --- the machine's faults (issue 48, items 4-5) ----------------------------------------------
+
+    def _system_setup(self, schedule: list[dict]) -> None:
+        """What the SYSTEM kinds drawn need, before anything starts: the clock shim built and a clock
+        file for each host (all offsets 0), the cache folder a tmpfs of its own."""
+        kinds = {f["kind"] for f in schedule}
+        self.clocks: dict[str, Path] = {}
+        self.cache_mounted = False
+        if kinds & {"clock-step", "suspend"}:
+            shim = self.work / "clockshim.so"
+            subprocess.run(
+                [
+                    "cc",
+                    "-O2",
+                    "-shared",
+                    "-fPIC",
+                    "-o",
+                    str(shim),
+                    str(REPO / "bench" / "clockshim.c"),
+                    "-ldl",
+                ],
+                check=True,
+            )
+            self.shim = shim
+            for host in HOSTS:
+                self.clocks[host] = self.work / f"clock-{host}"
+                self.clocks[host].write_bytes(struct.pack("=qq", 0, 0))
+        if "cache-full" in kinds:
+            self.cache.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024m", "tmpfs", str(self.cache)], check=True)
+            self.cache_mounted = True
+
+    def _system_close(self) -> None:
+        if getattr(self, "cache_mounted", False):
+            subprocess.run(["umount", "-l", str(self.cache)], check=False)
+            self.cache_mounted = False
+
+    def _clock_env(self, host: str) -> dict[str, str]:
+        """A process of `host` reads that machine's clocks (bench/clockshim.c), when clock kinds are drawn."""
+        if host not in getattr(self, "clocks", {}):  # the reference's machine ("soak-ref") keeps time
+            return {}
+        return {"LD_PRELOAD": str(self.shim), "ANDREA_SOAK_CLOCK_FILE": str(self.clocks[host])}
+
+    def _shift_clock(self, host: str, wall: float = 0.0, mono: float = 0.0) -> tuple[float, float]:
+        """Step `host`'s wall clock by `wall` s, its monotonic clock by `mono`: its offsets after."""
+        path = self.clocks[host]
+        w, m = struct.unpack("=qq", path.read_bytes())
+        w, m = w + round(wall * 1e9), m + round(mono * 1e9)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, struct.pack("=qq", w, m), 0)  # in place: the processes map these 16 bytes
+        finally:
+            os.close(fd)
+        return w / 1e9, m / 1e9
+
+    def _clock_seen(self, p: Proc, since: float) -> float | None:
+        """How far `p`'s wall clock is from ours: its first log line stamped after `since`, against when
+        it was read (to a second: the stamp's resolution)."""
+        import calendar
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for t, line in list(p.lines):
+                m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)Z ", line)
+                if t >= since and m:
+                    return calendar.timegm(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) - t
+            if p.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        return None
+
+    def f_clock_step(self, f: dict) -> None:
+        """The holder's machine's wall clock stepped back or forward (NTP, `date -s`), with a trainer of
+        the other machine watching the lease or not: the lease is neither lost nor taken over, the next
+        checkpoint is written, and `andrea status` on the stepped machine gives the speed the trainer
+        trains at (its loss log's times jump with the clock)."""
+        holder, host, d = self.trainer, self.host, self.did["clock-step"]
+        g0 = (self.lock() or {}).get("generation")
+        w = self._waiter(2 * TTL_S) if f["waiter"] else None
+        stepped = time.time()
+        offset, _ = self._shift_clock(host, wall=f["shift_s"])
+        d["stepped back" if f["shift_s"] < 0 else "stepped forward"] += 1
+        self._checkpoint_after(holder, f"a wall-clock step of {f['shift_s']:+g}s")
+        seen = self._clock_seen(holder, stepped + 0.5)
+        if seen is not None and abs(seen - offset) <= 2.5:
+            d["trainer's clock seen stepped"] += 1
+        else:
+            self.violate("7", f"the trainer's log stamps are {seen}s from ours, its clock offset {offset:g}s")
+        # Its lease renewals (every RENEW_S) stamped by the stepped clock: the newest within 10 s.
+        deadline, off_by = time.monotonic() + 10, None
+        while time.monotonic() < deadline and holder.popen.poll() is None:
+            lock = self.lock() or {}
+            off_by = (lock.get("renewed_at") or 0) - time.time() - offset
+            if abs(off_by) < 5:
+                d["lease renewals stamped by the stepped clock"] += 1
+                break
+            time.sleep(0.2)
+        else:
+            self.violate(
+                "7", f"the holder's lease renewals are {off_by}s off its stepped clock ({offset:g}s)"
+            )
+        lock = self.lock() or {}
+        if lock.get("generation") != g0 and holder.popen.poll() is None:
+            self.violate(
+                "5", f"a wall-clock step changed the lock's generation {g0} -> {lock.get('generation')}"
+            )
+        if w is not None:
+            if w.first(r"taking over the stale lock"):
+                self.violate(
+                    "5", f"a wall-clock step of the holder's machine let another take over:\n{w.tail()}"
+                )
+            self._stop_waiter(w)
+            d["waiter saw the lease renewed"] += 1
+        if holder.popen.poll() is not None:
+            return
+
+        # (10) status's speed on the stepped machine, once ten steps are logged since the step, against
+        # the rate the soak saw them at (its own clock): given, and within x3.
+        def since_step() -> list[float]:
+            return [
+                t for t, line in list(holder.lines) if t > stepped + 0.5 and re.search(r"step \d+/", line)
+            ]
+
+        deadline = time.monotonic() + 120
+        while len(since_step()) < 10 and holder.popen.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        steps = since_step()
+        if len(steps) < 10:
+            d["status not asked (the trainer ended)"] += 1
+            return
+        rc, out = self.tool("status", ["status", self.store.run_url])
+        m = re.search(r"speed\s+[\d,]+ tokens/s, ([\d.]+) steps/s", out)
+        truth = (len(steps) - 1) / max(steps[-1] - steps[0], 1e-3)
+        if rc != 0 or m is None:
+            self.violate(
+                "10",
+                f"after a clock step of {f['shift_s']:+g}s and {len(steps)} steps since, status gave no "
+                f"speed (the trainer ran {truth:.2f} steps/s):\n{out[-2000:]}",
+            )
+            return
+        said = float(m.group(1))
+        ratio = round(said / truth, 2)
+        d["status's speed / the true one (max)"] = max(d.get("status's speed / the true one (max)", 0), ratio)
+        if not 1 / 3 <= ratio <= 3:
+            self.violate(
+                "10",
+                f"after a clock step of {f['shift_s']:+g}s status said {said} steps/s, "
+                f"the trainer ran {truth:.2f}:\n{out[-2000:]}",
+            )
+
+    def f_suspend(self, f: dict) -> None:
+        """The holder's machine suspended longer than the ttl (its monotonic clock stops, CLOCK_BOOTTIME
+        and the wall clock run on: SIGSTOP, then its host's monotonic offset moved back by the time
+        stopped), aimed at a random moment or a checkpoint's writes, while a trainer of the other
+        machine watches: that one takes over; the woken holder publishes nothing and exits 2."""
+        holder, host, d = self.trainer, self.host, self.did["suspend"]
+        g0 = (self.lock() or {}).get("generation")
+        w = self._waiter(4 * TTL_S + f["stop_s"] + 30)
+        if f["at"] == "ckpt":
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and holder.popen.poll() is None:
+                s = holder.step()
+                if s and s % self.every == 0 and holder.first(rf"step {s}/", time.time() - 0.05):
+                    break
+                time.sleep(0.002)
+        stopped = time.time()
+        holder.signal(signal.SIGSTOP)
+        holder.expect_exit = True
+        took, present = None, set()
+        deadline = time.monotonic() + max(f["stop_s"], TAKEOVER_BOUND)
+        while time.monotonic() < deadline and w.popen.poll() is None:
+            took = w.first(r"taking over the stale lock")
+            if took:
+                break
+            listed = set(self.checkpoints())
+            if (self.lock() or {}).get("generation") == g0:
+                present = listed
+            time.sleep(0.02)
+        time.sleep(max(0.0, f["stop_s"] - (time.time() - stopped)))
+        asleep = time.time() - stopped
+        self._shift_clock(host, mono=-asleep)  # the wake: its monotonic clock did not count the sleep
+        holder.signal(signal.SIGCONT)
+        d["suspends"] += 1
+        d["seconds the monotonic clock stopped"] += asleep
+        if took is None:
+            self.violate("7", f"a holder suspended {asleep:.1f}s was not taken over:\n{w.tail()}")
+            w.expect_exit = True
+            w.signal(signal.SIGKILL)
+            w.wait(30)
+            holder.expect_exit = holder.popen.poll() is not None
+            return
+        d["taken over"] += 1
+        self._lost_holder(holder, w, took, present, f"a suspend of {asleep:.1f}s")
+        if holder.popen.returncode == 2:
+            d["woken holder exited 2"] += 1
+
+    def f_oom_trainer(self, f: dict) -> None:
+        """The trainer, started by the product's supervisor (supervise.TrainerProcess, as the Prefect
+        task starts it) in a memory cgroup, killed there by the kernel's OOM killer: the supervisor's
+        error names it, status says it is not training, and the next trainer resumes."""
+        from memcg import MemoryGroup
+
+        d = self.did["oom-trainer"]
+        rc = self.stop_trainer(signal.SIGTERM)
+        if rc != 0:
+            self.violate("7", f"SIGTERM before the OOM fault: exit {rc}:\n{self.trainer.tail()}")
+        with MemoryGroup(f"soak-{self.fault_i}") as group:
+            code = (
+                "import sys; from andrea_core.ops.supervise import TrainerProcess\n"
+                "open(sys.argv[2], 'w').write(sys.argv[3])\n"  # born in the group, its trainer too
+                "open('/proc/self/oom_score_adj', 'w').write('-500')\n"  # the trainer is the one killed
+                "t = TrainerProcess(sys.argv[1], device='cpu', max_steps=int(sys.argv[4])).start()\n"
+                "for line in t.lines(): print(line, flush=True)\n"
+                "print('OUTCOME: ' + t.outcome().describe(), flush=True)\n"
+            )
+            argv = [
+                PYTHON,
+                "-c",
+                code,
+                self.store.run_url,
+                str(group.path / "cgroup.procs"),
+                "0",
+                str(self.big),
+            ]
+            popen = subprocess.Popen(
+                ["nice", "-n", str(self.args.nice), *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=self.env(), cwd=REPO, start_new_session=True,
+            )  # fmt: skip
+            sup = Proc(popen, "trainer", self.host)
+            self.procs.append(sup)
+            self.trainer = sup
+            if not self.wait_training(sup):
+                return
+            time.sleep(f["after_s"])
+            pid = (self.lock() or {}).get("pid")
+            if not isinstance(pid, int) or pid not in group.pids():
+                self.violate("7", f"the supervised trainer (pid {pid}) is not in its group {group.pids()}")
+                return
+            killed = group.oom_kill(pid)
+            sup.expect_exit = True
+            rc = sup.wait(TERM_BOUND)
+            said = next((line for _, line in sup.lines if line.startswith("OUTCOME: ")), "")
+        if not killed:
+            self.violate("7", f"the kernel did not kill the trainer in its memory cgroup:\n{sup.tail()}")
+            return
+        d["killed by the kernel"] += 1
+        if "killed by the kernel: out of memory" in said:
+            d["supervisor said out of memory"] += 1
+        else:
+            self.violate("7", f"an OOM-killed trainer's supervisor said: {said or sup.tail()}")
+        if rc != 0:
+            self.violate("7", f"the supervisor exited {rc}:\n{sup.tail()}")
+        st, _ = self.tool("status", ["status", self.store.run_url])
+        if st == 0:
+            self._status_truth(self.procs[-1], alive=False)
+
+    def f_cache_full(self, f: dict) -> None:
+        """The cache folder (token shards; a tmpfs of its own) full, not a byte or 64 kB left, while a
+        trainer is killed and another starts: it resumes and trains; status answers."""
+        from full import fill
+
+        d = self.did["cache-full"]
+        filler = fill(self.cache, f["leave"], prefix=".soak-filler-")
+        try:
+            d["cache filled"] += 1
+            self.stop_trainer(signal.SIGKILL)
+            self.trainer = self.start_trainer()
+            if self.wait_training(self.trainer):
+                n = self.trainer.step()
+                self.wait_steps(3)
+                d["resumed and trained on a full cache"] += self.trainer.step() >= n + 3
+            else:
+                self.violate("7", f"a trainer did not start with the cache full:\n{self.trainer.tail()}")
+                self.trainer.expect_exit = True
+            rc, out = self.tool("status", ["status", self.store.run_url])
+            if rc == 0:
+                self._status_truth(self.procs[-1], alive=self.trainer.popen.poll() is None or None)
+            else:
+                self.violate("7", f"andrea status on a full cache exited {rc}:\n{out[-2000:]}")
+        finally:
+            filler.unlink(missing_ok=True)
+
     # --- the soak --------------------------------------------------------------------------------
 
     def prepare(self) -> None:
@@ -1496,6 +1824,7 @@ class Soak:
         return snap
 
     def run(self, schedule: list[dict]) -> None:
+        self._system_setup(schedule)
         self.prepare()
         watched = self.outside()
         self.trainer = self.start_trainer(first=True)
@@ -1852,6 +2181,7 @@ class Soak:
                 p.signal(signal.SIGCONT)
                 p.signal(signal.SIGKILL)
                 p.wait(30)
+        self._system_close()
         self.store.close()
 
 
@@ -1936,6 +2266,8 @@ def main() -> int:
         KINDS["local"] = [k for k in KINDS["local"] if k not in LAYER and k not in OPT_IN]
         if kinds and set(kinds) & {*LAYER, *OPT_IN}:
             ap.error(f"--kinds: {sorted(set(kinds) & {*LAYER, *OPT_IN})} need the power-cut layer (FUSE)")
+    if args.store == "local":
+        system_missing(kinds, ap)
     unknown = sorted(set(kinds or []) - set(KINDS[args.store]))
     if unknown:
         ap.error(
@@ -1980,7 +2312,7 @@ def main() -> int:
         print(f"{kind:18s} {c['injected']:8d} {c['survived']:8d} {soak.wall[kind]:8.1f}  {v or '-'}")
     if soak.did:
         print("what the faults did (bench/powercut.py, tests/s3_relay.py; summed over each kind's faults):")
-        for kind in [*LAYER, *OPT_IN, *STORAGE]:
+        for kind in [*LAYER, *OPT_IN, *STORAGE, *SYSTEM]:
             if soak.did.get(kind):
                 print(
                     f"  {kind}: "

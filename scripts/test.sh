@@ -21,7 +21,8 @@ export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}" PREFECT_SERVER_ANALYTICS_EN
 mkdir -p "$PREFECT_HOME"
 # Programs some tests need, from Debian's packages where missing, once: the Prefect UI test drives a
 # headless Chromium, the systemd unit test runs systemd-analyze, the pid-namespace lock test unshare(1),
-# the soak's power-cut layer (bench/powercut.py, tests/test_powercut.py) FUSE through libfuse2.
+# the soak's power-cut layer (bench/powercut.py, tests/test_powercut.py) FUSE through libfuse2, its clock
+# faults (bench/clockshim.c, an LD_PRELOAD library) a C compiler.
 # A test whose program is still missing is skipped, and named with its reason in the banner pytest prints
 # at the end (tests/conftest.py); a tmpfs for the full-disk tests needs CAP_SYS_ADMIN, which no package
 # gives.
@@ -30,6 +31,7 @@ command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v unshare >/dev/null 2>&1 || missing+=(util-linux)
 ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2 ' || missing+=(libfuse2)
+command -v cc >/dev/null 2>&1 || missing+=(gcc)  # the soak's clock shim (bench/clockshim.c)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test: installing ${missing[*]} for the tests that need them"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

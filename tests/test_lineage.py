@@ -65,3 +65,19 @@ def test_lineage_shows_a_branchs_config_changes(tmp_path, capsys):
     (b,) = fork(url, [BranchSpec("b", {"train.lr": 1e-3})])
     assert cli.main(["lineage", url]) == 0
     assert f"{b}  train.lr=0.001  newest checkpoint step_000100.bin" in capsys.readouterr().out
+
+
+def test_a_fork_is_placed_in_its_phase_by_step_whatever_the_wall_clock_said():
+    """forks.jsonl's and phase.json's times are wall clocks (issue 48, clocks): a fork made in phase 2
+    after the clock was stepped back an hour has a time before phase 1 closed, and was listed under
+    phase 1. The step decides; the time only at the boundary step, which either phase can hold."""
+    from andrea_core.run.lineage import Fork, Phase, _phase_of
+
+    def tree() -> list[Phase]:
+        return [Phase(1, 0, 200, "a", "phase-1", closed_at=10_000.0), Phase(2, 200, None, "b", None)]
+
+    assert _phase_of(tree(), Fork(260, 10_000.0 - 3600, [])).number == 2  # stepped back: still phase 2
+    assert _phase_of(tree(), Fork(120, 10_000.0 + 3600, [])).number == 1  # stepped forward: phase 1
+    assert _phase_of(tree(), Fork(200, 9_999.0, [])).number == 1  # at the boundary: before the close
+    assert _phase_of(tree(), Fork(200, 10_001.0, [])).number == 2  # after it
+    assert _phase_of(tree(), Fork(200, None, [])).number == 1

@@ -78,12 +78,14 @@ def soak(store: str, work: Path) -> None:
 
 
 def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
-    """bench/soak.py's kinds, each thrown in CI: here (KINDS), or on moto five storage kinds twice each
-    (tests/test_soak_storage.py). A kind added to the soak and to neither fails here."""
+    """bench/soak.py's kinds, each thrown in CI: here (KINDS), on moto five storage kinds twice each
+    (tests/test_soak_storage.py), or the machine's four once each (tests/test_soak_sys.py). A kind added
+    to the soak and to none of them fails here."""
     import soak as bench_soak
     from test_soak_storage import STORAGE
+    from test_soak_sys import SYSTEM
 
-    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {*COMMON, "disk-full", *LAYER}
+    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {*COMMON, "disk-full", *LAYER, *SYSTEM}
     assert set(bench_soak.KINDS["s3"]) == {*KINDS["s3"], *STORAGE}
     assert not set(KINDS["s3"]) & set(STORAGE), "each storage kind is thrown in one module"
 

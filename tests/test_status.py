@@ -171,6 +171,28 @@ def test_throughput_is_the_last_minute_of_the_newest_segment():
     assert throughput(old[:1]) is None
 
 
+def test_a_wall_clock_step_does_not_change_the_speed(tmp_path):
+    """`.loss.json`'s times are the trainer's wall clock (issue 48, clocks): stepped back 30 s mid-window
+    its last minute held 60 s of steps before the step and 5 after it in 35 s of clock (a speed 1.9x
+    too high, an ETA half as long); stepped back an hour its last entry was older than the rest (no
+    speed at all). Measured after the step only, as read_recent reads the log from its end; a step
+    forward leaves a gap outside the window."""
+    from andrea_core.run.loss_log import read_recent
+
+    before = [entry(s, 5000.0 + s) for s in range(1, 101)]  # a step a second up to t = 5100
+    for shift in (-30.0, -3600.0, 3600.0):
+        after = [entry(100 + k, 5100.0 + shift + k) for k in range(1, 11)]
+        assert throughput(before + after) == pytest.approx((TOKENS_PER_STEP, 1.0)), shift
+        run = RunDir(str(tmp_path / f"run{shift:+.0f}"))
+        run.makedirs()
+        lines = [json.dumps({"step": e.step, "loss": 2.0, "segment": 1, "time": e.time, "tokens": 64}) + "\n"
+                 for e in before + after]  # fmt: skip
+        (tmp_path / f"run{shift:+.0f}" / ".loss.json").write_text("".join(lines))
+        got = read_recent(run, 60.0, chunk=64)
+        assert [e.step for e in got] == list(range(101, 111)), shift
+    assert throughput(before + [entry(101, 5100.0 - 30.0)]) is None  # one step since: no speed yet
+
+
 def test_a_live_trainer_silent_for_a_minute_shows_no_speed(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     create_run(run, load_run_config(tiny_config(tmp_path)))

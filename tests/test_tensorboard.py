@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from tiny import tiny_config
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
 from andrea_core.run.samples import read_audits
+from andrea_core.train.tensorboard import TensorBoardLog
 
 
 def accumulated(folder):
@@ -183,3 +185,20 @@ def test_andrea_tensorboard_0_writes_no_events(tmp_path):
     assert not (run_dir / "tensorboard").exists()
     assert [e.step for e in read_history(RunDir(str(run_dir)))] == list(range(1, 11))
     assert RunDir(str(run_dir)).checkpoint_steps() == [10]
+
+
+def test_a_segment_after_a_wall_clock_step_back_sorts_after_the_older_files(tmp_path):
+    """TensorBoard reads a folder's event files in name order, and a segment's START drops the older
+    segments' events from its step on only if it comes after them. Its file was named by the wall
+    clock: after a step back of an hour, the new segment's file sorted first (issue 48, clocks), and
+    TensorBoard kept the superseded tail instead. Now one past the newest file's time."""
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    (tmp_path / "run" / "tensorboard").mkdir()
+    ahead = int(time.time()) + 3600  # segment 1, logged before the clock went back an hour
+    old = f"events.out.tfevents.{ahead:010d}.andrea.segment0001"
+    (tmp_path / "run" / "tensorboard" / old).write_bytes(b"")
+    new = TensorBoardLog(run, 2, 11).name.split("/")[-1]
+    assert (
+        sorted([new, old]) == [old, new] and new == f"events.out.tfevents.{ahead + 1:010d}.andrea.segment0002"
+    )

@@ -87,8 +87,7 @@ def throughput(history: list[LossEntry], window_s: float = WINDOW_S) -> tuple[fl
     """(tokens/s, steps/s) over the last `window_s` seconds of the newest segment's logging."""
     if not history:
         return None
-    last = history[-1]
-    recent = [e for e in history if e.segment == last.segment and e.time >= last.time - window_s]
+    recent = recent_window(history, window_s)[0]
     if len(recent) < 2 or recent[-1].time <= recent[0].time:
         return None
     span = recent[-1].time - recent[0].time

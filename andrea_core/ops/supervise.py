@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name
 from andrea_core.command import trainer_command
 from andrea_core.config import REPO_ROOT
+from andrea_core.oom import OomWatch
 from andrea_core.poll import poll_until
 from andrea_core.run.lineage import phase_folder, phases
 from andrea_core.run.lock import (
@@ -143,6 +144,8 @@ class TrainerProcess:
         self._result: dict | None = None
         self._error: str | None = None
         self._events: EventReader | None = None
+        self._oom: OomWatch | None = None
+        self._oom_why: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -168,7 +171,15 @@ class TrainerProcess:
         except BaseException:
             self._close_events()
             raise
+        self._oom = OomWatch(self.proc.pid)
         return self
+
+    def _oom_said(self) -> str | None:
+        """Once it has exited: whether the kernel's OOM killer killed it or a process of its memory
+        cgroup (a torchrun rank) while it ran (andrea_core.oom), read once."""
+        if self._oom is not None:
+            self._oom_why, self._oom = self._oom.why(), None
+        return self._oom_why
 
     def _close_events(self) -> None:
         """Once the trainer has exited: what is left is read, the file removed."""
@@ -258,6 +269,8 @@ class TrainerProcess:
         assert self.proc is not None and self.proc.returncode is not None, "the trainer has not exited"
         self._close_events()
         rc, url, end = self.proc.returncode, self.run.url, self._result
+        oom = self._oom_said()  # read, and the kernel log closed, whatever the exit
+        oom = oom if rc != 0 else None
         reason = end.get("reason") if end is not None else None
         step = _whole(end.get("step"), None) if end is not None else None
         checkpoint = end.get("checkpoint") if end is not None else None
@@ -270,7 +283,10 @@ class TrainerProcess:
         elif reason in ("SIGTERM", "SIGINT"):  # stopped before its first step: no checkpoint
             return TrainerOutcome(url, rc, "stopped-before-first-step", self.step, None)
         elif rc < 0:
-            return TrainerOutcome(url, rc, "killed", self.step, None, f"signal {signal.Signals(-rc).name}")
+            signame = signal.Signals(-rc).name
+            return TrainerOutcome(
+                url, rc, "killed", self.step, None, f"signal {signame}, {oom}" if oom else f"signal {signame}"
+            )
         else:
             if self._error is not None:
                 detail = self._error
@@ -279,7 +295,8 @@ class TrainerProcess:
             else:
                 last = " | ".join(list(self.tail)[-3:]) or "none"
                 detail = f"it reported no result; its last output: {last}"
-            return TrainerOutcome(url, rc, "error", self.step, None, detail)
+            # A torchrun rank killed: the agent exits 1, and its own error says no more than -9.
+            return TrainerOutcome(url, rc, "error", self.step, None, f"{oom}; {detail}" if oom else detail)
         try:
             self.run.read_checkpoint(result.step)
         except CheckpointError as e:

@@ -162,14 +162,15 @@ def read_lineage(url: str, _seen: frozenset[str] = frozenset()) -> Lineage:
 
 
 def _phase_of(tree: list[Phase], fork: Fork) -> Phase:
-    """The phase a fork was made in: the first one that closed after it (a fork at a boundary step
-    can be either side of the pivot, so time decides where both are known), else by step."""
+    """The phase a fork was made in: the first one whose boundary step is past it. A fork at the
+    boundary step itself can be either side of the pivot: there the wall clock decides, where both
+    times are known (only there: a clock stepped back makes a later fork's time the earlier one)."""
     for phase in tree[:-1]:
-        if fork.time is not None and phase.closed_at is not None:
-            if fork.time < phase.closed_at:
-                return phase
-        elif phase.end is not None and fork.step <= phase.end:
+        if phase.end is None or fork.step < phase.end:
             return phase
+        if fork.step == phase.end:
+            if fork.time is None or phase.closed_at is None or fork.time < phase.closed_at:
+                return phase
     return tree[-1]
 
 

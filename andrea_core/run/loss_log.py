@@ -188,12 +188,18 @@ def recent_window(entries: list[LossEntry], window_s: float) -> tuple[list[LossE
     """The newest segment's entries of its last `window_s` seconds of logging, at the end of `entries`
     (a canonical history, or a log's lines in file order), and whether an entry before them is outside
     the window (an older segment's, or older than it): False when they may reach further back. Walked
-    from the end, at the cost of the window, not of a history of millions of steps."""
+    from the end, at the cost of the window, not of a history of millions of steps. The times are the
+    trainer's wall clock: the window also ends at a time later than the next one's (the clock stepped
+    back), whose entries before it are of another timeline (they would count their steps twice)."""
     if not entries:
         return [], False
     last = entries[-1]
     since, i = last.time - window_s, len(entries) - 1
-    while i >= 0 and entries[i].segment == last.segment and entries[i].time >= since:
+    while (
+        i >= 0
+        and entries[i].segment == last.segment
+        and since <= entries[i].time <= (entries[i + 1].time if i + 1 < len(entries) else last.time)
+    ):
         i -= 1
     return entries[i + 1 :], i >= 0
 

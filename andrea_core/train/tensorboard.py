@@ -23,6 +23,7 @@ ANDREA_TENSORBOARD=0 turns them off.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import threading
 import time
@@ -34,6 +35,7 @@ from andrea_core.run.rundir import RunDir
 from andrea_core.untrusted import markdown_code, markdown_text
 
 TENSORBOARD_DIR = "tensorboard"
+EVENT_FILE_RE = re.compile(r"events\.out\.tfevents\.(\d{1,12})\..*")
 ENV = "ANDREA_TENSORBOARD"
 
 
@@ -41,7 +43,7 @@ class TensorBoardLog:
     def __init__(self, run: RunDir, segment: int, first_step: int, log: Callable[[str], None] = print):
         self.run, self.log = run, log
         self.name = (
-            f"{TENSORBOARD_DIR}/events.out.tfevents.{int(time.time()):010d}.andrea.segment{segment:04d}"
+            f"{TENSORBOARD_DIR}/events.out.tfevents.{self._stamp(run):010d}.andrea.segment{segment:04d}"
         )
         self._pending: list[tuple] = []
         self._mutex = threading.Lock()  # a background audit adds its events from its own thread
@@ -58,6 +60,19 @@ class TensorBoardLog:
         self._pending.append(("start", first_step, time.time()))
         if first_step > 1:
             self._backfill(first_step)
+
+    @staticmethod
+    def _stamp(run: RunDir) -> int:
+        """The new file's name's time: now, or one past the newest file's when the wall clock was
+        stepped back since (TensorBoard reads a folder's files in name order, and a segment's START
+        must come after the older segments' events to drop their superseded tail)."""
+        now = int(time.time())
+        try:
+            names = run.listdir(TENSORBOARD_DIR)
+        except Exception:  # noqa: BLE001 (no folder yet; or none readable, which the flush will say)
+            return now
+        stamps = [int(m.group(1)) for n in names if (m := EVENT_FILE_RE.fullmatch(n))]
+        return max([now, *(t + 1 for t in stamps)])
 
     def _backfill(self, first_step: int) -> None:
         """The canonical history before `first_step` when this is the run's first event file."""
