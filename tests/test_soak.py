@@ -28,9 +28,13 @@ COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sig
 COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
 COMMON += ["second-trainer"]
 LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot"]
+# Features under chaos (issue 48 item 6), on both stores.
+FEATURES = ["guard-rollback"]
+FEATURES += ["pivot-remote"]
+FEATURES += ["data-change"]
 KINDS = {
-    "local": [*COMMON, "disk-full", *([] if NO_LAYER else LAYER)],
-    "s3": [*COMMON, "s3-deny", "s3-lost-reply"],
+    "local": [*COMMON, "disk-full", *([] if NO_LAYER else LAYER), *FEATURES],
+    "s3": [*COMMON, "s3-deny", "s3-lost-reply", *FEATURES],
 }
 
 
@@ -75,6 +79,26 @@ def soak(store: str, work: Path) -> None:
         assert row == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
     assert returncode == 0, out[-6000:]
+    features_did_what_they_claim(out)
+
+
+def features_did_what_they_claim(out: str) -> None:
+    """Each feature fault's own outcome (issue 48 item 6), from the soak's 'what the faults did' lines,
+    and (11): guard.jsonl holds the one rollback, TensorBoard shows steps, each the history's."""
+    from test_soak_storage import did
+
+    guard = did(out, "guard-rollback")
+    assert guard["rolled back to a checkpoint kept before the spike"] == "1", guard
+    pivot = did(out, "pivot-remote")
+    assert pivot[".loss.json a byte prefix of before"] == "1", pivot
+    assert sum(int(v) for k, v in pivot.items() if k.startswith("pivoted --at ")) == 1, pivot
+    data = did(out, "data-change")
+    outcomes = ("seen in data.jsonl and warned", "not in force")
+    assert sum(int(v) for k, v in data.items() if k.endswith(outcomes)) == 1, data
+    views = re.search(r"^\(11\) guard.jsonl and TensorBoard against .loss.json: (.*)$", out, re.M)
+    assert (
+        views and "'rollbacks': 1," in views.group(1) and "'train/loss steps shown': 0" not in views.group(1)
+    )
 
 
 def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
@@ -83,7 +107,7 @@ def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
     import soak as bench_soak
     from test_soak_storage import STORAGE
 
-    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {*COMMON, "disk-full", *LAYER}
+    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {*COMMON, "disk-full", *LAYER, *FEATURES}
     assert set(bench_soak.KINDS["s3"]) == {*KINDS["s3"], *STORAGE}
     assert not set(KINDS["s3"]) & set(STORAGE), "each storage kind is thrown in one module"
 
