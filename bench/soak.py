@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -84,9 +85,13 @@ STORAGE = ["s3-slow", "s3-503", "s3-hang", "s3-partition", "lost-complete"]
 # The machine's (issue 48, items 4-5): the wall clock stepped and a suspend (bench/clockshim.c in every
 # process of a host), the kernel's OOM killer in a memory cgroup (tests/memcg.py), a full cache folder.
 SYSTEM = ["clock-step", "suspend", "oom-trainer", "cache-full"]
+# Features under chaos (issue 48 item 6), on both stores: a guard divergence with a crash around its
+# rollback, and a pivot asked from the other host (--at now/boundary, --restart or not) with faults
+# landing mid-pivot.
+FEATURES = ["guard-rollback", "pivot-remote", "data-change"]
 KINDS = {
-    "local": [*COMMON, "disk-full", *LAYER, "bitflip", *SYSTEM],
-    "s3": [*COMMON, "s3-deny", "s3-lost-reply", *STORAGE],
+    "local": [*COMMON, "disk-full", *LAYER, "bitflip", *SYSTEM, *FEATURES],
+    "s3": [*COMMON, "s3-deny", "s3-lost-reply", *STORAGE, *FEATURES],
 }
 # Drawn only when named in --kinds: a known, open product defect (the checkpoint format has no checksum,
 # so a flipped bit in its floats is read as good: tests/test_powercut.py's xfail names it).
@@ -180,6 +185,8 @@ def draw_schedule(seed: int, n: int, store: str, every: int, kinds: list[str] | 
         elif kind == "fork":
             f["kill"] = rng.choice(["checkpoint", "random", None])
             f["kill_s"] = round(rng.uniform(0.2, 3.0), 2)
+        elif kind in FEATURES:
+            f.update(draw_feature(rng, kind))
         f.update(draw_system(rng, kind))
         out.append(f)
     return out
@@ -224,6 +231,24 @@ def system_missing(kinds: list[str] | None, ap: argparse.ArgumentParser) -> None
     KINDS["local"] = [k for k in KINDS["local"] if k not in missing]
     if kinds and set(kinds) & set(missing):
         ap.error(f"--kinds: {sorted(set(kinds) & set(missing))} cannot run here ({missing})")
+
+
+def draw_feature(rng: random.Random, kind: str) -> dict:
+    """A feature fault's parameters (issue 48 item 6)."""
+    if kind == "guard-rollback":
+        # A non-finite step `ahead` steps on (ANDREA_TEST_GUARD_NAN_AT), and a SIGKILL around its rollback:
+        # at one of the guard's own points (ANDREA_TEST_GUARD_SIGNAL), after_s after it, or none.
+        kill = rng.choice([None, "set-aside", "recorded", "restored", "after"])
+        return {"ahead": rng.randint(3, 12), "kill": kill, "after_s": round(rng.uniform(0.0, 1.5), 2)}
+    if kind == "data-change":  # a file of the prose arm's local folder added, changed or removed
+        return {"change": rng.choice(["add", "change", "remove"])}
+    # pivot-remote: asked from the other host; the pivot or the trainer SIGKILLed kill_s into it, or none.
+    return {
+        "at": rng.choice(["now", "boundary"]),
+        "restart": rng.choice([True, False]),
+        "kill": rng.choice([None, "pivot", "trainer"]),
+        "kill_s": round(rng.uniform(0.3, 4.0), 2),
+    }
 
 
 # --- stores ------------------------------------------------------------------------------------------
@@ -497,6 +522,10 @@ class Soak:
                 "data__policy": self.policies["tiny-mix"],
                 "retention__keep_last": 3,
                 "retention__keep_every": 10 * self.every,
+                # guard-rollback's divergences escalate only within 500 steps, and 8 may (not 4): a
+                # long round's are hundreds of steps apart, each answered, none the bound's stop.
+                "train__guard__rollback_window": 500,
+                "train__guard__max_rollbacks": 8,
             },
         )
         self.host = HOSTS[0]
@@ -521,6 +550,11 @@ class Soak:
         self.settled = 0  # the run's newest checkpoint when the fault in progress began (reference())
         self.stopping = False
         self.ref_error: BaseException | None = None
+        # guard-rollback: the data positions whose batch makes a step non-finite (every trainer started
+        # after one is drawn, the reference's too, has them: ANDREA_TEST_GUARD_NAN_AT), and per fault
+        # the step that diverges and the rollback it must make.
+        self.poisoned: list[int] = []
+        self.divergences: list[dict] = []
 
     def _freeze_policies(self) -> dict[str, str]:
         """tiny-mix and stdlib-only as files of the soak's own, their prose arm reading a copy of the
@@ -568,6 +602,9 @@ class Soak:
         env.update(self._clock_env(host or self.host))
         env.pop("ANDREA_TEST_PIVOT_KILL_AFTER", None)
         env.pop("ANDREA_TEST_FORK_KILL_AFTER", None)
+        env.pop("ANDREA_TEST_GUARD_SIGNAL", None)
+        if self.poisoned:
+            env["ANDREA_TEST_GUARD_NAN_AT"] = ",".join(map(str, self.poisoned))
         env.update(extra)
         return env
 
@@ -1783,6 +1820,232 @@ class Soak:
         finally:
             filler.unlink(missing_ok=True)
 
+    # --- features under chaos (issue 48 item 6) ---------------------------------------------------
+
+    def _guard_events(self) -> list:
+        from andrea_core.run.guard_events import parse_events
+
+        return parse_events(self.store.read("run/guard.jsonl") or b"", warn=lambda _: None)
+
+    def _phase_start(self) -> int:
+        return max((e[1] for e in self.events if e[0] == "pivot"), default=0)
+
+    def f_guard_rollback(self, f: dict) -> None:
+        """A non-finite step D (its batch's data position poisoned), D at least rollback_margin past the
+        phase's start so that a checkpoint far enough back exists in both runs; a SIGKILL at one of the
+        rollback's own points, or after it. The run must roll back once, to the newest kept checkpoint
+        at least rollback_margin before D, skip the poisoned batch and train past D."""
+        from andrea_core.run.guard_events import Remedies
+
+        d, margin = self.did["guard-rollback"], 50  # train.guard.rollback_margin's default
+        self.stop_trainer(signal.SIGTERM)  # the trainer to come has the poisoned position in its env
+        before = self._guard_events()
+        step = max(self.checkpoints(), default=0)
+        # A checkpoint that both runs keep for good (the phase's boundary, or step 50: keep_every) at
+        # least rollback_margin before D: else the guard takes the oldest kept before the spike, which
+        # is the soak's faults' (an off-grid SIGTERM or SIGUSR1 checkpoint), not the reference's.
+        D = max(step + f["ahead"], (self._phase_start() or 10 * self.every) + margin + f["ahead"])
+        self.poisoned.append(Remedies(before).data_step(D))
+        listed = self.checkpoints()
+        extra = {"ANDREA_TEST_GUARD_SIGNAL": f"{f['kill']}:SIGKILL"} if f["kill"] != "after" else {}
+        t = self.trainer = self.start_trainer(**(extra if f["kill"] else {}))
+        said = rf"guard: non-finite-\S+ at step {D} "
+        deadline = time.monotonic() + TOOL_BOUND
+        seen = set(listed)  # every checkpoint listed before the spike: the rollback's candidates
+        while time.monotonic() < deadline and t.popen.poll() is None and not t.first(said):
+            seen.update(self.checkpoints())
+            time.sleep(0.02)
+        if f["kill"] == "after" and t.first(said):
+            time.sleep(f["after_s"])
+            self.stop_trainer(signal.SIGKILL)
+        elif f["kill"]:
+            rc = t.wait(TOOL_BOUND)
+            t.expect_exit = True
+            d[f"killed at {f['kill']}" if rc == -signal.SIGKILL else f"not killed at {f['kill']} ({rc})"] += 1
+        self.ensure_trainer()
+        t = self.trainer
+        deadline = time.monotonic() + TOOL_BOUND
+        while time.monotonic() < deadline and t.popen.poll() is None and t.step() <= D + 1:
+            time.sleep(0.05)
+        self._checkpoint_after(t, f"a divergence at step {D}")
+        new = self._guard_events()[len(before) :]
+        if len(new) != 1 or new[0].action != "rollback" or new[0].step != D:
+            self.violate("11", f"a non-finite step at {D}: guard.jsonl's new events {new}, not one rollback")
+            return
+        e, floor = new[0], self._phase_start()
+        listed = sorted(seen)
+        far = [s for s in listed if floor <= s <= D - margin]
+        kept = [
+            s for s in far if s % (10 * self.every) == 0 or s in {x[1] for x in self.events if x[0] != "data"}
+        ]
+        if e.rolled_back_to not in listed or (far and e.rolled_back_to > D - margin):
+            self.violate(
+                "11", f"the rollback at {D} went to {e.rolled_back_to}, not a kept checkpoint {listed}"
+            )
+        elif kept and e.rolled_back_to < max(kept):
+            self.violate("11", f"the rollback at {D} went to {e.rolled_back_to}, {max(kept)} was kept")
+        else:
+            d["rolled back to a checkpoint kept before the spike"] += 1
+        if any("guard: replaying" in line for p in self.procs[-3:] for _, line in p.lines):
+            d["replayed by a restart"] += 1
+        self.divergences.append({"step": D, "to": e.rolled_back_to})
+
+    def f_data_change(self, f: dict) -> None:
+        """Between two starts, a file of the prose arm's local folder added, changed or removed (README
+        "When data changes"): the trainer resumed at step S warns naming the arm and data.jsonl records
+        {"step": S, "arm": "docs-prose", "event": "changed"} when the policy in force reads that folder,
+        nothing when it does not. The reference makes the same change at the same step (it stops at S,
+        the soak waits), so the runs still agree byte for byte afterwards."""
+        import yaml
+
+        d = self.did["data-change"]
+        self.stop_trainer(signal.SIGTERM)
+        step = max(self.checkpoints(), default=0)
+        applied = threading.Event()
+        self.events.append(("data", step, {"change": f["change"], "i": self.fault_i, "applied": applied}))
+        deadline = time.monotonic() + 1800
+        while not applied.wait(1.0):
+            if self.ref_error is not None or not self.ref_thread.is_alive() or time.monotonic() > deadline:
+                raise Violation(f"the reference did not make the data change at step {step}")
+        before = (self.store.read("run/data.jsonl") or b"").count(b"\n")
+        t = self.trainer = self.start_trainer()
+        if not self.wait_training(t):
+            return  # ensure_trainer reports the exit
+        resumed = re.search(r"resuming \S+ from step_(\d+)\.bin", t.text())
+        at = int(resumed.group(1)) if resumed else None
+        lines = (self.store.read("run/data.jsonl") or b"").split(b"\n")[before:]
+        new = [json.loads(x) for x in lines if x.strip()]
+        doc = yaml.safe_load(Path(self.policies[self.policy]).read_text())
+        reads = any(a["kind"] == "prose" for a in doc["arms"])
+        want = [{"step": at, "arm": "docs-prose", "event": "changed"}] if reads else []
+        got = [{k: e.get(k) for k in ("step", "arm", "event")} for e in new]
+        warned = bool(t.first(r"warning: arm 'docs-prose': its source changed"))
+        if got != want or warned != reads:
+            self.violate(
+                "11",
+                f"a file {f['change']}d at step {at}: data.jsonl's new lines {got}, not {want}; "
+                f"warned: {warned}:\n{t.tail()}",
+            )
+        else:
+            d[
+                f"{f['change']}: seen in data.jsonl and warned"
+                if reads
+                else f"{f['change']}: arm not in force"
+            ] += 1
+
+    def _change_data(self, change: str, i: int) -> None:
+        """The data change of fault `i` to the prose arm's folder (sorted by name: the arm reads its
+        first files, data.max_source_bytes)."""
+        from andrea_core.data.policy import ArmSpec
+        from andrea_core.data.sources import _files_for
+
+        prose = self.work / "prose"
+        files = _files_for(ArmSpec(name="docs-prose", kind="prose", paths=[str(prose)]))  # what it reads
+        if change == "add":
+            (prose / f"000000_{i:05d}__soak-added.md").write_text(f"Added by the soak's fault {i}.\n" * 20)
+        elif change == "change":
+            files[0].write_bytes(files[0].read_bytes() + f"\nChanged by the soak's fault {i}.\n".encode())
+        elif len(files) > 2:
+            files[1].unlink()
+
+    def _our_trainer(self, pid: int) -> bool:
+        """Whether `pid` is still a trainer of this run (checked before it is signalled)."""
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return b"andrea_core" in argv and b"train" in argv and self.store.run_url.encode() in argv
+
+    def f_pivot_remote(self, f: dict) -> None:
+        """`andrea pivot --at now|boundary --restart|--no-restart` from the other host while the trainer
+        runs (a request through the run directory), the pivot or the trainer SIGKILLed kill_s into it
+        (then the same command again). Then: one phase folder more, its boundary checkpoint in the run,
+        .loss.json's bytes before the pivot a prefix of its bytes after, and with --restart a trainer
+        of the pivoting host training past the boundary (stopped, SIGTERM, by its pid, checked)."""
+        d, other = self.did["pivot-remote"], HOSTS[1 - HOSTS.index(self.host)]
+        policy = POLICIES[1 - POLICIES.index(self.policy)]
+        argv = [*self._pivot_cmd(policy), "--at", f["at"]]
+        if f["restart"]:
+            argv[argv.index("--no-restart")] = "--restart"
+        before, loss = self._phases(), self.store.read("run/.loss.json") or b""
+        loss = loss[: loss.rfind(b"\n") + 1]
+        self.trainer.expect_exit = True
+        p = self.spawn("pivot", argv, host=other)
+        if f["kill"]:
+            time.sleep(f["kill_s"])
+            victim = p if f["kill"] == "pivot" else self.trainer
+            killed = victim.popen.poll() is None
+            victim.signal(signal.SIGKILL)
+            d[f"{f['kill']} killed mid-pivot" if killed else f"{f['kill']} done before the kill"] += 1
+            if f["kill"] == "trainer" and killed:
+                # As systemd would (Restart=on-failure): a trainer again, which the pivot must find.
+                self.trainer = self.start_trainer()
+                self.trainer.expect_exit = True
+        rc = p.wait(TOOL_BOUND)
+        if rc != 0:
+            if not f["kill"]:
+                self.violate("7", f"andrea pivot from {other} exited {rc}:\n{p.tail()}")
+            d[f"pivot exited {rc} (killed: {f['kill']})"] += 1
+            if self.trainer.popen.poll() is not None:  # a pivot half-done refuses it (exit 2): fine
+                self.trainer = self.start_trainer()
+                self.wait_training(self.trainer)
+                self.trainer.expect_exit = True
+            p = self.spawn("pivot", argv, host=other)
+            rc = p.wait(TOOL_BOUND)
+            d["rerun"] += 1
+            if rc != 0:
+                self.violate("7", f"the rerun pivot from {other} exited {rc}:\n{p.tail()}")
+        time.sleep(0.05)
+        new = self._phases() - before
+        if len(new) != 1:
+            self.violate("3", f"a pivot from {other} made {len(new)} phase folders: {sorted(new)}")
+        if new:
+            boundary = int(re.search(r"step_(\d+)", max(new)).group(1))
+            self.events.append(("pivot", boundary, policy))
+            self.policy = policy
+            if f["at"] == "boundary" and boundary % self.every:
+                self.violate("11", f"--at boundary pivoted at {boundary}, off the checkpoint grid")
+            if self.store.read(f"run/{checkpoint_name(boundary)}") is None:
+                self.violate("11", f"the pivot's boundary {checkpoint_name(boundary)} is not in the run")
+            d[f"pivoted --at {f['at']}"] += 1
+        after = self.store.read("run/.loss.json") or b""
+        if not after.startswith(loss):
+            self.violate(
+                "11", f"a pivot from {other}: .loss.json's {len(loss)} bytes before are not a prefix"
+            )
+        else:
+            d[".loss.json a byte prefix of before"] += 1
+        if f["restart"] and rc == 0:
+            self._stop_restarted(p, other)
+
+    def _stop_restarted(self, pivot: Proc, host: str) -> None:
+        """The trainer `pivot --restart` started detached (its pid in the pivot's output and the lock):
+        it trains past the boundary on `host`, then is stopped (SIGTERM) for the soak's own trainer."""
+        d = self.did["pivot-remote"]
+        m = re.search(r"resumed trainer pid (\d+)", pivot.text())
+        lock = self.lock() or {}
+        if not m or lock.get("pid") != int(m.group(1)) or lock.get("host") != host:
+            self.violate(
+                "11",
+                f"pivot --restart: no resumed trainer of {host} holds the lock ({lock}):\n{pivot.tail()}",
+            )
+            return
+        pid = int(m.group(1))
+        if not self._our_trainer(pid):
+            self.violate("11", f"pivot --restart: pid {pid} is not a trainer of the run")
+            return
+        d["restarted on the pivoting host"] += 1
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_BOUND
+        while time.monotonic() < deadline and self._our_trainer(pid):
+            time.sleep(0.05)
+        if self._our_trainer(pid):
+            self.violate(
+                "7", f"the restarted trainer pid {pid} did not stop within {TERM_BOUND:g}s of SIGTERM"
+            )
+            os.kill(pid, signal.SIGKILL)
+        self.host = host
+
     # --- the soak --------------------------------------------------------------------------------
 
     def prepare(self) -> None:
@@ -1884,6 +2147,10 @@ class Soak:
         self.lock()
         now = self.outside()
         changed = sorted(k for k in set(watched) | set(now) if watched.get(k) != now.get(k))
+        if any(e[0] == "data" for e in self.events):
+            # A changed arm's token cache of its new fingerprint, built by a start (data-change): added
+            # to the cache, never an existing file changed or removed.
+            changed = [k for k in changed if not (k.startswith("cache:") and k not in watched)]
         if changed:
             self.violate("6", f"changed outside the run and its branches: {changed[:20]}")
 
@@ -1947,9 +2214,12 @@ class Soak:
                 p = self.spawn("ref-fork", argv, host, nice=19)
                 if p.wait(600) != 0:
                     raise SystemExit(f"soak: the reference fork failed:\n{p.tail(30)}")
+            elif event[0] == "data":
+                self._change_data(event[2]["change"], event[2]["i"])
+                event[2]["applied"].set()
             elif event[0] == "end":
                 return ref_root
-            done += event[0] in ("pivot", "fork")
+            done += event[0] in ("pivot", "fork", "data")
         raise SystemExit("soak: stopped before the reference was made")
 
     def start_reference(self) -> None:
@@ -2010,6 +2280,19 @@ class Soak:
                 "2",
                 f"canonical loss history differs from step {first + 1} (lengths {len(hg)}, {len(hr)}): "
                 f"{hg[first : first + 1]} vs {hr[first : first + 1]}",
+            )
+
+        self._check_views(got)
+
+        # (11) data.jsonl: what each start saw of the arms' sources (data-change), the reference's
+        def seen(d: Path) -> list[tuple]:
+            p = d / "data.jsonl"
+            lines = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+            return [(e.get("step"), e.get("arm"), e.get("event"), e.get("fingerprint")) for e in lines]
+
+        if seen(got) != seen(ref):
+            self.violate(
+                "11", f"data.jsonl differs from the reference's: {seen(got)[-3:]} vs {seen(ref)[-3:]}"
             )
 
         # (3) archived phases (and the phase in force): policy.yaml, each step's bandit state and audit
@@ -2100,7 +2383,9 @@ class Soak:
             if (m := re.search(r"step_(\d+)", a.name))
         }
         published -= tails - have
-        need = {e[1] for e in self.events} | {s for s in published if s % (10 * self.every) == 0}
+        need = {e[1] for e in self.events if e[0] != "data"} | {
+            s for s in published if s % (10 * self.every) == 0
+        }
         need |= set(sorted(published | have)[-3:])
         missing = sorted(need - have)
         if missing:
@@ -2123,6 +2408,70 @@ class Soak:
             self.violate(
                 "10", f"the run's checkpoints hold {sorted(n_params)} parameters: one model, one count"
             )
+
+    def _check_views(self, got: Path) -> None:
+        """(11) Views and records of their own against .loss.json (issue 48 item 7): the canonical
+        history is every step 1..final once, all finite; guard.jsonl holds exactly the rollbacks the
+        soak caused (step and target), each with the diverging step and a segment opened at its
+        target + 1 in .loss.json after it; TensorBoard's train/loss and train/lr, read by tensorboard's
+        own reader, hold the canonical value of every step they show, and no step the history lacks."""
+        import math
+
+        import numpy as np
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        from andrea_core.run.guard_events import parse_events
+
+        entries, _ = parse_entries((got / ".loss.json").read_bytes())
+        history = newest_segments(entries)
+        if [e.step for e in history] != list(range(1, self.final + 1)):
+            self.violate("11", f"the canonical history's steps are not 1..{self.final} once each")
+        bad = [e.step for e in history if not (math.isfinite(e.loss) and math.isfinite(e.lr))]
+        if bad:
+            self.violate("11", f"the canonical history has non-finite steps {bad[:10]}")
+        guard = got / "guard.jsonl"
+        events = parse_events(guard.read_bytes() if guard.exists() else b"", warn=lambda _: None)
+        rollbacks = sorted((e.step, e.rolled_back_to) for e in events if e.action == "rollback")
+        caused = sorted((x["step"], x["to"]) for x in self.divergences)
+        if rollbacks != caused or len(events) != len(rollbacks):
+            self.violate(
+                "11",
+                f"guard.jsonl's events {[(e.action, e.step, e.rolled_back_to) for e in events]}, "
+                f"the soak caused {caused}",
+            )
+        for step, to in rollbacks:
+            at = next((i for i, e in enumerate(entries) if e.step == step), None)
+            opened = at is not None and any(
+                e.step == to + 1 and e.segment != entries[i - 1].segment
+                for i, e in enumerate(entries[at + 1 :], at + 1)
+            )
+            if not opened:
+                self.violate(
+                    "11",
+                    f"the rollback at {step} to {to}: no segment of .loss.json opens at {to + 1} after it",
+                )
+        self.views = Counter(rollbacks=len(rollbacks))
+        folder = got / "tensorboard"
+        if not folder.is_dir():
+            self.violate("11", "no TensorBoard events in the run")
+            return
+        logging.getLogger("tensorboard").setLevel(logging.ERROR)  # each purge at a START, said: expected
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        canon = {e.step: e for e in history}
+        for tag, field_ in (("train/loss", "loss"), ("train/lr", "lr")):
+            shown = [(e.step, e.value) for e in acc.Scalars(tag)]
+            wrong = [
+                (s, v)
+                for s, v in shown
+                if s not in canon or float(np.float32(getattr(canon[s], field_))) != v
+            ]
+            if wrong or len({s for s, _ in shown}) != len(shown):
+                self.violate(
+                    "11", f"TensorBoard's {tag}: {len(wrong)} values not the history's, first {wrong[:3]}"
+                )
+            self.views[f"{tag} steps shown"] = len(shown)
+            self.views[f"{tag} steps missing"] = len(canon) - len({s for s, _ in shown})
 
     def _same_sidecars(self, got: Path, ref: Path, where: str, boundary: int) -> None:
         a, r = got / "policy.yaml", ref / "policy.yaml"
@@ -2312,7 +2661,7 @@ def main() -> int:
         print(f"{kind:18s} {c['injected']:8d} {c['survived']:8d} {soak.wall[kind]:8.1f}  {v or '-'}")
     if soak.did:
         print("what the faults did (bench/powercut.py, tests/s3_relay.py; summed over each kind's faults):")
-        for kind in [*LAYER, *OPT_IN, *STORAGE, *SYSTEM]:
+        for kind in [*LAYER, *OPT_IN, *STORAGE, *SYSTEM, *FEATURES]:
             if soak.did.get(kind):
                 print(
                     f"  {kind}: "
@@ -2332,6 +2681,8 @@ def main() -> int:
                 print("  layer error: " + e.splitlines()[0])
     if soak.readers:
         print(f"(10) andrea status against the truth: {dict(soak.readers)}")
+    if getattr(soak, "views", None):
+        print(f"(11) guard.jsonl and TensorBoard against .loss.json: {dict(soak.views)}")
     if getattr(soak, "spec_read", 0):
         print(f"(10) checkpoints read by the soak's own reader of the format: {soak.spec_read}")
     end = [v for v in soak.violations if v[0] < 0 or v[0] >= getattr(soak, "injected", 0)]

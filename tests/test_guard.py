@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import _env, andrea
+from conftest import REPO, _env, andrea
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_systemd import read_unit
 from tiny import tiny_config
@@ -300,3 +300,42 @@ def test_the_trainer_logs_each_event_it_replays(recovered, tmp_path):
         "guard: replaying event 1: non-finite-grad-norm at step 25 (since step 25): rolled back to step 10, "
         "skipped 15 batches, lr x0.3 for steps 11..1010 (guard.jsonl)"
     ) in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_rollback_to_a_phase_start_in_process_is_a_restart_from_it(tmp_path):
+    """Issue 48 (the soak's guard-rollback, fault 5 of `--kinds guard-rollback,pivot-remote,data-change
+    --faults 6`): a trainer that started from a restored bandit and rolls back, in its own process, to
+    its phase's start (a pivot's boundary, where the bandit is fresh) must go on exactly as a trainer
+    started from that checkpoint: the fresh bandit hears of no loss before its first step. It heard of
+    the boundary step's (a phantom pull of the closed phase's arm: `restored` stayed True from its start),
+    and from step 388 on the soak's run and its reference drew other arms."""
+    root = tmp_path / "base"
+    root.mkdir()
+    stdlib = str(REPO / "configs" / "policies" / "stdlib-only.yaml")
+    cfg = poisoned_config(root, data__policy=stdlib)
+    train(root / "run", "--config", cfg, "--max-steps", "30")
+    andrea("pivot", str(root / "run"), "--policy", "tiny-mix", "--no-restart")  # phase 2 from step 30
+    train(root / "run", "--max-steps", "40")  # a state of phase 2's bandit: the next start restores it
+    runs = {}
+    for how in ("in-process", "restarted"):
+        run = runs[how] = tmp_path / how
+        shutil.copytree(root / "run", run)
+        kill = {"ANDREA_TEST_GUARD_SIGNAL": "restored:SIGKILL"} if how == "restarted" else {}
+        proc = train(run, "--max-steps", "60", check=False, ANDREA_TEST_GUARD_NAN_AT="45", **kill)
+        assert proc.returncode == (-signal.SIGKILL if kill else 0), (how, proc.stdout[-3000:], proc.stderr)
+        if kill:
+            train(run, "--max-steps", "60", ANDREA_TEST_GUARD_NAN_AT="45")
+    for how, run in runs.items():
+        (event,) = facts(run)
+        assert (event["step"], event["rolled_back_to"]) == (45, 30), how  # back to the phase's start
+
+    def states(run: Path) -> dict[int, dict]:
+        head = json.loads((run / ".state.json").read_text())
+        return {s["step"]: {k: v for k, v in s.items() if k != "previous"} for s in (head, *head["previous"])}
+
+    assert sorted(states(runs["in-process"])) == [40, 50, 60]
+    assert states(runs["in-process"]) == states(runs["restarted"])
+    for step in (40, 50, 60):
+        name = f"step_{step:06d}.bin"
+        assert (runs["in-process"] / name).read_bytes() == (runs["restarted"] / name).read_bytes(), name

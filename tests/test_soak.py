@@ -1,9 +1,9 @@
 """The chaos soak's CI version (issue 28, issue 45.5): bench/soak.py's seeded schedule with every fault
-kind exactly once (locally 21, the power-cut layer's six kinds of issue 48 included where FUSE mounts;
-on moto 16), over one run, with zero invariant violations: on a tmpfs here (seen through
-bench/powercut.py), on moto in tests/test_soak_s3.py. Its purpose is that the harness works and a
-fault of every kind passes; the long rounds (`--faults 40` and `--faults 1000`) and their figures stay
-in bench/README.md.
+kind exactly once (locally 24, the power-cut layer's six kinds of issue 48 included where FUSE mounts;
+on moto 19; both with the three features under chaos of issue 48 item 6), over one run, with zero
+invariant violations: on a tmpfs here (seen through bench/powercut.py), on moto in
+tests/test_soak_s3.py. Its purpose is that the harness works and a fault of every kind passes; the long
+rounds (`--faults 40` and `--faults 1000`) and their figures stay in bench/README.md.
 Each store in a module of its own, so that the two go to the suite's two workers side by side."""
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ sys.path.insert(0, str(REPO / "bench"))
 from powercut import fuse_unavailable  # noqa: E402
 
 # bench/soak.py's KINDS (bitflip, opt-in, left out): locally the 15 common and disk-full ones, and the
-# power-cut layer's 6 where FUSE mounts (issue 48); on moto the 14 common ones, s3-deny and s3-lost-reply.
+# power-cut layer's 6 where FUSE mounts (issue 48); on moto the 14 common ones, s3-deny and s3-lost-reply;
+# on both the 3 features under chaos.
 NO_LAYER = fuse_unavailable()
 COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
 COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
 COMMON += ["second-trainer"]
 LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot"]
+# Features under chaos (issue 48 item 6), on both stores.
+FEATURES = ["guard-rollback", "pivot-remote", "data-change"]
 KINDS = {
-    "local": [*COMMON, "disk-full", *([] if NO_LAYER else LAYER)],
-    "s3": [*COMMON, "s3-deny", "s3-lost-reply"],
+    "local": [*COMMON, "disk-full", *([] if NO_LAYER else LAYER), *FEATURES],
+    "s3": [*COMMON, "s3-deny", "s3-lost-reply", *FEATURES],
 }
 
 
@@ -75,6 +78,26 @@ def soak(store: str, work: Path) -> None:
         assert row == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
     assert returncode == 0, out[-6000:]
+    features_did_what_they_claim(out)
+
+
+def features_did_what_they_claim(out: str) -> None:
+    """Each feature fault's own outcome (issue 48 item 6), from the soak's 'what the faults did' lines,
+    and (11): guard.jsonl holds the one rollback, TensorBoard shows steps, each the history's."""
+    from test_soak_storage import did
+
+    guard = did(out, "guard-rollback")
+    assert guard["rolled back to a checkpoint kept before the spike"] == "1", guard
+    pivot = did(out, "pivot-remote")
+    assert pivot[".loss.json a byte prefix of before"] == "1", pivot
+    assert sum(int(v) for k, v in pivot.items() if k.startswith("pivoted --at ")) == 1, pivot
+    data = did(out, "data-change")
+    outcomes = ("seen in data.jsonl and warned", "not in force")
+    assert sum(int(v) for k, v in data.items() if k.endswith(outcomes)) == 1, data
+    views = re.search(r"^\(11\) guard.jsonl and TensorBoard against .loss.json: (.*)$", out, re.M)
+    assert (
+        views and "'rollbacks': 1," in views.group(1) and "'train/loss steps shown': 0" not in views.group(1)
+    )
 
 
 def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
@@ -85,7 +108,13 @@ def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
     from test_soak_storage import STORAGE
     from test_soak_sys import SYSTEM
 
-    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {*COMMON, "disk-full", *LAYER, *SYSTEM}
+    assert set(bench_soak.KINDS["local"]) - bench_soak.OPT_IN == {
+        *COMMON,
+        "disk-full",
+        *LAYER,
+        *SYSTEM,
+        *FEATURES,
+    }
     assert set(bench_soak.KINDS["s3"]) == {*KINDS["s3"], *STORAGE}
     assert not set(KINDS["s3"]) & set(STORAGE), "each storage kind is thrown in one module"
 

@@ -1,6 +1,7 @@
 """The chaos soak's CI version on moto (issue 28, issue 45.5): tests/test_soak.py's seeded round, every
-kind once (16), the S3 kinds among them (puts denied, a reply lost after the write committed), over one
-run in a bucket."""
+kind once (19), the S3 kinds among them (puts denied, a reply lost after the write committed) and the
+features under chaos (a guard rollback, a pivot from the other host, a data folder changed), over one run
+in a bucket."""
 
 from __future__ import annotations
 

@@ -78,8 +78,10 @@ class BanditStore:
     # --- load ------------------------------------------------------------------------------------
 
     def restore(self, mixer: Mixer, step: int) -> None:
-        """Load the bandit of checkpoint `step` into `mixer`, or start a fresh one (and say why)."""
+        """Load the bandit of checkpoint `step` into `mixer`, or start a fresh one (and say why).
+        `restored` says which, for this call: a guard rollback calls it again in the same process."""
         self._dropped = {}
+        self.restored = False
         doc = self._read()
         if doc is None:
             self._fresh(step)
