@@ -66,7 +66,7 @@ def _tiny_raw() -> dict:
     [
         (lambda r: r["train"].update(lerning_rate=1e-3), "unknown field(s) lerning_rate"),
         (lambda r: r["model"].update(n_layer="two"), "model.n_layer: expected int, got str 'two'"),
-        (lambda r: r["model"].pop("n_embd"), "model.n_embd: missing required field"),
+        (lambda r: r["model"].pop("n_embd"), "model.n_embd is missing"),
         (lambda r: r["train"].update(lr=-1.0), "train.lr"),
         (lambda r: r["model"].update(n_head=3), "model.n_head must divide model.n_embd"),
         (lambda r: r.update(extra=1), "unknown field(s) extra"),
