@@ -121,3 +121,37 @@ def test_a_closed_document_refuses_unknown_keys_nested_by_dotted_name_and_conver
     with pytest.raises(DocumentError, match=r"^train: expected a mapping, got list \[1\]$"):
         check({"n": 1, "train": [1]}, schema)
 
+
+def test_the_pivot_journals_owner_is_checked_before_it_names_a_process_to_wait_for(tmp_path):
+    """ops/pivot.owner_alive: a live owner recorded as our writer writes it is found alive; a forged
+    or damaged owner (a pid as text, a bool, escapes, a field missing) names no process, and one that
+    has exited is gone. The driver's own journal fields are refused by name (DRIVER_SCHEMA)."""
+    import subprocess
+
+    from andrea_core.ops.pivot import DRIVER_SCHEMA, owner_alive
+    from andrea_core.run.lock import _boot_id, _host, _pid_namespace, process_start_ticks
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        owner = {
+            "pid": child.pid,
+            "host": _host(),
+            "boot_id": _boot_id(),
+            "proc_start": process_start_ticks(child.pid),
+            "pid_ns": _pid_namespace(),
+        }
+        assert owner_alive({"owner": owner}) == child.pid
+        for forged in ({"pid": str(child.pid)}, {"pid": True}, {"host": "h\x1b[2J"}, {"proc_start": -1}):
+            assert owner_alive({"owner": owner | forged}) is None, forged
+        assert owner_alive({"owner": {k: v for k, v in owner.items() if k != "boot_id"}}) is None
+        assert owner_alive({"owner": [owner]}) is None and owner_alive({}) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert owner_alive({"owner": owner}) is None
+    with pytest.raises(DocumentError, match=r"^stopped_pid -3 is not a whole number$"):
+        check({"stopped_pid": -3}, DRIVER_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^loss_before\.size is missing$"):
+        check({"loss_before": {"sha256": "ab"}}, DRIVER_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^owner: expected an object or null, got list \[\]$"):
+        check({"owner": []}, DRIVER_SCHEMA)
