@@ -767,12 +767,8 @@ def install(run: RunDir, journal: PivotJournal) -> str:
 
 def trainer_log_path(run: RunDir) -> str:
     """Where a detached trainer writes its output: RUN/trainer.log; for a run on an object store (which
-    has no appends) trainer.log in this machine's cache of the run (RunDir.cache_path), printed."""
-    if run.is_local:
-        return run.path("trainer.log")
-    path = run.cache_path("trainer.log")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return str(path)
+    has no appends) trainer.log in this machine's cache of the run (RunDir.log_path), printed."""
+    return run.log_path("trainer.log")
 
 
 def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -790,7 +786,7 @@ def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[su
         nproc_per_node=o["nproc_per_node"],
     )
     path = trainer_log_path(run)
-    with run.open_log("trainer.log") if run.is_local else open(path, "ab") as out:
+    with run.open_log("trainer.log") as out:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
