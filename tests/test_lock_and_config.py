@@ -37,6 +37,8 @@ def test_lock_of_a_dead_trainer_is_taken_over(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = TrainerIdentity.of_this_process(str(run))
+    # A lock as written before leases and pid namespaces (both null): read through lock._upgraded, its
+    # holder judged by its pid here, and taken over as any dead holder's.
     stale = TrainerIdentity(dead.pid, stale.host, stale.boot_id, 12345, stale.started_at, stale.run_dir)
     (run / ".trainer.json").write_text(json.dumps(stale.__dict__))
     assert not stale.is_alive()

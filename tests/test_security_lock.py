@@ -38,7 +38,7 @@ def forged(base: Path, tmp_path: Path, **fields) -> Path:
     [
         ({"lease_ttl_s": 1e18}, "lease_ttl_s 1e+18 is outside 0..604800"),
         ({"lease_ttl_s": -5}, "lease_ttl_s -5 is outside"),
-        ({"lease_ttl_s": "30"}, "lease_ttl_s: expected int/float, got str '30'"),
+        ({"lease_ttl_s": "30"}, "lease_ttl_s: expected int/float or null, got str '30'"),
     ],
 )
 def test_gc_refuses_a_lock_with_an_unbounded_lease_at_once(base, tmp_path, fields, problem):

@@ -753,7 +753,7 @@ def install(run: RunDir, journal: PivotJournal) -> str:
     """Step 5: the new policy.yaml (validated again: what is installed is what was checked)."""
     if not journal.reached("installed"):
         installed = install_policy(run, journal.policy_text, journal.source or "new policy")
-        if isinstance(journal.max_steps, int):  # the target the new phase trains to (a no-op if kept)
+        if journal.max_steps is not None:  # the target the new phase trains to (a no-op if kept)
             cfg = read_run(run).config
             set_target(run, journal.max_steps, cfg.train.max_steps, journal.boundary or 0, "andrea pivot")
         journal.record(run, "installed")
