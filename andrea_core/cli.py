@@ -51,6 +51,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv = torchrun_argv(args.nproc_per_node, train_args)
         os.execv(argv[0], argv)
     flags = signals.install()  # normally done already, before the first import (main)
+    if os.environ.get("RANK", "0") == "0":
+        # Opened now, not at the first record: a supervisor's temporary events file loses its name as
+        # the trainer opens it (train/events.py), so a supervisor killed during start-up leaves none.
+        from andrea_core.train.events import channel
+
+        channel()
     _hold_start_up_for_tests(flags)
     from andrea_core.config import parse_settings
     from andrea_core.run.rundir import RunDir

@@ -1,15 +1,19 @@
 """Run configuration: typed dataclasses loaded from YAML with strict validation.
 
 A bad config is rejected before any work starts, with an error that names the field (`train.lr`),
-what is wrong with it and the file it came from. Unknown keys are errors, not silently ignored: a
-typo such as `lerning_rate` would otherwise train a week with the default.
+what is wrong with it and the file it came from. Each document (run.yaml, a policy, overrides) is
+checked by the one checker of documents (document.py) against a table derived from its dataclasses
+(`schema_of`): types, nulls, finite numbers, nested sections; unknown keys are errors, not silently
+ignored (a typo such as `lerning_rate` would otherwise train a week with the default). What relates
+fields to each other (n_head divides n_embd, the guard's remedies) is `_check_ranges`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
-import math
 import os
 import re
 import types
@@ -20,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from andrea_core.document import DocumentError, Field, check
 from andrea_core.model_config import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -264,47 +269,78 @@ def setting_arg(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}"
 
 
-def _check_value(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        tp = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(tp)  # list[str] | None: the list's
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
-        (item_type,) = typing.get_args(tp)
-        return [_check_value(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)  # YAML reads 1e4 as float; a whole number is what was meant
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+def _whole(value: Any) -> Any:
+    """YAML reads 1e4 as a float; where a whole number is meant, a whole float is that number."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
     return value
 
 
-def build_dataclass(cls: type, raw: Any, where: str) -> Any:
-    """`cls` from a mapping, each value type-checked; errors name the dotted field path."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+def _as_float(value: Any) -> Any:
+    return float(value) if type(value) is int else value
+
+
+def _field_of(tp: Any, required: bool) -> Field:
+    """The document.py declaration of a dataclass field typed `tp` (int, float, str, bool, a nested
+    dataclass, a list of one of those, any of them `| None`)."""
+    null = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        null = type(None) in args
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        return Field((list,), null=null, required=required, kind="a list", items=_field_of(item, True))
+    if dataclasses.is_dataclass(tp):
+        return Field((dict,), null=null, required=required, kind="a mapping", fields=schema_of(tp))
+    if tp is float:
+        return Field((float,), null=null, required=required, convert=_as_float, kind="float")
+    if tp is int:
+        return Field((int,), null=null, required=required, convert=_whole, kind="int")
+    return Field((tp,), null=null, required=required, kind=tp.__name__)
+
+
+@functools.cache
+def schema_of(cls: type) -> dict[str, Field]:
+    """The fields of a config dataclass as a document.py table: a field without a default is required."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(fields)})")
+    return {
+        f.name: _field_of(
+            hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        for f in dataclasses.fields(cls)
+    }
+
+
+def _built(cls: type, doc: dict[str, Any]) -> Any:
+    """`cls` from a mapping schema_of(cls) has checked: nested documents become their dataclasses."""
+    hints = typing.get_type_hints(cls)
     kwargs = {}
-    for name, f in fields.items():
-        sub = f"{where}.{name}" if where else name
-        if name in raw:
-            kwargs[name] = _check_value(raw[name], hints[name], sub)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{sub}: missing required field")
+    for name, value in doc.items():
+        tp = hints[name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if value is not None and dataclasses.is_dataclass(tp):
+            value = _built(tp, value)
+        elif value is not None and typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp)
+            if dataclasses.is_dataclass(item):
+                value = [_built(item, v) for v in value]
+        kwargs[name] = value
     return cls(**kwargs)
+
+
+def build_dataclass(cls: type, raw: Any, source: str) -> Any:
+    """`cls` from a mapping read from `source` (run.yaml, a policy, overrides), checked by the one
+    checker of documents (document.check, closed: unknown keys refused) against the table derived
+    from the dataclass; ConfigError names the source and the dotted field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping, got {type(raw).__name__}")
+    try:
+        doc = check(copy.deepcopy(raw), schema_of(cls), closed=True)
+    except DocumentError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return _built(cls, doc)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -317,19 +353,7 @@ def estimated_n_params(m: ModelConfig) -> int:
     return 2 * m.vocab_size * m.n_embd + m.block_size * m.n_embd + m.n_layer * per_layer + 2 * m.n_embd
 
 
-def _check_finite(obj: Any, where: str, source: str) -> None:
-    """Every float of the config is a finite number: YAML reads .inf and .nan as floats, and an
-    infinite learning rate trains one step and then fails on the first NaN loss."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_finite(value, f"{where}{f.name}.", source)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{source}: {where}{f.name} must be a finite number, got {value}")
-
-
 def _check_ranges(cfg: RunConfig, source: str) -> None:
-    _check_finite(cfg, "", source)
     m, t, d, r, g = cfg.model, cfg.train, cfg.data, cfg.retention, cfg.train.guard
     checks = [
         (m.vocab_size > 0, "model.vocab_size", "must be positive"),
@@ -416,10 +440,7 @@ def _check_ranges(cfg: RunConfig, source: str) -> None:
 
 
 def parse_run_config(raw: Any, source: str = "<config>") -> RunConfig:
-    try:
-        cfg = build_dataclass(RunConfig, raw, "")
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    cfg = build_dataclass(RunConfig, raw, source)
     _check_ranges(cfg, source)
     return cfg
 

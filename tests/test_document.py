@@ -33,17 +33,17 @@ SCHEMA = {
         ([1], "not a JSON object"),
         ({}, "n is missing"),
         ({"n": None}, "n is null"),
-        ({"n": True}, "n is bool, not int"),
-        ({"n": 2.0}, "n is float, not int"),
+        ({"n": True}, "n: expected int, got bool True"),
+        ({"n": 2.0}, "n: expected int, got float 2.0"),
         ({"n": 11}, "n 11 is outside 1..10"),
         ({"n": 1, "x": math.nan}, "x nan is not finite"),
-        ({"n": 1, "x": "1"}, "x is str, not int/float"),
+        ({"n": 1, "x": "1"}, "x: expected int/float or null, got str '1'"),
         ({"n": 1, "name": "a\x1b[2J"}, "name 'a\\x1b[2J': not printable text of at most 8 characters"),
         ({"n": 1, "name": "abcdefghi"}, "name 'abcdefghi': not printable text of at most 8 characters"),
         ({"n": 1, "kind": "c"}, "kind 'c' is not one of a, b"),
         ({"n": 1, "folder": "p_1\n"}, "folder 'p_1\\n' is not a folder"),
         ({"n": 1, "folder": 5}, "folder 5 is not a folder"),
-        ({"n": 1, "words": ["a", 2]}, "words[1] is int, not text"),
+        ({"n": 1, "words": ["a", 2]}, "words[1]: expected text, got int 2"),
         ({"n": 1, "words": ["a", "b", "c"]}, "words: 3 items, more than 2"),
     ],
 )
@@ -91,7 +91,7 @@ def test_the_ported_readers_schemas_refuse_what_their_hand_checks_refused():
         check({"step": "flying"}, JOURNAL_SCHEMA)
     with pytest.raises(DocumentError, match=r"^boundary True is not a step$"):
         check({"step": "archived", "boundary": True}, JOURNAL_SCHEMA)
-    with pytest.raises(DocumentError, match=r"^policy is int, not text$"):
+    with pytest.raises(DocumentError, match=r"^policy: expected text or null, got int 5$"):
         check({"step": "intent", "policy": 5}, JOURNAL_SCHEMA)
     assert check({"max_steps": 10, "step": 0, "by": "me"}, LINE_SCHEMA)
     for bad in ({"max_steps": 0, "step": 0, "by": "me"}, {"max_steps": 10, "step": 0, "by": "x" * 201}):
@@ -102,3 +102,56 @@ def test_the_ported_readers_schemas_refuse_what_their_hand_checks_refused():
         check({"step": 4, "branches": ["\udc80"]}, FORK_RECORD_SCHEMA)
     with pytest.raises(DocumentError, match=r"^number -1 is not a count$"):
         check({"number": -1}, EVENT_SCHEMA)
+
+
+def test_a_closed_document_refuses_unknown_keys_nested_by_dotted_name_and_converts_what_it_declares():
+    """Configs (run.yaml, a policy) are checked closed: a typo is refused naming the key and where it
+    sits; a nested document's faults carry its dotted name; `convert` writes its result back."""
+    inner = {"lr": Field((float,), convert=lambda v: float(v) if type(v) is int else v, kind="float")}
+    schema = {"n": Field((int,)), "train": Field((dict,), kind="a mapping", fields=inner)}
+    with pytest.raises(DocumentError, match=r"^train: unknown field\(s\) lrr \(allowed: lr\)$"):
+        check({"n": 1, "train": {"lr": 1.0, "lrr": 2}}, schema, closed=True)
+    with pytest.raises(DocumentError, match=r"^unknown field\(s\) \\x1b\[2J \(allowed: n, train\)$"):
+        check({"n": 1, "\x1b[2J": 0, "train": {"lr": 1.0}}, schema, closed=True)
+    assert check({"n": 1, "new": 0, "train": {"lr": 1, "x": 0}}, schema)["train"] == {"lr": 1.0, "x": 0}
+    with pytest.raises(DocumentError, match=r"^train\.lr: expected float, got str 'abc'$"):
+        check({"n": 1, "train": {"lr": "abc"}}, schema)
+    with pytest.raises(DocumentError, match=r"^train\.lr inf is not finite$"):
+        check({"n": 1, "train": {"lr": math.inf}}, schema)
+    with pytest.raises(DocumentError, match=r"^train: expected a mapping, got list \[1\]$"):
+        check({"n": 1, "train": [1]}, schema)
+
+
+def test_the_pivot_journals_owner_is_checked_before_it_names_a_process_to_wait_for(tmp_path):
+    """ops/pivot.owner_alive: a live owner recorded as our writer writes it is found alive; a forged
+    or damaged owner (a pid as text, a bool, escapes, a field missing) names no process, and one that
+    has exited is gone. The driver's own journal fields are refused by name (DRIVER_SCHEMA)."""
+    import subprocess
+
+    from andrea_core.ops.pivot import DRIVER_SCHEMA, owner_alive
+    from andrea_core.run.lock import _boot_id, _host, _pid_namespace, process_start_ticks
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        owner = {
+            "pid": child.pid,
+            "host": _host(),
+            "boot_id": _boot_id(),
+            "proc_start": process_start_ticks(child.pid),
+            "pid_ns": _pid_namespace(),
+        }
+        assert owner_alive({"owner": owner}) == child.pid
+        for forged in ({"pid": str(child.pid)}, {"pid": True}, {"host": "h\x1b[2J"}, {"proc_start": -1}):
+            assert owner_alive({"owner": owner | forged}) is None, forged
+        assert owner_alive({"owner": {k: v for k, v in owner.items() if k != "boot_id"}}) is None
+        assert owner_alive({"owner": [owner]}) is None and owner_alive({}) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert owner_alive({"owner": owner}) is None
+    with pytest.raises(DocumentError, match=r"^stopped_pid -3 is not a whole number$"):
+        check({"stopped_pid": -3}, DRIVER_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^loss_before\.size is missing$"):
+        check({"loss_before": {"sha256": "ab"}}, DRIVER_SCHEMA)
+    with pytest.raises(DocumentError, match=r"^owner: expected an object or null, got list \[\]$"):
+        check({"owner": []}, DRIVER_SCHEMA)

@@ -234,6 +234,53 @@ def test_a_renamed_host_on_the_same_kernel_and_namespace_is_checked_by_its_pid(t
         lock.acquire(run, log=lambda m: None)
 
 
+def old_lock(run: RunDir, pid: int, **changes) -> bytes:
+    """A lock as a version before leases and pid namespaces wrote it: no lease, no pid_ns fields."""
+    me = TrainerIdentity.of_this_process(run.url)
+    doc = {k: v for k, v in asdict(me).items() if not k.startswith("lease_") and k != "pid_ns"}
+    doc |= {"pid": pid, "proc_start": lock.process_start_ticks(pid) or 12345, "nonce": None, **changes}
+    run.write_atomic(LOCK, json.dumps(doc).encode())
+    return run.read_bytes(LOCK)
+
+
+def test_a_lock_from_before_leases_is_migrated_as_it_is_read_and_judged_by_the_same_rules(tmp_path):
+    """lock._upgraded, the one home of the migration (docs/design.md "Locks from older versions"): an
+    old lock of a live process here is in use; of a dead one, taken over (generation + 1) under the
+    same rules as any lock; of another machine, refused wherever it is read, naming the file and the
+    remedy, its bytes unchanged: an old trainer never renews a lease, so nothing can tell it is gone."""
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        held = old_lock(run, sleeper.pid)
+        upgraded = read_lock(run)
+        assert upgraded.pid_ns == os.readlink("/proc/self/ns/pid") and upgraded.lease_ttl_s is not None
+        with pytest.raises(LockError, match=f"in use by trainer pid {sleeper.pid} on {socket.gethostname()}"):
+            lock.acquire(run, log=lambda m: None)
+        assert run.read_bytes(LOCK) == held and live_trainer(run).pid == sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    logged: list[str] = []
+    taken = lock.acquire(run, log=logged.append)
+    assert f"taking over the stale lock of dead trainer pid {sleeper.pid}" in logged[0]
+    assert taken.generation == 2 and json.loads(run.read_bytes(LOCK))["lease_ttl_s"] is not None
+    held = old_lock(run, 4242, host="gpu-box-7", boot_id="another-kernel")
+    why = (
+        rf"{run.url} is locked by trainer pid 4242, which cannot be checked from here: it runs on host "
+        rf"gpu-box-7, another machine; its lock was written before leases, .* if it is gone remove "
+        rf"{run.path(LOCK)}$"
+    )
+    for reader in (read_lock, lock.trainer_liveness, lambda r: lock.acquire(r, log=lambda m: None)):
+        with pytest.raises(LockError, match=why):
+            reader(run)
+    assert run.read_bytes(LOCK) == held
+    # The same kernel under another host name, no pid namespace recorded: not this machine's namespace.
+    old_lock(run, os.getpid(), host="pod-b")
+    with pytest.raises(LockError, match="another pid namespace \\(unrecorded\\) of this machine"):
+        read_lock(run)
+
+
 # --- 17.2: a forged lock gets no process signalled -------------------------------------------------
 
 

@@ -89,7 +89,7 @@ BAD = [
     (["--set", "train.lr=abc"], "andrea train --set: train.lr: expected float, got str 'abc'"),
     (["--set", "train.batch_size=1.5"], "andrea train --set: train.batch_size: expected int, got float 1.5"),
     (["--set", "train.lr=-1"], "andrea train --set: train.lr lr must be > 0 and min_lr >= 0"),
-    (["--set", "train.lr=.inf"], "andrea train --set: train.lr must be a finite number, got inf"),
+    (["--set", "train.lr=.inf"], "andrea train --set: train.lr inf is not finite"),
     (["--set", "nosuch.x=1"], "andrea train --set: nosuch.x: no such section 'nosuch'"),
     (
         ["--set", "train.guard=1"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from andrea_core.train.events import EventChannel, EventReader
+from andrea_core.train.events import EVENTS_PREFIX, EventChannel, EventReader
 
 
 def test_records_round_trip_and_a_torn_line_waits_for_its_end(tmp_path):
@@ -50,3 +50,28 @@ def test_the_channel_writes_only_into_an_existing_file_never_through_a_symlink(t
     EventChannel(str(tmp_path / "link.jsonl")).emit("started", first_step=1, max_steps=10)
     assert target.read_bytes() == b""
     EventChannel(None).emit("started", first_step=1, max_steps=10)  # no ANDREA_EVENTS: nothing, no error
+
+
+def test_a_supervisors_temporary_file_loses_its_name_once_the_trainer_has_opened_it(tmp_path):
+    """A supervisor killed before its trainer ends must leave no andrea-events-* file behind: the name
+    goes when the trainer opens the file; both ends keep writing and reading it through their fds."""
+    path = tmp_path / f"{EVENTS_PREFIX}x.jsonl"
+    path.write_bytes(b"")
+    reader = EventReader(str(path))
+    channel = EventChannel(str(path))
+    assert not path.exists()
+    channel.emit("checkpoint", step=10, name="step_000010.bin")
+    assert [r["name"] for r in reader.read()] == ["step_000010.bin"]
+    path.write_bytes(b"a new file of that name")  # not the reader's: remove() leaves it
+    reader.remove()
+    assert path.read_bytes() == b"a new file of that name"
+    # A file named on purpose, or one with another link, keeps its name (and its other link its data).
+    named = tmp_path / "events.jsonl"
+    named.write_bytes(b"")
+    EventChannel(str(named)).emit("started", first_step=1, max_steps=10)
+    assert named.exists() and json.loads(named.read_bytes())["event"] == "started"
+    linked = tmp_path / f"{EVENTS_PREFIX}y.jsonl"
+    linked.write_bytes(b"")
+    os.link(linked, tmp_path / "other-link")
+    EventChannel(str(linked)).emit("started", first_step=1, max_steps=10)
+    assert linked.exists() and (tmp_path / "other-link").read_bytes() == linked.read_bytes() != b""

@@ -96,10 +96,7 @@ class Policy:
 
 
 def parse_policy(raw: Any, source: str) -> Policy:
-    try:
-        policy = build_dataclass(Policy, raw, "")
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    policy = build_dataclass(Policy, raw, source)
     if not ARM_NAME_RE.fullmatch(policy.name):  # shown by status, the dashboard, pivots and artifacts
         raise ConfigError(f"{source}: name: {policy.name!r} must be {ARM_NAME_RULE}")
     arms = policy.arms

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from andrea_core.atomic import fsync_dir, temp_path
+from andrea_core.atomic import fsync_dir, makedirs_durable, temp_path
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError
 from andrea_core.model.weights import meta_model, named_weights
@@ -150,7 +150,7 @@ def export_checkpoint(
     # Past n_positions GPT-2 has no position embedding (an IndexError in generate): say the limit.
     generation = {"max_length": cfg.block_size, "bos_token_id": None, "eos_token_id": None}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    makedirs_durable(out.parent)  # the folder it is published into survives a power cut too
     tmp = temp_path(out)
     tmp.mkdir()
     try:

@@ -27,13 +27,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from andrea_core import faults
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
 from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
 from andrea_core.data.policy import Policy, load_policy, parse_policy
+from andrea_core.document import DocumentError, Field, check
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
 from andrea_core.run.lineage import PHASE_FOLDER_RE, phase_folder, phases
@@ -127,18 +128,16 @@ class PivotJournal:
         it does not check are checked here. A forged or damaged one is refused by name."""
         where = run.path(PIVOT_JSON)
         fields = {f: doc.get(f) for f in _JOURNAL_FIELDS}
+        try:
+            check(fields, DRIVER_SCHEMA)
+        except DocumentError as e:
+            raise ConfigError(f"{where}: {e}") from None
         for name in ("loss_before", "loss_at_stop"):
-            fields[name] = _loss_mark(doc.get(name), f"{where}: {name}")
-        for name in ("stopped_pid", "stopped_step", "target_before"):
-            value = fields[name]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ConfigError(f"{where}: {name} {value!r} is not a whole number")
-        for name in ("train_options", "owner"):
-            if fields[name] is not None and not isinstance(fields[name], dict):
-                raise ConfigError(f"{where}: {name} is {type(fields[name]).__name__}, not an object")
+            mark = fields[name]
+            fields[name] = mark and LossLogSnapshot(mark["size"], mark["sha256"], mark.get("segments", []))
         for name in ("policy", "policy_hash", "source", "at", "restart"):
-            fields[name] = fields[name] if isinstance(fields[name], str) else ""
-        if not isinstance(fields["policy_text"], str):
+            fields[name] = fields[name] or ""  # text or null (read_pivot's JOURNAL_SCHEMA)
+        if fields["policy_text"] is None:
             raise ConfigError(
                 f"{where}: the pivot to {fields['policy']!r} under way records no policy_text, so it "
                 f"cannot be resumed; abandon it (andrea pivot {run.url} --abandon) first"
@@ -155,21 +154,28 @@ class _PolicyId:
     hash: str
 
 
-def _loss_mark(doc: object, what: str) -> LossLogSnapshot | None:
-    """A journal's record of .loss.json's bytes: {size, sha256, segments}."""
-    if doc is None:
-        return None
-    ok = (
-        isinstance(doc, dict)
-        and isinstance(doc.get("size"), int)
-        and not isinstance(doc.get("size"), bool)
-        and doc["size"] >= 0
-        and isinstance(doc.get("sha256"), str)
-        and isinstance(doc.get("segments", []), list)
-    )
-    if not ok:
-        raise ConfigError(f"{what}: not a record of .loss.json's bytes (size, sha256)")
-    return LossLogSnapshot(doc["size"], doc["sha256"], list(doc.get("segments", [])))
+# The driver's fields of pivot.json (record_pivot's own: pivot_journal.JOURNAL_SCHEMA), and the owner
+# process it records: checked once, by name, before the journal is trusted (document.py).
+_WHOLE = Field((int,), null=True, required=False, low=0, says="is not a whole number")
+_OBJECT = Field((dict,), null=True, required=False, kind="an object")
+LOSS_MARK_SCHEMA = {  # a record of .loss.json's bytes
+    "size": Field((int,), low=0),
+    "sha256": Field((str,), kind="text"),
+    "segments": Field((list,), required=False),
+}
+OWNER_SCHEMA = {  # the pivot's own process: TrainerIdentity's fields, as the lock declares them
+    "pid": Field((int,), low=1, high=2**22),
+    "host": Field((str,), high=255, printable=True),
+    "boot_id": Field((str,), high=255, printable=True),
+    "proc_start": Field((int,), null=True, required=False, low=0),
+    "pid_ns": Field((str,), null=True, required=False, high=255, printable=True),
+}
+DRIVER_SCHEMA = {
+    **dict.fromkeys(("stopped_pid", "stopped_step", "target_before"), _WHOLE),
+    "train_options": _OBJECT,
+    "owner": _OBJECT,
+    **dict.fromkeys(("loss_before", "loss_at_stop"), replace(_OBJECT, fields=LOSS_MARK_SCHEMA)),
+}
 
 
 def _this_process() -> dict:
@@ -188,15 +194,13 @@ def owner_alive(journal: PivotJournal | dict) -> int | None:
     """The pid of the pivot process that wrote the journal if it still runs, as checked here (same
     boot, pid namespace and start time); None if it is gone or cannot be checked from here."""
     owner = journal.owner if isinstance(journal, PivotJournal) else journal.get("owner")
-    if not isinstance(owner, dict):
-        return None
     try:
-        ident = TrainerIdentity(
-            int(owner["pid"]), str(owner["host"]), str(owner["boot_id"]), owner.get("proc_start"), 0.0, "",
-            owner.get("pid_ns"),
-        )  # fmt: skip
-    except (KeyError, TypeError, ValueError):
-        return None
+        check(owner, OWNER_SCHEMA)
+    except DocumentError:
+        return None  # none recorded, or not one our writer writes: no process to wait for
+    ident = TrainerIdentity(
+        owner["pid"], owner["host"], owner["boot_id"], owner.get("proc_start"), 0.0, "", owner.get("pid_ns")
+    )
     if ident.pid == os.getpid() and ident.liveness()[0] == ALIVE:
         return None  # this very process: a rerun in the same process (a flow retried in place)
     return ident.pid if ident.liveness()[0] == ALIVE else None
@@ -749,7 +753,7 @@ def install(run: RunDir, journal: PivotJournal) -> str:
     """Step 5: the new policy.yaml (validated again: what is installed is what was checked)."""
     if not journal.reached("installed"):
         installed = install_policy(run, journal.policy_text, journal.source or "new policy")
-        if isinstance(journal.max_steps, int):  # the target the new phase trains to (a no-op if kept)
+        if journal.max_steps is not None:  # the target the new phase trains to (a no-op if kept)
             cfg = read_run(run).config
             set_target(run, journal.max_steps, cfg.train.max_steps, journal.boundary or 0, "andrea pivot")
         journal.record(run, "installed")
@@ -763,12 +767,8 @@ def install(run: RunDir, journal: PivotJournal) -> str:
 
 def trainer_log_path(run: RunDir) -> str:
     """Where a detached trainer writes its output: RUN/trainer.log; for a run on an object store (which
-    has no appends) trainer.log in this machine's cache of the run (RunDir.cache_path), printed."""
-    if run.is_local:
-        return run.path("trainer.log")
-    path = run.cache_path("trainer.log")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return str(path)
+    has no appends) trainer.log in this machine's cache of the run (RunDir.log_path), printed."""
+    return run.log_path("trainer.log")
 
 
 def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -786,7 +786,7 @@ def start_detached_trainer(run: RunDir, options: dict | None = None) -> tuple[su
         nproc_per_node=o["nproc_per_node"],
     )
     path = trainer_log_path(run)
-    with run.open_log("trainer.log") if run.is_local else open(path, "ab") as out:
+    with run.open_log("trainer.log") as out:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

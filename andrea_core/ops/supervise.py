@@ -10,7 +10,6 @@ tool could use them just as well.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import signal
@@ -38,7 +37,7 @@ from andrea_core.run.lock import (
 )
 from andrea_core.run.loss_log import parse_entries, parse_lines, read_history
 from andrea_core.run.rundir import LOSS_LOG, NO_SUCH_CHECKPOINT, RunDir
-from andrea_core.train.events import EVENTS_ENV, EventReader
+from andrea_core.train.events import EVENTS_ENV, EVENTS_PREFIX, EventReader
 from andrea_core.train.progress import TIMESTAMP_RE
 
 
@@ -153,8 +152,9 @@ class TrainerProcess:
 
     def start(self) -> TrainerProcess:
         """Start the trainer, its events going to a file of this process's own (mkstemp: 0600, a new
-        name in the temporary folder), named to it in ANDREA_EVENTS."""
-        fd, path = tempfile.mkstemp(prefix="andrea-events-", suffix=".jsonl")
+        name in the temporary folder), named to it in ANDREA_EVENTS; the trainer removes the name once
+        it has opened the file (events.py), so a killed supervisor leaves nothing behind."""
+        fd, path = tempfile.mkstemp(prefix=EVENTS_PREFIX, suffix=".jsonl")
         os.close(fd)
         try:
             self._events = EventReader(path)
@@ -185,9 +185,8 @@ class TrainerProcess:
         """Once the trainer has exited: what is left is read, the file removed."""
         if self._events is not None:
             self._apply_all(self._events.read())
+            self._events.remove()  # a trainer that never opened it: the name is still there
             self._events.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._events.path)
             self._events = None
 
     def running(self) -> bool:

@@ -54,7 +54,8 @@ class BranchOf:
 def branch_of(run: RunDir, lineage: dict | None = None) -> BranchOf:
     """The branch name and replicate of `run` (its run.yaml's lineage, or `lineage` already read),
     each checked as a fork writes it: a name that could not have been a branch name, or replicate
-    fields out of range, are refused naming run.yaml and the field."""
+    fields out of range, are refused naming run.yaml and the field (each field's type and bounds:
+    record.LINEAGE_SCHEMA, checked as read_run reads it)."""
     lineage = read_run(run).lineage if lineage is None else lineage
     where = run.path(RUN_YAML)
     name = lineage.get("branch")
@@ -62,9 +63,7 @@ def branch_of(run: RunDir, lineage: dict | None = None) -> BranchOf:
         check_branch_name(name, f"{where}: lineage.branch")
     replicates = lineage.get("replicates", 1)
     replicate = lineage.get("replicate", 0)
-    if type(replicates) is not int or not 1 <= replicates <= 64:
-        raise ConfigError(f"{where}: lineage.replicates: expected a whole number 1..64, got {replicates!r}")
-    if type(replicate) is not int or not 0 <= replicate < replicates:
+    if replicate >= replicates:
         raise ConfigError(f"{where}: lineage.replicate: expected 0..{replicates - 1}, got {replicate!r}")
     return BranchOf(name, replicate, replicates)
 

@@ -146,10 +146,10 @@ class TrainerIdentity:
     proc_start: int | None
     started_at: float
     run_dir: str
-    pid_ns: str | None = None  # None: a lock written before pid namespaces were recorded
+    pid_ns: str | None = None  # None only where this machine has no /proc (old locks: _upgraded)
     nonce: str | None = None  # the trainer process's ANDREA_TRAINER_NONCE (None: cannot be signalled)
     generation: int = 1  # 1 for a fresh lock, one more at each takeover (and at each new holder)
-    # The lease (None: a lock written before leases, never taken over from another machine).
+    # The lease (None only while an old lock is read: _upgraded gives it one or refuses it).
     lease_ttl_s: float | None = None  # another machine may take over after watching it this long unchanged
     lease_renew_s: float | None = None
     # Each renewal is a new version of the lock, even within one clock tick; renewed_at is the holder's
@@ -210,10 +210,7 @@ class TrainerIdentity:
             if self.host == _host():
                 return DEAD, "this machine has rebooted since"
             return UNKNOWN, f"it runs on host {self.host}, another machine"
-        if self.pid_ns is None:  # an older lock: only the host name says whether it is this machine's
-            if self.host != _host():
-                return UNKNOWN, f"it runs on host {self.host}"
-        elif self.pid_ns != _pid_namespace():
+        if self.pid_ns != _pid_namespace():
             return UNKNOWN, f"it runs in another pid namespace ({self.pid_ns}) of this machine"
         if self.proc_start is not None and process_start_ticks(self.pid) == self.proc_start:
             return ALIVE, "its process runs"
@@ -344,9 +341,36 @@ def _parse(run: RunDir, data: bytes) -> TrainerIdentity:
         fields = {k: v for k, v in fields.items() if k in known and k != "run_dir"}
         # The lock's location is what it locks, whatever it says: a lock copied from another run
         # must not make that run's trainer look like this one's.
-        return TrainerIdentity(**fields | {"run_dir": run.url})
+        ident = TrainerIdentity(**fields | {"run_dir": run.url})
     except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise LockError(f"{run.path(LOCK)}: unreadable lock ({e}); remove it if no trainer runs") from e
+    return _upgraded(run, ident)
+
+
+UNRECORDED_NS = "unrecorded"  # an old lock's pid namespace, of a holder not on this machine: no process's
+
+
+def _upgraded(run: RunDir, ident: TrainerIdentity) -> TrainerIdentity:
+    """The one home of the migration of locks written by older versions (docs/design.md "Locks from
+    before leases"), so that no other code has a branch for them. No pid namespace recorded: this
+    machine's if its host and boot id are this machine's (what the old reader assumed), else one no
+    process here has (cannot be checked from here). No lease: if its holder can be judged here (alive
+    or dead by its pid, rebooted, released) it gets the default lease, which no rule reads for a holder
+    judged here; if it cannot, LockError: an old trainer elsewhere never renews a lease, so no watch
+    could tell it is gone, and it is never taken over."""
+    if ident.pid_ns is None and _pid_namespace() is not None:
+        here = ident.host == _host() and ident.boot_id == _boot_id()
+        ident = dataclasses.replace(ident, pid_ns=_pid_namespace() if here else UNRECORDED_NS)
+    if ident.lease_ttl_s is not None:
+        return ident
+    state, why = ident.liveness()
+    if state == UNKNOWN:
+        raise LockError(
+            f"{run.url} is locked by trainer pid {ident.pid}, which cannot be checked from here: {why}; "
+            f"its lock was written before leases, so nothing here can tell when it is gone. Stop it there, "
+            f"or if it is gone remove {run.path(LOCK)}"
+        )
+    return dataclasses.replace(ident, lease_ttl_s=DEFAULT_LEASE_TTL_S, lease_renew_s=DEFAULT_LEASE_RENEW_S)
 
 
 def read_lock(run: RunDir) -> TrainerIdentity | None:
@@ -433,8 +457,6 @@ def live_trainer(run: RunDir) -> TrainerIdentity | None:
 
 def lease_said(ident: TrainerIdentity) -> str:
     """How recently a lock's lease was renewed, as its holder's lock says (its clock, not ours)."""
-    if ident.lease_ttl_s is None:
-        return f"its lock (generation {ident.generation}) has no lease: it never expires"
     renewed = ident.renewed_at if ident.renewed_at is not None else ident.started_at
     return (
         f"its lease (generation {ident.generation}, {ident.renewals} renewals, ttl {ident.lease_ttl_s:g}s) "
@@ -494,7 +516,7 @@ def acquire_lease(
             pass
         data, version = run.read_versioned(LOCK)
         if not version.exists:
-            continue  # deleted meanwhile (a lock from before leases): try to create it again
+            continue  # deleted meanwhile (removed by hand): try to create it again
         held = _parse(run, data)
         state, why = held.liveness()
         if state == ALIVE:
@@ -503,11 +525,6 @@ def acquire_lease(
                 f"(started {time.ctime(held.started_at)}); stop it first (SIGTERM writes a checkpoint)"
             )
         if state == UNKNOWN:
-            if held.lease_ttl_s is None:
-                raise LockError(
-                    f"{run.url} is locked by a trainer on host {held.host} (pid {held.pid}) that cannot be "
-                    f"checked from here: {why}; if it is gone, remove {run.path(LOCK)}"
-                )
             version = _watch_lease(run, held, version, log, stopped)
             if version is None:
                 continue  # it changed hands (or was released) while we watched: look again

@@ -15,6 +15,7 @@ import yaml
 
 from andrea_core.checkpoint import INT32_MAX, Checkpoint, CheckpointError
 from andrea_core.config import ConfigError, RunConfig, estimated_n_params, load_yaml, parse_run_config
+from andrea_core.document import DocumentError, Field, check
 from andrea_core.model_config import ModelConfig
 from andrea_core.run.rundir import RUN_YAML, RunDir
 
@@ -56,13 +57,25 @@ class RunRecord:
 
 
 # What readers of a lineage rely on (fork points, retention, compare): a forged or damaged run.yaml is
-# refused here, naming the field, not deep inside one of them.
-LINEAGE_TYPES: dict[str, tuple[type, ...]] = {
-    "parent": (str,),
-    "parent_step": (int,),
-    "branch": (str,),
-    "overrides": (dict,),
-    "created_at": (int, float),
+# refused here, naming the field, not deep inside one of them. Other lineage keys are left alone.
+def _optional(*types: type, **bounds: float) -> Field:
+    return Field(types, null=True, required=False, **bounds)
+
+
+LINEAGE_SCHEMA: dict[str, Field] = {
+    "parent": _optional(str),
+    "parent_step": _optional(int, low=0, high=INT32_MAX),  # a checkpoint's step is an int32
+    "branch": _optional(str),
+    "overrides": _optional(dict),
+    "created_at": _optional(int, float),
+    # A fork's replicates (lineage.branch_of checks replicate < replicates and the branch's name).
+    "replicates": Field((int,), required=False, low=1, high=64),
+    "replicate": Field((int,), required=False, low=0, high=63),
+}
+# run.yaml's own sections beside the config's (config.py checks those): each a mapping (null: empty).
+RECORD_SCHEMA: dict[str, Field] = {
+    "lineage": Field((dict,), kind="a mapping", fields=LINEAGE_SCHEMA),
+    "environment": Field((dict,), kind="a mapping"),
 }
 
 
@@ -71,20 +84,12 @@ def read_run(run: RunDir) -> RunRecord:
     raw = load_yaml(run.read_text(RUN_YAML), source)
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: not a mapping")
-    lineage = raw.pop("lineage", None) or {}
-    env = raw.pop("environment", None) or {}
-    for key, value in (("lineage", lineage), ("environment", env)):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping, got {type(value).__name__}")
-    for key, types in LINEAGE_TYPES.items():
-        value = lineage.get(key)
-        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
-            want = " or ".join(t.__name__ for t in types)
-            raise ConfigError(f"{source}: lineage.{key}: expected {want} or null, got {type(value).__name__}")
-    step = lineage.get("parent_step")
-    if step is not None and not 0 <= step <= INT32_MAX:  # a checkpoint's step is an int32
-        raise ConfigError(f"{source}: lineage.parent_step: must be in 0..{INT32_MAX}, got {step}")
-    return RunRecord(parse_run_config(raw, source), lineage, env)
+    record = {key: raw.pop(key, None) or {} for key in RECORD_SCHEMA}
+    try:
+        check(record, RECORD_SCHEMA)
+    except DocumentError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return RunRecord(parse_run_config(raw, source), record["lineage"], record["environment"])
 
 
 def config_differences(a: RunConfig, b: RunConfig) -> list[str]:

@@ -186,11 +186,6 @@ class RunDir:
         # but the lock's own passes its check first (fencing); None for everyone else.
         self.fence: Any = None
 
-    @property
-    def is_local(self) -> bool:
-        """Whether the run's files are this machine's files (a detached trainer's log is one)."""
-        return self.store.local
-
     def _fenced(self, name: str) -> None:
         if (check := self._fence_of(name)) is not None:
             check()
@@ -271,10 +266,15 @@ class RunDir:
         """Publish `name` whole or not at all; a reader never sees a torn file under a final name."""
         self._put(name, parts)
 
+    def log_path(self, name: str) -> str:
+        """Where a subprocess's output kept as run file `name` (a detached trainer's) is appended: the
+        run file on local disk; on a store with no appends, this machine's cache of the run."""
+        return self.store.log_path(name, self.cache_path(name))
+
     def open_log(self, name: str) -> Any:
-        """A local run file opened for appending (a detached trainer's output), never through a
-        symlink or a hard link: a binary file object whose fileno() a subprocess can write to."""
-        return self.store.open_log(name)
+        """log_path(name) opened for appending, never through a symlink or a hard link: a binary
+        file object whose fileno() a subprocess can write to."""
+        return self.store.open_log(name, self.cache_path(name))
 
     def write_text(self, name: str, text: str) -> None:
         self.write_atomic(name, text.encode())

@@ -102,7 +102,6 @@ class Store(Protocol):
     fs: Any  # the fsspec filesystem (tests reach the S3 client through it)
     root: str
     url: str  # the canonical address: what lineage, forks.jsonl and Prefect parameters record
-    local: bool  # whether run files are this machine's files (a subprocess may write one: open_log)
 
     def path(self, name: str) -> str: ...
     def exists(self, name: str) -> bool: ...
@@ -122,7 +121,8 @@ class Store(Protocol):
     def open_append(
         self, name: str, lines: bool, fence_of: FenceOf, mirror: Path, bound: str
     ) -> AppendHandle: ...
-    def open_log(self, name: str) -> Any: ...
+    def log_path(self, name: str, mirror: Path) -> str: ...
+    def open_log(self, name: str, mirror: Path) -> Any: ...
     def move(self, src: str, dst: str) -> None: ...
     def remove(self, name: str) -> None: ...
     def root_exists(self) -> bool: ...
@@ -173,8 +173,6 @@ class LocalStore(_Named):
     naming it, never followed; a file appended to in place must have one link (a hard link to a file
     outside the run is refused like a symlink); temporary names carry a random suffix and are created
     with O_EXCL."""
-
-    local = True
 
     def __init__(self, fs: Any, root: str):
         self.fs, self.root, self.url = fs, root, root
@@ -404,7 +402,10 @@ class LocalStore(_Named):
         opener = lambda _, flags: self._open(name, (flags & ~os.O_WRONLY) | os.O_RDWR)  # noqa: E731
         return AppendFile(self.path(name), fence_of, opener, lines)
 
-    def open_log(self, name: str) -> Any:
+    def log_path(self, name: str, mirror: Path) -> str:
+        return self.path(name)
+
+    def open_log(self, name: str, mirror: Path) -> Any:
         return open(self._open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
 
     def move(self, src: str, dst: str) -> None:
@@ -491,8 +492,6 @@ class _ObjectStore(_Named):
     """What S3 and memory share: no folders, no append (a local mirror, published whole), no
     temporary names (a put is whole or nothing)."""
 
-    local = False
-
     def __init__(self, fs: Any, root: str):
         self.fs, self.root = fs, root
         self.url = fs.unstrip_protocol(root)
@@ -511,8 +510,12 @@ class _ObjectStore(_Named):
     ) -> AppendHandle:
         return MirroredAppendFile(self, name, lines, fence_of, mirror, bound)
 
-    def open_log(self, name: str) -> Any:
-        raise ValueError(f"{self.url}: open_log is for local run directories")
+    def log_path(self, name: str, mirror: Path) -> str:
+        mirror.parent.mkdir(parents=True, exist_ok=True)  # no appends here: this machine's copy
+        return str(mirror)
+
+    def open_log(self, name: str, mirror: Path) -> Any:
+        return open(self.log_path(name, mirror), "ab")
 
     def move(self, src: str, dst: str) -> None:
         src_path, dst_path = self.path(src), self.path(dst)

@@ -19,18 +19,24 @@ A string from a run file can only ever be a field's value, never a record: each 
 json.dumps line. The file is opened without O_CREAT and without following a symlink (it must be the
 supervisor's), in append mode. Without ANDREA_EVENTS nothing is written. A failed write is dropped: the
 channel never stops training. Stdlib only.
+
+A supervisor's temporary file (named EVENTS_PREFIX..., a regular file of ours with one link) loses its
+name as soon as the trainer has opened it: both ends then hold it open, and it is gone from the disk
+when the last of them closes it, however either one dies (a killed supervisor left its file behind).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from typing import Any
 
 EVENTS_ENV = "ANDREA_EVENTS"
 EVENTS_FORMAT = 1
 EVENT_NAMES = ("started", "progress", "checkpoint", "result", "error")
+EVENTS_PREFIX = "andrea-events-"  # a supervisor's temporary file: its name is removed once opened
 
 
 class EventChannel:
@@ -44,6 +50,20 @@ class EventChannel:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 self._fd = None  # no supervisor listening: the human log is all there is
+            else:
+                self._remove_temporary_name()
+
+    def _remove_temporary_name(self) -> None:
+        """Unlink the path if it still names the supervisor's temporary file that we hold open."""
+        if not os.path.basename(self.path).startswith(EVENTS_PREFIX):
+            return  # a file someone named on purpose (a test's, an operator's): it keeps its name
+        try:
+            held, named = os.fstat(self._fd), os.stat(self.path, follow_symlinks=False)
+            ours = stat.S_ISREG(held.st_mode) and held.st_uid == os.geteuid() and held.st_nlink == 1
+            if ours and (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                os.unlink(self.path)
+        except OSError:
+            pass  # the supervisor removes it when the trainer exits
 
     def emit(self, event: str, **fields: Any) -> None:
         if self._fd is None:
@@ -87,6 +107,16 @@ class EventReader:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._pending = b""
+
+    def remove(self) -> None:
+        """Unlink the path if it still names the file this reader holds (the trainer may have removed
+        it already, and a new file may have that name since)."""
+        try:
+            held, named = os.fstat(self._fd), os.stat(self.path, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
     def read(self) -> list[dict[str, Any]]:
         records = []
