@@ -229,3 +229,18 @@ def test_andrea_warm_launcher_0_turns_it_off(monkeypatch):
     assert conftest.warm_launcher() is None
     proc = start_trainer("--help")
     assert type(proc) is subprocess.Popen and proc.wait(timeout=120) == 0
+
+
+def test_what_the_server_cannot_apply_runs_cold(probe):
+    """`-c`, a module the server did not preload, or Popen options it cannot apply: an ordinary Popen."""
+    launcher, env, root = probe
+    for argv, kwargs in (
+        ([sys.executable, "-c", "import os; print(os.getppid() == int(os.environ['PARENT']))"], {}),
+        ([sys.executable, "-m", "wprobe.__main__", "at-import"], {}),
+        ([sys.executable, "-m", "wprobe", "at-import"], {"start_new_session": True}),
+    ):
+        proc = launcher.popen(
+            argv, env={**env, "PARENT": str(os.getpid())}, cwd=root, stdout=subprocess.PIPE, **kwargs
+        )
+        out = proc.communicate(timeout=120)[0]
+        assert not proc.warm and proc.returncode == 0 and out in (b"True\n", b"unset\n"), launcher.cold[-1]

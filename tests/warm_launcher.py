@@ -106,7 +106,7 @@ class Server:
         else:
             self.base.pop("OPENBLAS_NUM_THREADS", None)
         self.import_reads, self.refresh, self.any_env_cold = self._import(preload)
-        self.runnable = {m.split(".")[0] for m in preload}
+        self.runnable = {m.split(".")[0] for m in preload}  # `-m PACKAGE` of a preloaded package only
         self.blas = self._blas_setter()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(sock_path)
@@ -121,17 +121,23 @@ class Server:
         get, iterate = cls.__getitem__, cls.__iter__
         reads: set[str] = set()
         iterators: list[str] = []
+        iterating: list = []  # the frames that iterated os.environ (kept: no frame reuse meanwhile)
+
+        def caller():  # the first frame above os.environ's own code and collections.abc's views
+            frame = sys._getframe(2)
+            while frame and frame.f_code.co_filename.startswith(("<frozen", os.path.dirname(os.__file__))):
+                frame = frame.f_back
+            return frame
 
         def watched_get(env, key):
-            caller = sys._getframe(1).f_code  # ItemsView/ValuesView.__iter__: an iteration, seen there
-            if (caller.co_filename, caller.co_name) != ("<frozen _collections_abc>", "__iter__"):
+            frame = caller()
+            if not any(frame is f for f in iterating):  # not a read of every key by an iteration
                 reads.add(key)
             return get(env, key)
 
         def watched_iter(env):
-            frame = sys._getframe(1)
-            while frame and frame.f_code.co_filename.startswith("<frozen"):
-                frame = frame.f_back
+            frame = caller()
+            iterating.append(frame)
             iterators.append(frame.f_code.co_filename if frame else "?")
             return iterate(env)
 
@@ -163,7 +169,7 @@ class Server:
 
     def why_cold(self, req: dict) -> str | None:
         argv = req["argv"]
-        if len(argv) < 2 or argv[0] != "-m" or argv[1].split(".")[0] not in self.runnable:
+        if len(argv) < 2 or argv[0] != "-m" or argv[1] not in self.runnable:
             return f"not a preloaded `-m` module: {argv[:2]}"
         env = req["env"]
         changed = {k for k in env.keys() | self.base.keys() if env.get(k) != self.base.get(k)}
