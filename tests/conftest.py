@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -156,10 +157,17 @@ def warm_launcher():
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_launcher_server():
-    """Stops this worker's warm launcher, if a test started it."""
+    """Stops this worker's warm launcher, if a test started it; how many of its starts were warm, and
+    why the others were cold, in test-output/warm-launcher-<worker>.txt."""
     yield
     if _launcher is not None:
         _launcher.stop()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        report = REPO / "test-output" / f"warm-launcher-{worker}.txt"
+        report.parent.mkdir(exist_ok=True)
+        reasons = collections.Counter(_launcher.cold)
+        lines = [f"{_launcher.warm} warm, {len(_launcher.cold)} cold"]
+        report.write_text("\n".join(lines + [f"{n} cold: {why}" for why, n in reasons.most_common()]) + "\n")
 
 
 _IMPORTED = """import runpy, sys

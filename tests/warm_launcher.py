@@ -415,6 +415,7 @@ class WarmPopen(subprocess.Popen):
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
             raise RuntimeError(f"warm launcher refused to fork: {reply['refused']}")
         self.pid, self.warm, self._child_created = reply["pid"], True, True
+        self._launcher.warm += 1
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
     def _try_wait(self, wait_flags):
@@ -454,6 +455,7 @@ class WarmLauncher:
     def __init__(self, preload: list[str], env: dict[str, str], cwd: str) -> None:
         self.folder = tempfile.mkdtemp(prefix="warm-launcher-")
         self.sock_path = os.path.join(self.folder, "sock")
+        self.warm = 0  # children forked warm
         self.cold: list[str] = []  # why each cold start was cold
         server_env = {**env, ROOM_VAR: "x" * ENV_ROOM, BLAS_VAR: env.get("OPENBLAS_NUM_THREADS", "")}
         server_env["OPENBLAS_NUM_THREADS"] = "1"  # no BLAS pool in the server; a child gets its own
