@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -114,10 +115,17 @@ def lock_released(run: Path | str) -> bool:
 
 
 def andrea(
-    *args: str, timeout: float = 900, check: bool = True, env: dict[str, str] | None = None
+    *args: str,
+    timeout: float = 900,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run the `andrea` CLI as a real process, as an operator would (`env`: instead of `_env()`)."""
-    proc = subprocess.run(
+    """Run the `andrea` CLI as a real process, as an operator would (`env`: instead of `_env()`).
+    Forked warm by the worker's launcher (tests/warm_launcher.py) unless `cold` (a test about start-up,
+    import laziness, the process's parent or command line) or ANDREA_WARM_LAUNCHER=0."""
+    launcher = None if cold else warm_launcher()
+    proc = (launcher.run if launcher else subprocess.run)(
         [sys.executable, "-m", "andrea_core", *args],
         capture_output=True,
         text=True,
@@ -129,6 +137,37 @@ def andrea(
         cmd = " ".join(args)
         raise AssertionError(f"andrea {cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+_launcher = None
+
+
+def warm_launcher():
+    """This worker's fork server with torch and the trainer imported (issue 45.2), started by the first
+    caller; None under ANDREA_WARM_LAUNCHER=0. Stopped at the end of the session (warm_launcher_server)."""
+    global _launcher
+    if os.environ.get("ANDREA_WARM_LAUNCHER", "1") == "0":
+        return None
+    if _launcher is None:
+        from warm_launcher import WarmLauncher
+
+        _launcher = WarmLauncher(["andrea_core.cli", "andrea_core.train.trainer"], _env(), str(REPO))
+    return _launcher
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_launcher_server():
+    """Stops this worker's warm launcher, if a test started it; how many of its starts were warm, and
+    why the others were cold, in test-output/warm-launcher-<worker>.txt."""
+    yield
+    if _launcher is not None:
+        _launcher.stop()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        report = REPO / "test-output" / f"warm-launcher-{worker}.txt"
+        report.parent.mkdir(exist_ok=True)
+        reasons = collections.Counter(_launcher.cold)
+        lines = [f"{_launcher.warm} warm, {len(_launcher.cold)} cold"]
+        report.write_text("\n".join(lines + [f"{n} cold: {why}" for why, n in reasons.most_common()]) + "\n")
 
 
 _IMPORTED = """import runpy, sys
@@ -152,9 +191,13 @@ def andrea_imports(module: str, *args: str, timeout: float = 300) -> bool:
     return {"imported: True": True, "imported: False": False}[proc.stdout.splitlines()[-1]]
 
 
-def start_trainer(*args: str, log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_trainer(
+    *args: str, log: Path | None = None, env: dict[str, str] | None = None, cold: bool = False
+) -> subprocess.Popen:
+    """`andrea train ARGS` as a real process (stdout and stderr to `log`), warm unless `cold` (andrea)."""
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen(
+    launcher = None if cold else warm_launcher()
+    return (launcher.popen if launcher else subprocess.Popen)(
         [sys.executable, "-m", "andrea_core", "train", *args],
         stdout=out,
         stderr=subprocess.STDOUT,

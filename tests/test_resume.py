@@ -122,7 +122,7 @@ def test_a_stop_signal_during_start_up_exits_cleanly_before_the_first_step(tmp_p
     run, log = tmp_path / "run", tmp_path / "trainer.log"
     os.environ["ANDREA_TEST_STARTUP_DELAY"] = "600"
     try:
-        proc = start_trainer("--config", TINY, "--run-dir", str(run), "--pace", PACE, log=log)
+        proc = start_trainer("--config", TINY, "--run-dir", str(run), "--pace", PACE, log=log, cold=True)
     finally:
         del os.environ["ANDREA_TEST_STARTUP_DELAY"]
     try:

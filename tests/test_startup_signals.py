@@ -44,7 +44,7 @@ def test_sigterm_after_the_handlers_and_before_torch_exits_cleanly(tmp_path):
     for attempt in range(8):
         run = tmp_path / f"run{attempt}"
         log = tmp_path / f"train{attempt}.log"
-        proc = start_trainer("--config", config, "--run-dir", str(run), log=log)
+        proc = start_trainer("--config", config, "--run-dir", str(run), log=log, cold=True)
         deadline = time.monotonic() + 120
         try:
             while proc.poll() is None and not handles(proc.pid, signal.SIGTERM):

@@ -1,0 +1,246 @@
+"""The tests' warm launcher (tests/warm_launcher.py, issue 45.2): a forked child is what a cold
+`python -m MODULE` would have been (exit status, exact output, env, cwd, umask, signal state, /proc),
+real signals reach it, an env read at import is honoured by running cold, and a server with threads
+refuses to fork. Compared against the same command started cold by subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TINY, _env, last_logged_step, start_trainer, wait_for
+from warm_launcher import WarmLauncher
+
+PROBE_INIT = """
+import os
+import numpy  # its OpenBLAS pool: a warm child must have the cold one's
+AT_IMPORT = os.environ.get("WPROBE_AT_IMPORT", "unset")
+"""
+PROBE_MAIN = r"""
+import json, os, signal, subprocess, sys, time
+import wprobe
+
+action = sys.argv[1]
+if action == "exit":
+    sys.stdout.buffer.write(b"out \xff\x00 bytes\nno newline")
+    sys.stderr.buffer.write(b"err \xfe\n")
+    print("text", end="")
+    sys.exit(int(sys.argv[2]))
+elif action == "message":
+    sys.exit("a message for stderr")
+elif action == "raise":
+    raise ValueError("boom")
+elif action == "interrupt":
+    raise KeyboardInterrupt
+elif action == "at-import":
+    print(wprobe.AT_IMPORT)
+elif action == "sleep":
+    print("ready", flush=True)
+    time.sleep(600)
+elif action == "spawn":
+    child = subprocess.run([sys.executable, "-c", "import os, sys; print(os.getppid()); sys.exit(7)"],
+                           capture_output=True, text=True)
+    print(os.getpid(), child.stdout.strip(), child.returncode)
+elif action == "thread":
+    import threading
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+    print("main done")
+elif action == "state":
+    def proc(name):
+        return [x.decode() for x in open(f"/proc/self/{name}", "rb").read().split(b"\0")]
+    cmdline = proc("cmdline")
+    cmdline[0] = os.path.normpath(cmdline[0])
+    environ = dict(x.split("=", 1) for x in proc("environ") if "=" in x)
+    umask = os.umask(0)
+    print(json.dumps({
+        "argv": sys.argv, "orig_argv": sys.orig_argv, "cmdline": cmdline, "env": dict(os.environ),
+        "proc_environ": environ, "cwd": os.getcwd(), "umask": umask, "path0": sys.path[0],
+        "main": sorted(k for k in vars(sys.modules["__main__"]) if not k.startswith("__")),
+        "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "handlers": {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals()
+                     if s not in (signal.SIGKILL, signal.SIGSTOP) and hasattr(s, "name")},
+        "stdio": [(f.encoding, f.errors, f.line_buffering, f.write_through, f.mode)
+                  for f in (sys.stdin, sys.stdout, sys.stderr)],
+        "threads": len(os.listdir("/proc/self/task")),
+    }, sort_keys=True))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    """A launcher whose server preloads `wprobe` (a package read by a module-level env lookup), its env."""
+    root = tmp_path_factory.mktemp("warm")
+    (root / "wprobe").mkdir()
+    (root / "wprobe" / "__init__.py").write_text(PROBE_INIT)
+    (root / "wprobe" / "__main__.py").write_text(PROBE_MAIN)
+    (root / "wthread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    env = {**_env(), "PYTHONPATH": f"{root}{os.pathsep}{REPO}"}
+    launcher = WarmLauncher(["wprobe"], env, str(root))
+    yield launcher, env, root
+    launcher.stop()
+
+
+def both(launcher, env, cwd, *args, **kwargs):
+    """The probe run warm (through the launcher) and cold (subprocess.run): (warm, cold)."""
+    argv = [sys.executable, "-m", "wprobe", *args]
+    kw = {"env": env, "cwd": cwd, "capture_output": True, "timeout": 120, **kwargs}
+    warm = launcher.run(argv, **kw)
+    cold = subprocess.run(argv, **kw)
+    return warm, cold
+
+
+@pytest.mark.parametrize("code", [0, 3, 255])
+def test_exit_status_and_exact_bytes_are_the_cold_ones(probe, code):
+    launcher, env, root = probe
+    before = len(launcher.cold)
+    warm, cold = both(launcher, env, root, "exit", str(code))
+    assert len(launcher.cold) == before, launcher.cold  # it did run warm
+    assert warm.returncode == cold.returncode == code
+    assert warm.stdout == cold.stdout == b"out \xff\x00 bytes\nno newlinetext"
+    assert warm.stderr == cold.stderr == b"err \xfe\n"
+
+
+@pytest.mark.parametrize(
+    ("action", "code", "last_line"),
+    [
+        ("message", 1, "a message for stderr"),
+        ("raise", 1, "ValueError: boom"),
+        ("interrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ],
+)
+def test_an_exception_ends_as_python_ends_it(probe, action, code, last_line):
+    """SystemExit(str) -> the text on stderr, exit 1; an exception -> the same traceback, exit 1; an
+    unhandled KeyboardInterrupt -> death by SIGINT, as python does."""
+    launcher, env, root = probe
+    warm, cold = both(launcher, env, root, action, text=True)
+    assert warm.returncode == cold.returncode == code, (warm.stderr, cold.stderr)
+    assert warm.stderr.splitlines()[-1] == last_line
+    assert warm.stderr == cold.stderr  # the same traceback, frame by frame
+
+
+def test_a_warm_child_has_the_state_a_cold_one_has(probe, tmp_path):
+    """argv, env (os.environ and /proc/PID/environ), /proc/PID/cmdline, cwd, umask, blocked signals,
+    signal dispositions, stdio, __main__'s namespace, thread count (numpy's BLAS pool) all as cold."""
+    launcher, env, _ = probe
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {**env, "WPROBE_ONLY_HERE": "x y=z"}
+    env.pop("TERM", None)
+    old_umask = os.umask(0o027)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    try:
+        warm, cold = both(launcher, env, cwd, "state", "--flag", "ü", text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR2])
+        os.umask(old_umask)
+    assert warm.returncode == cold.returncode == 0, (warm.stderr, cold.stderr)
+    w, c = json.loads(warm.stdout), json.loads(cold.stdout)
+    assert w == c
+    assert w["env"]["WPROBE_ONLY_HERE"] == "x y=z" and w["proc_environ"] == w["env"]
+    assert w["cwd"] == str(cwd) and w["umask"] == 0o027 and int(signal.SIGUSR2) in w["sigmask"]
+    assert w["cmdline"] == [os.path.normpath(sys.executable), "-m", "wprobe", "state", "--flag", "ü", ""]
+
+
+def test_a_variable_read_at_import_is_honoured_by_running_cold(probe):
+    """wprobe reads WPROBE_AT_IMPORT when imported, in the server; a request that changes it is run
+    cold, so the child sees its own value, as a cold one would."""
+    launcher, env, root = probe
+    same = launcher.popen(
+        [sys.executable, "-m", "wprobe", "at-import"], env=env, cwd=root, stdout=subprocess.PIPE
+    )
+    assert same.communicate(timeout=60)[0] == b"unset\n" and same.warm
+    changed = {**env, "WPROBE_AT_IMPORT": "changed"}
+    warm, cold = both(launcher, changed, root, "at-import")
+    assert warm.stdout == cold.stdout == b"changed\n"
+    assert "WPROBE_AT_IMPORT" in launcher.cold[-1]
+
+
+def test_real_signals_reach_a_warm_child_and_its_status_says_so(probe):
+    launcher, env, root = probe
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = launcher.popen(
+            [sys.executable, "-m", "wprobe", "sleep"], env=env, cwd=root, stdout=subprocess.PIPE
+        )
+        assert proc.warm and proc.stdout.readline() == b"ready\n"
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        os.kill(proc.pid, sig)  # a real signal to the real pid
+        assert proc.wait(timeout=60) == -sig
+        proc.stdout.close()
+
+
+def test_a_warm_child_spawns_its_own_children_and_joins_its_threads(probe):
+    launcher, env, root = probe
+    warm = launcher.run(
+        [sys.executable, "-m", "wprobe", "spawn"], env=env, cwd=root, capture_output=True, text=True
+    )
+    pid, grandchild_parent, grandchild_code = warm.stdout.split()
+    assert warm.returncode == 0 and pid == grandchild_parent and grandchild_code == "7"
+    warm, cold = both(launcher, env, root, "thread", text=True)
+    assert warm.stdout == cold.stdout == "main done\nthread done\n"  # non-daemon threads joined at exit
+
+
+def test_a_server_with_threads_refuses_to_fork(probe):
+    _, env, root = probe
+    launcher = WarmLauncher(["wprobe", "wthread"], env, str(root))
+    try:
+        with pytest.raises(RuntimeError, match="refused to fork: the fork server has 2 threads, not 1"):
+            launcher.popen([sys.executable, "-m", "wprobe", "exit", "0"], env=env, cwd=root)
+    finally:
+        launcher.stop()
+
+
+def test_a_warm_trainer_is_the_products_own_and_stops_cleanly(tmp_path):
+    """A warm `andrea train`: the lock's nonce check (/proc/PID/environ, cmdline, cwd) accepts it, the
+    product's signal path (SIGTERM -> checkpoint, exit 0) works, and it ran warm."""
+    from andrea_core.command import process_argv, trainer_run_dir
+    from andrea_core.run.lock import read_lock
+    from andrea_core.run.rundir import RunDir
+
+    run = tmp_path / "run"
+    log = tmp_path / "train.log"
+    proc = start_trainer("--config", TINY, "--run-dir", str(run), "--device", "cpu", "--pace", "0.2", log=log)
+    try:
+        assert getattr(proc, "warm", False) or os.environ.get("ANDREA_WARM_LAUNCHER") == "0"
+        wait_for(lambda: last_logged_step(run) >= 2, 300, "step 2")
+        lock = read_lock(RunDir(str(run)))
+        assert lock.pid == proc.pid and lock.why_not_our_trainer() is None
+        assert trainer_run_dir(process_argv(proc.pid)) == str(run)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "SIGTERM" in text and RunDir(str(run)).checkpoint_steps(), text
+
+
+def test_andrea_warm_launcher_0_turns_it_off(monkeypatch):
+    import conftest
+
+    monkeypatch.setenv("ANDREA_WARM_LAUNCHER", "0")
+    assert conftest.warm_launcher() is None
+    proc = start_trainer("--help")
+    assert type(proc) is subprocess.Popen and proc.wait(timeout=120) == 0
+
+
+def test_what_the_server_cannot_apply_runs_cold(probe):
+    """`-c`, a module the server did not preload, or Popen options it cannot apply: an ordinary Popen."""
+    launcher, env, root = probe
+    for argv, kwargs in (
+        ([sys.executable, "-c", "import os; print(os.getppid() == int(os.environ['PARENT']))"], {}),
+        ([sys.executable, "-m", "wprobe.__main__", "at-import"], {}),
+        ([sys.executable, "-m", "wprobe", "at-import"], {"start_new_session": True}),
+    ):
+        proc = launcher.popen(
+            argv, env={**env, "PARENT": str(os.getpid())}, cwd=root, stdout=subprocess.PIPE, **kwargs
+        )
+        out = proc.communicate(timeout=120)[0]
+        assert not proc.warm and proc.returncode == 0 and out in (b"True\n", b"unset\n"), launcher.cold[-1]

@@ -1,0 +1,532 @@
+"""A warm launcher for the tests' `python -m andrea_core ...` processes (issue 45.2): a fork server.
+
+The server (this file run as a script, one per xdist worker) imports torch and the trainer once, runs
+no torch op, and forks a child for each request; the child becomes what `python -m MODULE ARGS` started
+by subprocess.Popen would have been: real pid, real signals, the request's env, cwd, umask, signal mask
+and stdio fds (passed over a Unix socket with SCM_RIGHTS), Python's own signal dispositions, and a
+/proc/PID/cmdline and /proc/PID/environ that show its argv and env (rewritten in place: the lock and
+`andrea status` read them). A `train` child starts with the trainer nonce its cold re-exec would have
+given it (andrea_core.signals.nonce_environment). It exits as python does: SystemExit's code, a
+traceback and 1, non-daemon threads joined, atexit run, stdio flushed. The server sends back each
+child's wait status; `WarmLauncher.popen` returns a subprocess.Popen whose wait/poll read it.
+
+A request is run cold (a plain Popen) when warm could differ: a module not preloaded, Popen options
+the server cannot apply (pass_fds, preexec_fn, a new session, user/group), an argv or env larger than
+the server's /proc room, or an env that differs from the server's in a variable read while importing
+(recorded by watching os.environ during the imports, plus the prefixes C libraries read at load:
+OpenMP, BLAS, torch, locale, the dynamic linker, Python's own). The server refuses to fork while it
+has more than one thread (OpenMP/BLAS pools do not survive fork): the caller gets an error.
+Known, accepted differences: a warm child's parent is the server (tests about parent death, the
+command line or start-up stay cold: conftest's cold=True), its argv[0] in /proc is sys.executable
+padded with extra slashes (the same file), and it shares the server's str hash seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ARGV_ROOM = 16 * 1024  # bytes of /proc/PID/cmdline a child may fill
+ENV_ROOM = 96 * 1024  # bytes of /proc/PID/environ a child may fill
+ROOM_VAR = "_WARM_LAUNCHER_ROOM"
+BLAS_VAR = "_WARM_LAUNCHER_OPENBLAS_NUM_THREADS"  # the base env's own OPENBLAS_NUM_THREADS ("" = unset)
+# Variables read when a library loads (C getenv, or Python's start-up), not through os.environ.
+IMPORT_TIME_PREFIXES = (
+    "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH", "CUDA",
+    "NVIDIA_", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "TZ", "NPY_", "NUMPY_", "TQDM_",
+)  # fmt: skip
+# Modules that iterate os.environ at import, and how a child redoes what they read (None: cold).
+ITERATING_IMPORTS = {"fsspec/config.py": "fsspec", "tqdm/utils.py": None}
+
+
+def _proc_regions() -> tuple[int, int, int, int]:
+    """arg_start, arg_end, env_start, env_end of this process (/proc/self/stat fields 48-51)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return tuple(int(fields[n - 3]) for n in (48, 49, 50, 51))  # type: ignore[return-value]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def cmdline_bytes(argv: list[str], room: int) -> bytes | None:
+    """argv as /proc/PID/cmdline shows it, exactly `room` bytes: argv[0] (an absolute path) padded with
+    slashes, which name the same file; None if it does not fit."""
+    raw = [os.fsencode(a) for a in argv]
+    extra = room - sum(len(a) + 1 for a in raw)
+    if extra < 0:
+        return None
+    head, tail = os.path.split(raw[0])
+    raw[0] = head + b"/" * (extra + 1) + tail if extra else raw[0]
+    return b"\0".join(raw) + b"\0"
+
+
+def environ_bytes(env: dict[str, str], room: int) -> bytes | None:
+    block = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
+    return None if len(block) > room else block + b"\0" * (room - len(block))
+
+
+def blas_threads(env: dict[str, str]) -> int:
+    """The OpenBLAS pool size a cold process with `env` starts with (OpenBLAS's blas_get_cpu_number)."""
+    procs = len(os.sched_getaffinity(0))
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        with contextlib.suppress(ValueError):
+            if int(env.get(name, "0")) > 0:
+                return min(int(env[name]), procs)
+    return procs
+
+
+class Server:
+    """The fork server: `python tests/warm_launcher.py SOCKET PRELOAD,... ROOM` (see WarmLauncher)."""
+
+    def __init__(self, sock_path: str, preload: list[str]) -> None:
+        self.dispositions = {}
+        for sig in signal.valid_signals():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                handler = signal.getsignal(sig)
+                if handler is not None:
+                    self.dispositions[sig] = handler
+        self.regions = _proc_regions()
+        self.base = dict(os.environ)
+        self.base.pop(ROOM_VAR, None)
+        blas = self.base.pop(BLAS_VAR, "")
+        if blas:
+            self.base["OPENBLAS_NUM_THREADS"] = blas
+        else:
+            self.base.pop("OPENBLAS_NUM_THREADS", None)
+        self.import_reads, self.refresh, self.any_env_cold = self._import(preload)
+        self.runnable = {m.split(".")[0] for m in preload}  # `-m PACKAGE` of a preloaded package only
+        self.blas = self._blas_setter()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(sock_path)
+        self.listener.listen(64)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.children: dict[int, socket.socket] = {}
+
+    def _import(self, preload: list[str]) -> tuple[set[str], set[str], bool]:
+        """Import `preload` watching os.environ: the keys read one by one, and who iterated it."""
+        cls = type(os.environ)
+        get, iterate = cls.__getitem__, cls.__iter__
+        reads: set[str] = set()
+        iterators: list[str] = []
+        iterating: list = []  # the frames that iterated os.environ (kept: no frame reuse meanwhile)
+
+        def caller():  # the first frame above os.environ's own code and collections.abc's views
+            frame = sys._getframe(2)
+            while frame and frame.f_code.co_filename.startswith(("<frozen", os.path.dirname(os.__file__))):
+                frame = frame.f_back
+            return frame
+
+        def watched_get(env, key):
+            frame = caller()
+            if not any(frame is f for f in iterating):  # not a read of every key by an iteration
+                reads.add(key)
+            return get(env, key)
+
+        def watched_iter(env):
+            frame = caller()
+            iterating.append(frame)
+            iterators.append(frame.f_code.co_filename if frame else "?")
+            return iterate(env)
+
+        cls.__getitem__, cls.__iter__ = watched_get, watched_iter
+        try:
+            for module in preload:
+                __import__(module)
+        finally:
+            cls.__getitem__, cls.__iter__ = get, iterate
+        refresh, unknown = set(), False
+        for path in iterators:
+            known = next((v for k, v in ITERATING_IMPORTS.items() if path.endswith(k)), "unknown")
+            if known == "unknown":
+                unknown = True
+            elif known is not None:  # None: tqdm, whose prefix is in IMPORT_TIME_PREFIXES
+                refresh.add(known)
+        return reads, refresh, unknown
+
+    def _blas_setter(self):
+        for line in open("/proc/self/maps"):
+            path = line.split()[-1]
+            if "openblas" in os.path.basename(path).lower():
+                lib = ctypes.CDLL(path)
+                for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_"):
+                    if hasattr(lib, name):
+                        return getattr(lib, name)
+                return getattr(lib, "openblas_set_num_threads", None)
+        return None
+
+    def why_cold(self, req: dict) -> str | None:
+        argv = req["argv"]
+        if len(argv) < 2 or argv[0] != "-m" or argv[1] not in self.runnable:
+            return f"not a preloaded `-m` module: {argv[:2]}"
+        env = req["env"]
+        changed = {k for k in env.keys() | self.base.keys() if env.get(k) != self.base.get(k)}
+        if changed and self.any_env_cold:
+            return "an import iterated os.environ: any env change is run cold"
+        early = sorted(k for k in changed if k in self.import_reads or k.startswith(IMPORT_TIME_PREFIXES))
+        if early:
+            return f"env differs in variables read at import: {early}"
+        if cmdline_bytes([sys.executable, *argv], self.regions[1] - self.regions[0]) is None:
+            return "argv larger than the server's /proc room"
+        if (
+            environ_bytes({**env, "ANDREA_TRAINER_NONCE": "0" * 48}, self.regions[3] - self.regions[2])
+            is None
+        ):
+            return "env larger than the server's /proc room"
+        return None
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(self.wake_w)
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        sel.register(self.wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj is self.listener:
+                    conn, _ = self.listener.accept()
+                    try:
+                        self._request(conn)
+                    except OSError:
+                        conn.close()
+                else:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+            self._reap()
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"status": status}).encode())
+                conn.close()
+
+    def _request(self, conn: socket.socket) -> None:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        try:
+            req = json.loads(data)
+            reason = self.why_cold(req)
+            if reason is not None:
+                conn.send(json.dumps({"cold": reason}).encode())
+                conn.close()
+                return
+            threads = _threads()
+            if threads != 1:
+                conn.send(json.dumps({"refused": f"the fork server has {threads} threads, not 1"}).encode())
+                conn.close()
+                return
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    self._become(req, fds, conn)
+                finally:
+                    os._exit(1)
+            self.children[pid] = conn
+            conn.send(json.dumps({"pid": pid}).encode())
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # the child's own copies stay open in the child
+
+    def _become(self, req: dict, fds: list[int], conn: socket.socket) -> None:
+        """In the child: become `python ARGV` as Popen would have started it, run it, exit."""
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig, handler in self.dispositions.items():
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(sig, handler)
+            for obj in (conn, self.listener):
+                obj.close()
+            for fd in (self.wake_r, self.wake_w, *(c.fileno() for c in self.children.values())):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+            os.umask(req["umask"])
+            os.chdir(req["cwd"])
+            argv = [sys.executable, *req["argv"]]
+            env = dict(req["env"])
+            os.environ.clear()  # unsetenv each: libc's environ no longer points into the old block
+            os.environ.update(env)
+            if argv[3:4] == ["train"] and argv[2] == "andrea_core":
+                # What `andrea train`'s re-exec (signals.become_trainer_process) would have given it.
+                from andrea_core.signals import nonce_environment
+
+                os.environ.update(nonce_environment(os.getpid()))
+            a0, a1, e0, e1 = self.regions
+            ctypes.memmove(a0, cmdline_bytes(argv, a1 - a0), a1 - a0)
+            ctypes.memmove(e0, environ_bytes(dict(os.environ), e1 - e0), e1 - e0)
+            if "fsspec" in self.refresh:
+                import fsspec.config as fc
+
+                fc.conf.clear()
+                fc.set_conf_files(fc.conf_dir, fc.conf)
+                fc.set_conf_env(fc.conf)
+            if self.blas is not None and blas_threads(env) > 1:
+                self.blas(blas_threads(env))
+            sys.argv, sys.orig_argv = [argv[1], *argv[3:]], argv
+            sys.path.insert(0, os.getcwd())  # as `python -m` (the server removed its own first entry)
+            _reopen_stdio()
+            signal.pthread_sigmask(signal.SIG_SETMASK, req["sigmask"])
+        except BaseException:
+            import traceback
+
+            os.write(2, f"warm launcher: child set-up failed:\n{traceback.format_exc()}".encode())
+            os._exit(1)
+        _run_as_main(argv[2])
+
+
+def _reopen_stdio() -> None:
+    """sys.stdin/stdout/stderr over fds 0-2 as Python's start-up makes them (create_stdio)."""
+    import io
+
+    unbuffered = bool(getattr(sys.__stderr__, "write_through", False))  # python -u / PYTHONUNBUFFERED
+    for fd, name, write in ((0, "stdin", False), (1, "stdout", True), (2, "stderr", True)):
+        like = getattr(sys, "__" + name + "__") or getattr(sys, name)
+        try:
+            raw = io.FileIO(fd, "wb" if write else "rb", closefd=False)
+        except OSError:
+            setattr(sys, name, None)
+            setattr(sys, "__" + name + "__", None)
+            continue
+        buf = raw if (write and unbuffered) else (io.BufferedWriter(raw) if write else io.BufferedReader(raw))
+        line = not unbuffered and write and (raw.isatty() or fd == 2)
+        text = io.TextIOWrapper(
+            buf,
+            encoding=like.encoding,
+            errors=like.errors,
+            newline="\n",
+            line_buffering=line,
+            write_through=unbuffered,
+        )
+        text.mode = "w" if write else "r"
+        setattr(sys, name, text)
+        setattr(sys, "__" + name + "__", text)
+
+
+def _run_as_main(module: str) -> None:
+    """`python -m MODULE` from here on, through to os._exit with python's exit status."""
+    import atexit
+    import runpy
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    code, interrupted = 0, False
+    try:
+        runpy._run_module_as_main(module, alter_argv=True)  # what `python -m` calls
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException as e:
+        interrupted = isinstance(e, KeyboardInterrupt)
+        tb = e.__traceback__.tb_next if e.__traceback__ else None  # not this frame: python has none
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        code = 1
+    try:
+        threading._shutdown()
+    except BaseException as e:
+        sys.excepthook(type(e), e, e.__traceback__)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            code = 120 if code == 0 else code
+    if interrupted:  # python re-raises an unhandled KeyboardInterrupt as death by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
+
+
+class WarmPopen(subprocess.Popen):
+    """subprocess.Popen whose child is forked by a WarmLauncher server (or, when the server says so,
+    started cold as usual). pid, signals, pipes, communicate, wait and poll behave as Popen's."""
+
+    def __init__(self, launcher: WarmLauncher, args, **kwargs) -> None:
+        self._launcher, self._conn, self.warm = launcher, None, False
+        super().__init__(args, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, process_group):  # fmt: skip
+        plain = (
+            not shell and executable is None and preexec_fn is None and not pass_fds and restore_signals
+            and gid is None and gids is None and uid is None and umask < 0 and not start_new_session
+            and process_group in (None, -1) and list(args[:1]) == [sys.executable]
+        )  # fmt: skip
+        reply = {"cold": "Popen options the server does not apply"}
+        if plain:
+            fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1]
+            fds.append(errwrite if errwrite != -1 else 2)
+            mask = os.umask(0o22)
+            os.umask(mask)
+            req = {
+                "argv": [os.fsdecode(a) for a in args[1:]],
+                "env": {
+                    os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()
+                },
+                "cwd": os.path.abspath(os.fsdecode(cwd) if cwd is not None else os.getcwd()),
+                "umask": mask,
+                "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+            }
+            reply, self._conn = self._launcher.request(req, fds)
+        if "cold" in reply:
+            self._launcher.cold.append(reply["cold"])
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                                          startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                                          c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
+                                          umask, start_new_session, process_group)  # fmt: skip
+        if "refused" in reply:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+            raise RuntimeError(f"warm launcher refused to fork: {reply['refused']}")
+        self.pid, self.warm, self._child_created = reply["pid"], True, True
+        self._launcher.warm += 1
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _try_wait(self, wait_flags):
+        if self._conn is None:
+            return super()._try_wait(wait_flags)
+        self._conn.setblocking(not wait_flags & os.WNOHANG)
+        try:
+            data = self._conn.recv(4096)
+        except BlockingIOError:
+            return 0, 0
+        self._conn.close()
+        self._conn = None
+        if not data:  # the server is gone: the child's status cannot be known
+            raise ChildProcessError(f"warm launcher lost child {self.pid}")
+        return self.pid, json.loads(data)["status"]
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if not self.warm:
+            return super()._internal_poll(_deadstate)
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, status = self._try_wait(os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(status)
+            except OSError:
+                if _deadstate is not None:
+                    self.returncode = _deadstate
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+
+class WarmLauncher:
+    """One fork server with `preload` imported; `popen`/`run` as subprocess's, warm where it can be."""
+
+    def __init__(self, preload: list[str], env: dict[str, str], cwd: str) -> None:
+        self.folder = tempfile.mkdtemp(prefix="warm-launcher-")
+        self.sock_path = os.path.join(self.folder, "sock")
+        self.warm = 0  # children forked warm
+        self.cold: list[str] = []  # why each cold start was cold
+        server_env = {**env, ROOM_VAR: "x" * ENV_ROOM, BLAS_VAR: env.get("OPENBLAS_NUM_THREADS", "")}
+        server_env["OPENBLAS_NUM_THREADS"] = "1"  # no BLAS pool in the server; a child gets its own
+        self.server = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), self.sock_path, ",".join(preload), "#" * ARGV_ROOM],
+            env=server_env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 300
+        while not os.path.exists(self.sock_path + ".ready"):
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"warm launcher server did not start (exit {self.server.returncode})")
+            time.sleep(0.02)
+
+    def request(self, req: dict, fds: list[int]) -> tuple[dict, socket.socket | None]:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(self.sock_path)
+        socket.send_fds(conn, [json.dumps(req).encode()], fds)
+        reply = json.loads(conn.recv(1 << 16) or b'{"refused": "the server closed the connection"}')
+        if "pid" not in reply:
+            conn.close()
+            return reply, None
+        return reply, conn
+
+    def popen(self, args, **kwargs) -> WarmPopen:
+        return WarmPopen(self, args, **kwargs)
+
+    def run(
+        self, args, *, input=None, capture_output=False, timeout=None, check=False, **kwargs
+    ) -> subprocess.CompletedProcess:
+        """subprocess.run, through this launcher."""
+        if capture_output:
+            kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+        if input is not None:
+            kwargs["stdin"] = subprocess.PIPE
+        with self.popen(args, **kwargs) as proc:
+            try:
+                stdout, stderr = proc.communicate(input, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                proc.kill()
+                e.output, e.stderr = proc.communicate()
+                raise
+            except BaseException:
+                proc.kill()
+                raise
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        if check:
+            result.check_returncode()
+        return result
+
+    def stop(self) -> None:
+        self.server.terminate()
+        self.server.wait()
+        for name in ("sock", "sock.ready"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
+
+
+def _server_main(sock_path: str, preload: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the test process
+    server = Server(sock_path, [m for m in preload.split(",") if m])
+    if _threads() != 1:
+        print(f"warm launcher: {_threads()} threads after the imports", file=sys.stderr)
+    open(sock_path + ".ready", "w").close()
+    server.serve()
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # this folder: a child's sys.path[0] is its cwd, as under `python -m`
+    _server_main(sys.argv[1], sys.argv[2])
