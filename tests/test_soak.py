@@ -21,13 +21,13 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
 from powercut import fuse_unavailable  # noqa: E402
 
-# bench/soak.py's KINDS (bitflip, opt-in, left out): locally the 15 common and disk-full ones, and the
-# power-cut layer's 6 where FUSE mounts (issue 48); on moto the 14 common ones, s3-deny and s3-lost-reply.
+# bench/soak.py's KINDS: locally the 15 common and disk-full ones, and the power-cut layer's 7 where FUSE
+# mounts (issue 48); on moto the 14 common ones, s3-deny and s3-lost-reply.
 NO_LAYER = fuse_unavailable()
 COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
 COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
 COMMON += ["second-trainer"]
-LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot"]
+LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot", "bitflip"]
 KINDS = {
     "local": [*COMMON, "disk-full", *([] if NO_LAYER else LAYER)],
     "s3": [*COMMON, "s3-deny", "s3-lost-reply"],
