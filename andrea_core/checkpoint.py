@@ -1,16 +1,23 @@
 """The step_NNNNNN.bin checkpoint (contract): one line to describe, `struct` to check.
 
     little-endian [int32 step][int32 n_params][n x f32 weights][n x f32 Adam m][n x f32 Adam v]
+                  [char[3] "ANC"][uint8 version 1][uint32 CRC-32 of every byte before the trailer]
 
-Size is exactly 8 + 12 * n_params. The three regions are the model's parameters and AdamW's
-exp_avg / exp_avg_sq, flattened in `model.parameters()` order. No pickle anywhere on this path:
-a checkpoint is raw floats, so reading one can never execute code.
+Size is exactly 8 + 12 * n_params + 8. The three regions are the model's parameters and AdamW's
+exp_avg / exp_avg_sq, flattened in `model.parameters()` order; the 8-byte trailer's CRC-32
+(zlib.crc32) covers the header and the floats, so a flipped bit or a torn write is refused as a
+torn file is. The legacy form, without the trailer (exactly 8 + 12 * n_params bytes, written before
+the trailer existed), is still read: it has no checksum, and says so (`Checkpoint.checksum` is None).
+Any other size is refused before the body is read. No pickle anywhere on this path: a checkpoint is
+raw floats, so reading one can never execute code. Why a trailer: docs/design.md.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +27,11 @@ if TYPE_CHECKING:  # torch is imported by the functions that use it: reading a c
     import torch
 
 HEADER = struct.Struct("<ii")
+TRAILER = struct.Struct("<3sBI")  # magic, format version, CRC-32 of the header and the floats
+MAGIC, VERSION = b"ANC", 1
+# The floats are checksummed in pieces of this size just before each is written, while in cache:
+# the writer reads its buffer once (encode_parts).
+CHUNK = 4 * 2**20
 # Anything shaped like a checkpoint name; only the canonical spelling of a step (checkpoint_name) counts.
 NAME_RE = re.compile(r"step_(\d+)\.bin")  # fullmatch: `$` would let "step_000100.bin\n" through
 INT32_MAX = 2**31 - 1
@@ -57,8 +69,21 @@ def is_stray_checkpoint_name(name: str) -> bool:
     return NAME_RE.fullmatch(base) is not None and step_from_name(base) is None
 
 
-def expected_size(n_params: int) -> int:
-    return HEADER.size + 12 * n_params
+def expected_size(n_params: int, checksum: bool = True) -> int:
+    """The size of a checkpoint of `n_params` written now (with its trailer), or of the legacy form."""
+    return HEADER.size + 12 * n_params + (TRAILER.size if checksum else 0)
+
+
+def size_problem(size: int, n_params: int) -> str | None:
+    """Why a file of `size` bytes whose header says `n_params` cannot be a checkpoint; None if it can
+    (either form). Known from the header alone: a 3 GB file claiming n = 1 is refused unread."""
+    legacy = expected_size(n_params, checksum=False)
+    if size in (legacy, legacy + TRAILER.size):
+        return None
+    return (
+        f"{size} bytes where 8 + 12*{n_params} = {legacy} are required "
+        f"({legacy + TRAILER.size} with its checksum trailer)"
+    )
 
 
 @dataclass
@@ -66,6 +91,7 @@ class Checkpoint:
     step: int
     n_params: int
     flat: np.ndarray  # float32 [3 * n_params]: weights | m | v, a view of the file's bytes
+    checksum: int | None = None  # the CRC-32 the file carries and matches; None: the legacy form
 
     @property
     def weights(self) -> np.ndarray:
@@ -89,12 +115,48 @@ def encode_header(step: int, n_params: int) -> bytes:
     return HEADER.pack(step, n_params)
 
 
-def encode(step: int, flat: np.ndarray) -> bytes:
-    """The file's bytes for a float32 [weights | m | v] vector."""
+def encode_parts(step: int, flat: np.ndarray) -> Iterator[memoryview]:
+    """The file's bytes for a float32 [weights | m | v] vector, in pieces to be written in order: the
+    header, the floats (views of `flat`, no copy), the trailer. The CRC-32 is taken of each piece as it
+    is handed out, so a streaming writer (a file, a multipart upload) reads the buffer once; the
+    trailer is made when the pieces before it have all been taken."""
     flat = np.ascontiguousarray(flat, dtype="<f4")
     if flat.size % 3:
         raise ValueError(f"flat state of {flat.size} floats is not three equal regions")
-    return encode_header(step, flat.size // 3) + flat.tobytes()
+    header = encode_header(step, flat.size // 3)
+    crc = zlib.crc32(header)
+    yield memoryview(header)
+    body = memoryview(flat).cast("B")
+    for at in range(0, body.nbytes, CHUNK):
+        piece = body[at : at + CHUNK]
+        crc = zlib.crc32(piece, crc)
+        yield piece
+    yield memoryview(TRAILER.pack(MAGIC, VERSION, crc))
+
+
+def encode(step: int, flat: np.ndarray) -> bytes:
+    """The file's bytes for a float32 [weights | m | v] vector (encode_parts, joined)."""
+    return b"".join(encode_parts(step, flat))
+
+
+def trailer_problem(data: bytes | memoryview, n_params: int) -> tuple[int | None, str | None]:
+    """(CRC-32, None) for a file of the checksummed form whose checksum matches; (None, None) for the
+    legacy form (no trailer: nothing to check); (None, problem) otherwise. The size is size_problem's."""
+    body = HEADER.size + 12 * n_params
+    if len(data) == body:
+        return None, None
+    magic, version, want = TRAILER.unpack_from(data, body)
+    if magic != MAGIC:
+        return None, f"its last 8 bytes are not a checksum trailer (magic {magic!r}, not {MAGIC!r})"
+    if version != VERSION:
+        return None, f"checksum trailer version {version} is not one this reader knows ({VERSION})"
+    got = zlib.crc32(memoryview(data)[:body])
+    if got != want:
+        return None, (
+            f"checksum does not match: the trailer says CRC-32 {want:08x}, its {body:,} bytes have "
+            f"{got:08x} (a flipped bit or a torn write: the file is damaged)"
+        )
+    return got, None
 
 
 def decode(data: bytes | memoryview, name: str, expected_n_params: int | None = None) -> Checkpoint:
@@ -107,9 +169,9 @@ def decode(data: bytes | memoryview, name: str, expected_n_params: int | None = 
         raise CheckpointError(name, f"n_params is {n} (must be positive)")
     if step < 0:
         raise CheckpointError(name, f"header step is {step} (must be >= 0)")
-    want = expected_size(n)
-    if size != want:
-        raise CheckpointError(name, f"{size} bytes where 8 + 12*{n} = {want} are required")
+    problem = size_problem(size, n)
+    if problem:
+        raise CheckpointError(name, problem)
     name_step = step_from_name(name)
     if name_step is None:
         raise CheckpointError(name, "file name is not step_NNNNNN.bin")
@@ -117,8 +179,11 @@ def decode(data: bytes | memoryview, name: str, expected_n_params: int | None = 
         raise CheckpointError(name, f"header step {step} disagrees with the name's {name_step}")
     if expected_n_params is not None and n != expected_n_params:
         raise CheckpointError(name, f"n_params {n} does not match the model's {expected_n_params}")
+    crc, problem = trailer_problem(data, n)
+    if problem:
+        raise CheckpointError(name, problem)
     flat = np.frombuffer(data, dtype="<f4", offset=HEADER.size, count=3 * n)
-    ckpt = Checkpoint(step, n, flat)
+    ckpt = Checkpoint(step, n, flat, crc)
     if np.isfinite(flat).all() and not (ckpt.v < 0).any():
         return ckpt  # one pass for the common case; the scan below names the first bad value
     for region, values in ckpt.regions().items():
@@ -135,8 +200,10 @@ def decode(data: bytes | memoryview, name: str, expected_n_params: int | None = 
 
 
 def region_stats(data: bytes, name: str) -> dict:
-    """What `andrea inspect` shows: header, size, verdict and per-region statistics (even when invalid)."""
-    report: dict = {"file": name, "bytes": len(data), "step": None, "n_params": None}
+    """What `andrea inspect` shows: header, size, verdict, checksum status and per-region statistics
+    (even when invalid). `checksum`: "CRC-32 XXXXXXXX, matches", "none (the legacy form ...)", the
+    trailer's problem, or None when the size fits neither form."""
+    report: dict = {"file": name, "bytes": len(data), "step": None, "n_params": None, "checksum": None}
     if len(data) >= HEADER.size:
         report["step"], report["n_params"] = HEADER.unpack_from(data, 0)
     try:
@@ -145,6 +212,14 @@ def region_stats(data: bytes, name: str) -> dict:
     except CheckpointError as e:
         report["valid"], report["problem"] = False, e.problem
     n = report["n_params"]
+    if n and n > 0 and size_problem(len(data), n) is None:
+        crc, problem = trailer_problem(data, n)
+        if problem:
+            report["checksum"] = problem.removeprefix("checksum ")
+        elif crc is None:
+            report["checksum"] = "none (the legacy form, 8 + 12n bytes: written before checksums)"
+        else:
+            report["checksum"] = f"CRC-32 {crc:08x}, matches"
     if n and n > 0:
         floats = np.frombuffer(data, dtype="<f4", offset=HEADER.size, count=(len(data) - 8) // 4)
         regions = {}

@@ -128,6 +128,8 @@ def format_inspect(report: dict) -> str:
         f"{report['file']}: {verdict}",
         f"  step {report['step']}  n_params {report['n_params']}  {report['bytes']:,} bytes",
     ]
+    if report.get("checksum"):
+        lines.append(f"  checksum: {report['checksum']}")
     for region, st in (report.get("regions") or {}).items():
         fmt = lambda v: "n/a" if v is None else f"{v:.6g}"  # noqa: E731
         lines.append(
@@ -139,7 +141,7 @@ def format_inspect(report: dict) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from andrea_core.bounded import read_bounded
-    from andrea_core.checkpoint import HEADER, expected_size, region_stats
+    from andrea_core.checkpoint import HEADER, region_stats, size_problem
     from andrea_core.config import ConfigError
     from andrea_core.run.rundir import url_to_fs
 
@@ -154,10 +156,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with fs.open(path, "rb") as f:
         header = f.read(HEADER.size)
         step, n = HEADER.unpack(header) if len(header) == HEADER.size else (None, None)
-        if n is not None and n > 0 and size != expected_size(n):
+        if n is not None and n > 0 and size_problem(size, n):
             # Refused from its header: a 3 GB file claiming n = 1 is never read whole.
             report = {"file": name, "bytes": size, "step": step, "n_params": n, "valid": False}
-            report["problem"] = f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required"
+            report["problem"], report["checksum"] = size_problem(size, n), None
         else:
             data = header + read_bounded(f, max(size - len(header), 0), args.file)
             report = region_stats(data, name)

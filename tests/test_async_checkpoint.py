@@ -18,6 +18,7 @@ import signal
 import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -177,8 +178,9 @@ def test_async_file_is_byte_identical_to_sync(tmp_path):
         name = checkpoint_name(step)
         written = (tmp_path / "async" / name).read_bytes()
         assert written == (tmp_path / "sync" / name).read_bytes() == expected
-        assert len(written) == 8 + 12 * n
+        assert len(written) == 8 + 12 * n + 8  # header, floats, checksum trailer
         assert struct.unpack_from("<ii", written) == (step, n)
+        assert struct.unpack_from("<3sBI", written, 8 + 12 * n) == (b"ANC", 1, zlib.crc32(written[:-8]))
     assert not [p for p in tmp_path.rglob("*") if ".tmp." in p.name]
 
 

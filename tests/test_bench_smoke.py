@@ -84,6 +84,14 @@ def test_checkpoint_io_and_loss_log_print_their_figures(tmp_path):
     assert re.search(rf"read the canonical history\s+{NUMBER} s .* target < 1 s", out), out
 
 
+def test_checkpoint_checksum_prints_every_hash_and_each_ratio(tmp_path):
+    out = bench("checkpoint_checksum.py", "--params", "100000", "--repeats", "1", "--dir", str(tmp_path))
+    for name in ("zlib.crc32", "hashlib.blake2b", "hashlib.sha256", "numpy xor of uint64"):
+        assert re.search(rf"hash {re.escape(name)}\s+{NUMBER} ms\s+{NUMBER} GB/s", out), out
+    for what in ("encode", "decode", "write", "read \\(cold\\)", "read \\(warm\\)"):
+        assert re.search(rf"{what}\s+legacy .* checksummed .* time ratio\s+{NUMBER}", out), out
+
+
 def test_dashboard_prints_before_now_and_the_status_read():
     out = bench("dashboard.py", "--steps", "600", "--segments", "3", "--repeats", "1")
     assert "dashboard of a run of 600 steps in 3 segments" in out, out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +45,11 @@ def test_checkpoint_layout_is_header_then_weights_m_v(tmp_path):
     n = sum(p.numel() for p in trainer.model.parameters())
     raw = (tmp_path / "run" / "step_000037.bin").read_bytes()
 
-    assert len(raw) == 8 + 12 * n
+    assert len(raw) == 8 + 12 * n + 8
     step, n_params = struct.unpack("<ii", raw[:8])  # the test's own reading, not the project's reader
     assert (step, n_params) == (n_steps, n)
-    floats = np.frombuffer(raw, dtype="<f4", offset=8)
+    assert struct.unpack("<3sBI", raw[-8:]) == (b"ANC", 1, zlib.crc32(raw[:-8]))  # the trailer
+    floats = np.frombuffer(raw, dtype="<f4", offset=8, count=3 * n)
     params = list(trainer.model.parameters())
     weights = torch.cat([p.detach().reshape(-1) for p in params]).numpy()
     m = torch.cat([trainer.optimizer.state[p]["exp_avg"].reshape(-1) for p in params]).numpy()
@@ -72,6 +75,26 @@ def test_parameter_order_is_the_design_order():
     assert names[-3:] == ["ln_f.weight", "ln_f.bias", "head.weight"]
 
 
+def test_encode_parts_streams_views_of_the_buffer_and_checksums_them_once(monkeypatch):
+    """The writer's pieces (header, floats, trailer) are the file's bytes in order; the floats are views
+    of the caller's buffer, not a copy, and each is checksummed once, before it is handed out."""
+    import andrea_core.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHUNK", 4096)  # several pieces from a small buffer
+    flat = np.arange(3 * 5000, dtype="<f4")
+    seen = []
+    real_crc32 = zlib.crc32
+    monkeypatch.setattr(checkpoint.zlib, "crc32", lambda b, c=0: seen.append(len(b)) or real_crc32(b, c))
+    views = list(checkpoint.encode_parts(7, flat))
+    assert len(views) == 1 + -(-60000 // 4096) + 1  # the header, 15 pieces of the floats, the trailer
+    assert all(np.shares_memory(np.frombuffer(v, dtype=np.uint8), flat) for v in views[1:-1])
+    data = b"".join(views)
+    assert data == struct.pack("<ii", 7, 5000) + flat.tobytes() + struct.pack(
+        "<3sBI", b"ANC", 1, real_crc32(data[:-8])
+    )
+    assert sum(seen) == 8 + 60000  # every byte before the trailer, read once
+
+
 def test_encode_decode_round_trip_is_exact():
     rng = np.random.default_rng(0)
     flat = rng.standard_normal(3 * 1000).astype(np.float32)
@@ -80,6 +103,7 @@ def test_encode_decode_round_trip_is_exact():
     ckpt = decode(data, checkpoint_name(1234), expected_n_params=1000)
     assert (ckpt.step, ckpt.n_params) == (1234, 1000)
     assert ckpt.flat.tobytes() == flat.tobytes()
+    assert ckpt.checksum == zlib.crc32(data[:-8]) == struct.unpack("<I", data[-4:])[0]
     assert step_from_name("step_1234567.bin") == 1234567 and step_from_name("step_12.bin") is None
 
 
@@ -141,6 +165,89 @@ def test_inspect_agrees_with_reader_on_shared_vectors(vectors, rel):
         assert report["regions"]["weights"]["non_finite"] == 1
 
 
+# --- the checksummed form: vectors made here from the format line alone (struct and zlib, not the
+# project's encode), from the shared valid vector; proposed for ../shared/testdata/checkpoints ---------
+
+
+def _trailer(body: bytes, magic: bytes = b"ANC", version: int = 1) -> bytes:
+    return struct.pack("<3sBI", magic, version, zlib.crc32(body))  # [char[3]][uint8][uint32 CRC-32]
+
+
+def _flipped(body: bytes, byte: int, bit: int = 4) -> bytes:
+    data = bytearray(body)
+    data[byte] ^= 1 << bit
+    return bytes(data)
+
+
+V1 = {  # name: (bytes from the legacy valid vector, the problem or None)
+    "valid": (lambda b: b + _trailer(b), None),
+    "legacy": (lambda b: b, None),
+    "flipped-weight": (lambda b: _flipped(b, 8 + 4 * 5) + _trailer(b), "checksum does not match"),
+    "flipped-v": (lambda b: _flipped(b, 8 + 80 + 4 * 9, 0) + _trailer(b), "checksum does not match"),
+    "flipped-trailer": (lambda b: b + _flipped(_trailer(b), 6), "checksum does not match"),
+    "torn-trailer-1": (lambda b: (b + _trailer(b))[:-1], "135 bytes where 8 + 12*10 = 128 are required"),
+    "torn-trailer-7": (lambda b: (b + _trailer(b))[:-7], "129 bytes where 8 + 12*10 = 128 are required"),
+    "other-magic": (lambda b: b + _trailer(b, b"ANK"), "are not a checksum trailer"),
+    "version-2": (lambda b: b + _trailer(b, version=2), "checksum trailer version 2"),
+}
+
+
+@pytest.fixture(scope="module")
+def v1_vectors(vectors, tmp_path_factory) -> Path:
+    legacy = (vectors / "step_000042.bin").read_bytes()
+    root = tmp_path_factory.mktemp("v1-vectors")
+    for name, (make, _) in V1.items():
+        (root / name).mkdir()
+        (root / name / "step_000042.bin").write_bytes(make(legacy))
+    return root
+
+
+@pytest.mark.parametrize("case", list(V1))
+def test_checksummed_form_verdicts_of_reader_validator_inspect_and_soak(v1_vectors, case):
+    """Each of the four readers of the format gives each vector one verdict: decode, RunDir's bounded
+    read, `andrea inspect` (exit code, first line, the checksum line) and the soak's own reader."""
+    import json
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from soak import spec_problem
+
+    path = v1_vectors / case / "step_000042.bin"
+    data, problem = path.read_bytes(), V1[case][1]
+    if problem is None:
+        ckpt = decode(data, path.name, expected_n_params=10)
+        assert ckpt.weights.tolist() == [i * 0.5 - 2 for i in range(10)]
+        assert ckpt.checksum == (None if case == "legacy" else zlib.crc32(data[:128]))
+        assert RunDir(str(path.parent)).read_checkpoint(42, 10).flat.tobytes() == data[8:128]
+        assert spec_problem(data, path.name) is None
+    else:
+        reads = {
+            path.name: lambda: decode(data, path.name),
+            str(path): lambda: RunDir(str(path.parent)).read_checkpoint(42),
+        }
+        for where, read in reads.items():
+            with pytest.raises(CheckpointError) as err:
+                read()
+            assert str(err.value).startswith(f"{where}: ") and problem in str(err.value)
+        assert spec_problem(data, path.name) is not None
+
+    proc = andrea("inspect", str(path), check=False)
+    report = json.loads(andrea("inspect", "--json", str(path), check=False).stdout)
+    lines = proc.stdout.splitlines()
+    if problem is None:
+        assert proc.returncode == 0 and lines[0] == "step_000042.bin: VALID" and report["valid"]
+        want = (
+            "none (the legacy form" if case == "legacy" else f"CRC-32 {zlib.crc32(data[:128]):08x}, matches"
+        )
+        assert lines[2].startswith(f"  checksum: {want}") and report["checksum"].startswith(want)
+    else:
+        assert (
+            proc.returncode == 1 and lines[0].startswith("step_000042.bin: INVALID: ") and problem in lines[0]
+        )
+        assert not report["valid"] and problem in report["problem"]
+        if "required" not in problem:  # the size fits a form: the trailer's status is shown
+            assert lines[2] == f"  checksum: {report['checksum']}" and report["checksum"] in report["problem"]
+
+
 # --- bad files in a real run: refused by name and problem, previous one used, nothing deleted ---
 
 
@@ -155,6 +262,12 @@ def _corrupt(kind: str, path: Path) -> None:
         path.write_bytes(struct.pack("<ii", 300, n) + bytes(raw[8 : 8 + 12 * n]))
     elif kind == "random-bytes":
         path.write_bytes(np.random.default_rng(1).bytes(len(raw)))
+    elif kind == "bit-flip":  # one bit of the middle weight: finite, the same size, another model
+        n = struct.unpack_from("<i", raw, 4)[0]
+        raw[8 + 4 * (n // 2)] ^= 0x10
+        path.write_bytes(raw)
+    elif kind == "torn-trailer":  # cut inside the checksum trailer
+        path.write_bytes(raw[:-3])
 
 
 PROBLEMS = {
@@ -162,6 +275,8 @@ PROBLEMS = {
     "header-step": "header step 299 disagrees with the name's 300",
     "other-n-params": "does not match the model's",
     "random-bytes": "",  # whatever random bytes break first; asserted to be refused below
+    "bit-flip": "checksum does not match",
+    "torn-trailer": "are required (",
 }
 
 
@@ -231,3 +346,29 @@ def test_a_non_canonical_checkpoint_name_is_ignored_with_a_warning_and_left_alon
     assert not (run_dir / "refused").exists()
     plan = apply_retention(run, load_run_config(tiny_config(tmp_path)).retention, None, lambda m: None)
     assert 30 not in plan.delete and stray.exists()
+
+
+def test_a_legacy_checkpoint_without_a_checksum_is_still_resumed_from(trained_run, tmp_path):
+    """A checkpoint written before the trailer (8 + 12n bytes) is valid, unchecked, and said to be so
+    by the reader, `andrea inspect` and the trainer; the checkpoints after it carry the trailer."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = run / "step_000300.bin"
+    checked = newest.read_bytes()
+    newest.write_bytes(checked[:-8])  # the legacy form of the same state
+    n_params = (len(checked) - 16) // 12
+
+    ckpt = RunDir(str(run)).read_checkpoint(300, n_params)
+    assert ckpt.checksum is None and ckpt.flat.tobytes() == checked[8:-8]
+    proc = andrea("inspect", str(newest))
+    assert (
+        proc.stdout.splitlines()[2]
+        == "  checksum: none (the legacy form, 8 + 12n bytes: written before checksums)"
+    )
+
+    proc = andrea("train", "--run-dir", str(run), "--max-steps", "320", "--device", "cpu")
+    assert "from step_000300.bin (the legacy form: it has no checksum)" in proc.stdout
+    assert "refusing" not in proc.stdout and newest.read_bytes() == checked[:-8]
+    written = (run / "step_000320.bin").read_bytes()
+    assert len(written) == 8 + 12 * n_params + 8
+    assert struct.unpack("<3sBI", written[-8:]) == (b"ANC", 1, zlib.crc32(written[:-8]))

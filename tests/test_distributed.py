@@ -50,7 +50,7 @@ def _losses(run: Path) -> dict[int, tuple[float, str]]:
 
 def _regions(path: Path) -> np.ndarray:
     data = path.read_bytes()
-    return np.frombuffer(data[8:], dtype="<f4").reshape(3, -1)  # weights, m, v
+    return np.frombuffer(data[8:-8], dtype="<f4").reshape(3, -1)  # weights, m, v (the trailer off)
 
 
 def _ranks_of(agent_pid: int) -> dict[int, int]:

@@ -991,3 +991,43 @@ def test_abort_uploads_pages_through_a_truncated_listing(paged_s3_server):
     assert sorted(aborted) == sorted(keys[:6]) and len(logged) == 6
     left = fs.call_s3("list_multipart_uploads", Bucket="paged")
     assert [u["Key"] for u in left.get("Uploads", [])] == ["run-other/step_000100.bin"]
+
+
+def test_a_checksummed_checkpoint_written_and_read_on_s3(s3_bucket, small_parts):
+    """The trainer's writer (Checkpointer) streams a 12 MiB checkpoint to S3 as one multipart upload,
+    checksummed as it goes: the object is exactly encode()'s bytes, trailer included, and reads back
+    with that CRC-32; the same object with one bit flipped on the store is refused by the bounded
+    reader, naming it and its checksum, and the previous checkpoint is the newest valid one."""
+    import struct
+    import zlib
+
+    import torch
+
+    from andrea_core.checkpoint import encode, snapshot
+    from andrea_core.train.checkpoint_writer import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 1,048,576 parameters: 12 MiB of state
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1024)).square().mean().backward()
+    optimizer.step()
+    n = 1024 * 1024
+    run = RunDir(f"{s3_bucket}/run")
+    writer = Checkpointer(run, model, optimizer, log=lambda _: None)
+    for step in (1, 2):
+        writer.save(step)
+        assert writer.wait().error is None
+    expected = encode(2, snapshot(model, optimizer).numpy())
+    data = run.fs.cat_file(run.path(checkpoint_name(2)))
+    assert data == expected and len(data) == 8 + 12 * n + 8
+    assert struct.unpack("<3sBI", data[-8:]) == (b"ANC", 1, zlib.crc32(data[:-8]))
+    assert run.fs.info(run.path(checkpoint_name(2)))["ETag"].strip('"').endswith("-2")  # two parts
+    assert run.read_checkpoint(2, n).checksum == zlib.crc32(data[:-8])
+
+    flipped = bytearray(data)
+    flipped[8 + 4 * n + 4 * 12345] ^= 0x01  # one bit of Adam's m
+    run.fs.pipe_file(run.path(checkpoint_name(2)), bytes(flipped))
+    warned: list[str] = []
+    assert RunDir(run.url).newest_valid_checkpoint(n, warn=warned.append).step == 1
+    refused = f"refusing checkpoint {run.path(checkpoint_name(2))}: checksum does not match"
+    assert warned[0].startswith(refused)

@@ -228,23 +228,26 @@ def test_a_read_error_at_start_is_one_line_and_exit_1_not_a_traceback(layer):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open product defect (issue 48, found by the soak's bitrot): the checkpoint format "
-    "(andrea_core/checkpoint.py, 8 + 12*n bytes of raw floats) has no checksum, so one flipped bit in "
-    "its weights or Adam state is read as a good checkpoint and training resumes from it",
-)
 def test_a_checkpoint_with_one_flipped_bit_in_its_floats_is_refused():
+    """Issue 48 (found by the soak's bitrot): one flipped bit anywhere in a checkpoint, its floats
+    included (finite, the same size, another model), is refused naming the file; in the floats and the
+    trailer's CRC, as a checksum that does not match (the trailer's CRC-32: docs/design.md)."""
     import numpy as np
 
     from andrea_core.checkpoint import CheckpointError, checkpoint_name, decode, encode
 
-    flat = np.linspace(0.1, 1.0, 3 * 1000, dtype="<f4")  # weights, m, v (v positive)
-    data = bytearray(encode(100, flat))
-    decode(bytes(data), checkpoint_name(100))  # the good one reads
-    data[8 + 4 * 500] ^= 0x10  # weight 500's low mantissa bits: finite, the same size, a different model
-    with pytest.raises(CheckpointError):
-        decode(bytes(data), checkpoint_name(100))
+    name = checkpoint_name(100)
+    flat = np.linspace(0.1, 1.0, 3 * 10, dtype="<f4")  # weights, m, v (v positive)
+    good = encode(100, flat)
+    decode(good, name)  # the good one reads
+    for bit in range(8 * len(good)):  # every bit of the file: header, floats, trailer
+        data = bytearray(good)
+        data[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(CheckpointError) as err:
+            decode(bytes(data), name)
+        assert str(err.value).startswith(f"{name}: ")
+        if 8 <= bit // 8 < 8 + 120 or bit // 8 >= len(good) - 4:
+            assert "checksum does not match" in str(err.value), (bit, err.value)
 
 
 def test_a_durable_append_to_a_new_file_survives_a_power_cut(layer):

@@ -21,14 +21,14 @@ pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
 from powercut import fuse_unavailable  # noqa: E402
 
-# bench/soak.py's KINDS (bitflip, opt-in, left out): locally the 15 common and disk-full ones, and the
-# power-cut layer's 6 where FUSE mounts (issue 48); on moto the 14 common ones, s3-deny and s3-lost-reply;
-# on both the 3 features under chaos.
+# bench/soak.py's KINDS: locally the 15 common and disk-full ones, and the power-cut layer's 7 where FUSE
+# mounts (issue 48); on moto the 14 common ones, s3-deny and s3-lost-reply; on both the 3 features
+# under chaos.
 NO_LAYER = fuse_unavailable()
 COMMON = ["sigkill", "sigkill-write", "sigkill-renewal", "sigkill-startup", "sigterm", "sigusr1"]
 COMMON += ["sigstop-short", "sigstop-long", "sigterm-waiting", "pivot", "abandon", "fork", "readers"]
 COMMON += ["second-trainer"]
-LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot"]
+LAYER = ["power-cut", "eio-write", "eio-fsync", "eio-read", "short-write", "bitrot", "bitflip"]
 # Features under chaos (issue 48 item 6), on both stores.
 FEATURES = ["guard-rollback", "pivot-remote", "data-change"]
 KINDS = {

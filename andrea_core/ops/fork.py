@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from andrea_core import faults
-from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode, expected_size
+from andrea_core.checkpoint import Checkpoint, CheckpointError, checkpoint_name, encode_parts, size_problem
 from andrea_core.config import ConfigError, RetentionConfig, RunConfig, load_yaml
 from andrea_core.data.policy import load_policy, parse_policy
 from andrea_core.poll import poll_until
@@ -358,14 +358,14 @@ def _branch_state(
 
 def _holds_fork_point(branch: RunDir, step: int, n_params: int) -> bool:
     name = checkpoint_name(step)
-    return branch.exists(name) and branch.size(name) == expected_size(n_params)
+    return branch.exists(name) and size_problem(branch.size(name), n_params) is None
 
 
 def _build_branch(parent: RunDir, plan: _Plan, ckpt: Checkpoint) -> None:
     """Every file of the branch, run.yaml last (the branch exists as a run only once it is whole)."""
     branch, step = plan.branch, ckpt.step
     branch.makedirs()
-    branch.write_atomic(checkpoint_name(step), encode(step, ckpt.flat))
+    branch.write_atomic(checkpoint_name(step), encode_parts(step, ckpt.flat))
     _kill_point(f"{plan.spec.name}/{checkpoint_name(step)}")
     # Each file is published whole, so one an earlier attempt left is complete; and a branch's own
     # .loss.json is append-only: never replaced.

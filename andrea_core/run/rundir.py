@@ -51,8 +51,8 @@ from andrea_core.checkpoint import (
     CheckpointError,
     checkpoint_name,
     decode,
-    expected_size,
     is_stray_checkpoint_name,
+    size_problem,
     step_from_name,
 )
 from andrea_core.config import ConfigError, limit
@@ -435,12 +435,12 @@ class RunDir:
 
 
 def _check_checkpoint_header(path: str, header: bytes, size: int) -> None:
-    # The header first: a file whose size is not the 8 + 12 n its header promises is refused before
-    # its body is read (a 3 GiB file claiming n = 1 would otherwise be read whole).
+    # The header first: a file whose size is not the 8 + 12 n (+ 8, the checksum trailer) its header
+    # promises is refused before its body is read (a 3 GiB file claiming n = 1 would be read whole).
     if len(header) == HEADER.size:
         n = HEADER.unpack(header)[1]
-        if n > 0 and size != expected_size(n):
-            raise CheckpointError(path, f"{size} bytes where 8 + 12*{n} = {expected_size(n)} are required")
+        if n > 0 and (problem := size_problem(size, n)):
+            raise CheckpointError(path, problem)
 
 
 SECRET_FILES = (LOCK,)  # the lock holds the trainer's nonce: readable by its owner only

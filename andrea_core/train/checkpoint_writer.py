@@ -5,7 +5,8 @@ A save has two halves. The snapshot copies weights, Adam m and v into one host b
 that produced them instead of stalling it). The write (temporary name, fsync, rename: RunDir.write_atomic)
 then runs on a background thread while training goes on. At most one write is in flight: the next save
 waits for it, because the buffer that write reads is the buffer the next snapshot fills. The bytes are
-exactly what the synchronous writer (`asynchronous=False`) produces: the same header, the same buffer.
+exactly what the synchronous writer (`asynchronous=False`) produces: the same header, the same buffer,
+the same checksum trailer (its CRC-32 taken of each piece as the store writes it: encode_parts).
 
 Ordering guarantee of a save of step S (what sidecar writers can rely on):
   0. If the run is fenced (a trainer's lease, lock.Lease), the lease is renewed first, conditionally
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from andrea_core.checkpoint import checkpoint_name, encode_header, n_params_of, snapshot
+from andrea_core.checkpoint import checkpoint_name, encode_parts, expected_size, n_params_of, snapshot
 from andrea_core.run.rundir import RunDir
 
 Hook = Callable[[int], None]
@@ -150,8 +151,8 @@ class Checkpointer:
             if before_write is not None:
                 before_write(record.step)
             flat = self._buffer.numpy()
-            header = encode_header(record.step, flat.size // 3)
-            self.run.write_atomic(record.name, [header, memoryview(flat.astype("<f4", copy=False))])
+            # Checksummed piece by piece as the store takes each (encode_parts): one read of the buffer.
+            self.run.write_atomic(record.name, encode_parts(record.step, flat))
         except Exception as e:  # any failure of a write is reported; none may kill training
             record.write_s = time.perf_counter() - t0
             record.error = e
@@ -160,7 +161,7 @@ class Checkpointer:
                 "Earlier checkpoints are untouched; the next checkpoint boundary tries again."
             )
         else:
-            mb = (len(header) + flat.nbytes) / 1e6
+            mb = expected_size(flat.size // 3) / 1e6
             self.log(f"checkpoint {record.name} ({mb:,.1f} MB written in {time.perf_counter() - t0:.2f}s)")
             if after_publish is not None:
                 # The checkpoint is published: what comes after cannot unwrite it, so its failure is

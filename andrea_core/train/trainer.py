@@ -265,7 +265,8 @@ class Trainer:
             self.start_step = ckpt.step
             if self.world.is_main:
                 self._set_aside_refused(newer_than=ckpt.step)
-            self.log(f"resuming {self.run.url} from {checkpoint_name(ckpt.step)}")
+            legacy = "" if ckpt.checksum is not None else " (the legacy form: it has no checksum)"
+            self.log(f"resuming {self.run.url} from {checkpoint_name(ckpt.step)}{legacy}")
         elif self.run.checkpoint_steps():
             # Every one refused: often not the files but the model they are checked against (run.yaml's).
             newest = refusals[0] if refusals else "none could be read"
