@@ -23,7 +23,7 @@ from conftest import (
 )
 from tiny import tiny_config
 
-from andrea_core.checkpoint import checkpoint_name, restore
+from andrea_core.checkpoint import checkpoint_name, encode, restore
 from andrea_core.config import load_run_config
 from andrea_core.data.tokens import run_tokenizer
 from andrea_core.model.gpt import GPT
@@ -64,12 +64,15 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 
 def corrupt_copy(run_dir: Path, dest: Path, step: int) -> Path:
-    """A copy of the run whose checkpoint `step` has a NaN in its weights (size and header intact)."""
+    """A copy of the run whose checkpoint `step` has a NaN in its weights, as a diverged trainer writes it:
+    size, header and checksum intact (a NaN the checksum does not cover is refused for its checksum)."""
     shutil.copytree(run_dir, dest)
     path = dest / checkpoint_name(step)
-    data = bytearray(path.read_bytes())
-    data[8 + 4 * 10 : 8 + 4 * 11] = np.float32(np.nan).tobytes()
-    path.write_bytes(bytes(data))
+    data = path.read_bytes()
+    n = int.from_bytes(data[4:8], "little", signed=True)
+    flat = np.frombuffer(data, dtype="<f4", count=3 * n, offset=8).copy()
+    flat[10] = np.nan
+    path.write_bytes(encode(step, flat))
     return path
 
 
