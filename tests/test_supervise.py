@@ -3,8 +3,8 @@ the Prefect tasks are thin wrappers over, exercised without Prefect."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +23,7 @@ from andrea_core.ops.supervise import (
     wait_for_checkpoint,
     wait_for_exit,
 )
-from andrea_core.run.lock import TrainerIdentity, _boot_id, live_trainer, process_start_ticks, read_lock
+from andrea_core.run.lock import TrainerIdentity, live_trainer, process_start_ticks, read_lock
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
 from tests.conftest import REPO, _env, andrea, last_logged_step, library_run, wait_for
@@ -186,9 +186,9 @@ def test_zombie_trainer_counts_as_gone():
     """An exited trainer that its parent has not reaped yet is a zombie: its pid and start time are
     still in /proc, but it holds nothing, so waiting for its exit must not hang."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
-    ident = TrainerIdentity(
-        child.pid, socket.gethostname(), _boot_id(), process_start_ticks(child.pid), time.time(), "run"
-    )
+    # This machine's identity (host, boot id, pid namespace) with the child's pid and start time.
+    here = TrainerIdentity.of_this_process("run")
+    ident = dataclasses.replace(here, pid=child.pid, proc_start=process_start_ticks(child.pid))
     assert ident.is_alive()
     wait_for(lambda: _state(child.pid) == "Z", what="the child to exit (unreaped)")
     assert process_start_ticks(child.pid) is None
