@@ -23,6 +23,7 @@ GROUND = {
     "faults",
     "poll",
     "document",
+    "oom",
 }
 # What each layer may import, besides itself.
 MAY_IMPORT = {

@@ -20,7 +20,12 @@ def test_second_trainer_on_a_live_run_is_refused(tmp_path):
     run = tmp_path / "run"
     first = start_trainer("--config", TINY, "--run-dir", str(run), "--pace", "0.05")
     try:
-        holder = wait_for(lambda: read_lock(RunDir(str(run))), what="the first trainer's lock")
+        # A live run: its lock held and its run.yaml written (the trainer takes the lock before it creates
+        # the run; a start in between is told the run does not exist yet, not that it is in use).
+        holder = wait_for(
+            lambda: (run / "run.yaml").exists() and read_lock(RunDir(str(run))),
+            what="the first trainer's run",
+        )
         assert holder.pid == first.pid and holder.is_alive()
         proc = andrea("train", "--run-dir", str(run), check=False)
         assert proc.returncode == 2
