@@ -107,15 +107,20 @@ def apply_retention(
     log: Callable[[str], None] = print,
     newest: int | None = None,
     dry_run: bool = False,
+    guard: GuardConfig | None = None,
 ) -> RetentionPlan:
     """Plan retention and (unless `dry_run`) delete what it releases. `newest`: the checkpoint just
     written (the trainer's case), read back before anything is deleted; None finds and validates the
-    newest valid one (the `andrea gc` case)."""
+    newest valid one (the `andrea gc` case). `guard`: the run's guard settings where the caller holds
+    them (the trainer: its frozen run.yaml, read once at its start); None reads them from run.yaml."""
     steps = run.checkpoint_steps()
-    try:
-        reach = rollback_reach(read_run(run).config.train.guard)
-    except FileNotFoundError:  # no run.yaml: no guard to keep a rollback point for
-        reach = None
+    if guard is not None:
+        reach = rollback_reach(guard)
+    else:
+        try:
+            reach = rollback_reach(read_run(run).config.train.guard)
+        except FileNotFoundError:  # no run.yaml: no guard to keep a rollback point for
+            reach = None
     if newest is None:
         ckpt = run.newest_valid_checkpoint(n_params, warn=log)
         if ckpt is None:

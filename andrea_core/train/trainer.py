@@ -441,7 +441,14 @@ class Trainer:
         error, an unreadable forks.jsonl) is a retention error, not a failed checkpoint: the checkpoint
         stands, nothing is lost but disk space, and the next checkpoint retries retention whole."""
         try:
-            plan = apply_retention(self.run, self.cfg.retention, self.model.n_params, self.log, newest=step)
+            plan = apply_retention(
+                self.run,
+                self.cfg.retention,
+                self.model.n_params,
+                self.log,
+                newest=step,
+                guard=self.cfg.train.guard,
+            )
         except Exception as e:
             self.log(
                 f"ERROR: retention after {checkpoint_name(step)} failed: {type(e).__name__}: {e}. "
