@@ -1933,6 +1933,10 @@ class Soak:
                 if reads
                 else f"{f['change']}: arm not in force"
             ] += 1
+        # The change is done once a checkpoint past it is written: until then a later fault that tears
+        # the newest checkpoint (S) sends the run back before the change, to retrain steps the reference
+        # trained on the old data with the new (no run could do otherwise: the old data is gone).
+        self._checkpoint_after(t, f"a data change at step {at}")
 
     def _change_data(self, change: str, i: int) -> None:
         """The data change of fault `i` to the prose arm's folder (sorted by name: the arm reads its
