@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY, _env, last_logged_step, start_trainer, wait_for
+from conftest import REPO, TINY, _env, last_logged_step, start_trainer, wait_for, warm_launcher
 from warm_launcher import WarmLauncher
 
 PROBE_INIT = """
@@ -206,7 +206,14 @@ def test_a_warm_trainer_is_the_products_own_and_stops_cleanly(tmp_path):
 
     run = tmp_path / "run"
     log = tmp_path / "train.log"
-    proc = start_trainer("--config", TINY, "--run-dir", str(run), "--device", "cpu", "--pace", "0.2", log=log)
+    # TORCHINDUCTOR_CACHE_DIR as the server has it: torch sets it in this process once a test before this
+    # one on the worker compiled in process, and a variable read at import that differs from the
+    # server's sends a start cold (CI saw it). This test is about a warm trainer, not that order.
+    env = {k: v for k, v in _env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    if "TORCHINDUCTOR_CACHE_DIR" in warm_launcher().env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = warm_launcher().env["TORCHINDUCTOR_CACHE_DIR"]
+    argv = ("--config", TINY, "--run-dir", str(run), "--device", "cpu", "--pace", "0.2")
+    proc = start_trainer(*argv, log=log, env=env)
     try:
         assert getattr(proc, "warm", False) or os.environ.get("ANDREA_WARM_LAUNCHER") == "0"
         wait_for(lambda: last_logged_step(run) >= 2, 300, "step 2")

@@ -453,6 +453,7 @@ class WarmLauncher:
     """One fork server with `preload` imported; `popen`/`run` as subprocess's, warm where it can be."""
 
     def __init__(self, preload: list[str], env: dict[str, str], cwd: str) -> None:
+        self.env = dict(env)  # the server's environment (what a warm child's imports read)
         self.folder = tempfile.mkdtemp(prefix="warm-launcher-")
         self.sock_path = os.path.join(self.folder, "sock")
         self.warm = 0  # children forked warm
