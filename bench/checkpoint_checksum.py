@@ -44,14 +44,8 @@ from andrea_core.checkpoint import (  # noqa: E402
 )
 from andrea_core.run.rundir import RunDir  # noqa: E402
 
-
-def drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+sys.path.insert(0, str(REPO / "bench"))
+from checkpoint_io import drop_from_page_cache  # noqa: E402  (one copy: the checkpoint I/O bench's)
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:

@@ -748,13 +748,7 @@ class Soak:
     def f_sigkill_write(self, f: dict) -> None:
         """SIGKILL aimed at a checkpoint's writes: right after the boundary step is logged, the bandit
         state, the loss log's sync and the checkpoint's bytes follow within milliseconds."""
-        t = self.trainer
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and t.popen.poll() is None:
-            s = t.step()
-            if s and s % self.every == 0 and t.first(rf"step {s}/", time.time() - 0.05):
-                break
-            time.sleep(0.002)
+        self._at_boundary()
         time.sleep(f["after_s"])
         self.stop_trainer(signal.SIGKILL)
 
@@ -1698,12 +1692,7 @@ class Soak:
         g0 = (self.lock() or {}).get("generation")
         w = self._waiter(4 * TTL_S + f["stop_s"] + 30)
         if f["at"] == "ckpt":
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and holder.popen.poll() is None:
-                s = holder.step()
-                if s and s % self.every == 0 and holder.first(rf"step {s}/", time.time() - 0.05):
-                    break
-                time.sleep(0.002)
+            self._at_boundary()  # holder is the live trainer
         stopped = time.time()
         holder.signal(signal.SIGSTOP)
         holder.expect_exit = True
