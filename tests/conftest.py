@@ -221,7 +221,10 @@ def flock_held_elsewhere(path: Path) -> Iterator[int]:
         holder.wait()
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 120, what: str = "condition") -> object:
+def wait_for(predicate: Callable[[], object], timeout: float = 300, what: str = "condition") -> object:
+    """`predicate()`'s first truthy value, polled every 20 ms. A wait, not a timing assertion: the default
+    is generous so that a loaded machine is slow, not red (a `mix` fixture's first checkpoint took over
+    120 s at load 14)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -144,6 +144,43 @@ def test_after_a_pivot_the_bandit_is_fresh_and_counts_the_new_phase(tmp_path):
     assert int(fresh.pulls.sum()) == 0
 
 
+def test_back_to_the_step_a_phase_began_the_bandit_is_fresh_in_that_phase_and_nothing_is_set_aside(tmp_path):
+    """A rollback (or a fallback) to a pivot's checkpoint: the phase's .state.json has states only past
+    its start, and a fresh bandit is that phase's state at its start: phase number and start kept, no
+    'has no state' warning, nothing moved to archive/, the dead timeline's states dropped at the next
+    save. A step inside a phase without a state is still set aside with its warning."""
+    policy = make_policy()
+    run, _, _ = trained_run(tmp_path, policy)
+    run.write_atomic(checkpoint_name(100), encode(100, np.zeros(30, dtype=np.float32)))
+    archive_phase(run, 100)
+    phase2 = store(run, policy, log=[])
+    mixer = make_mixer(policy, ARMS)
+    phase2.restore(mixer, 100)
+    train(mixer, 101, 150)
+    phase2.save(mixer, 150)
+    archived = sorted(p.name for p in (tmp_path / ARCHIVE).iterdir())
+
+    log, fresh = [], make_mixer(policy, ARMS)
+    back = store(run, policy, log=log)
+    back.restore(fresh, 100)
+    assert (back.phase.number, back.phase.start_step, back.restored) == (2, 100, False)
+    assert log == ["bandit: back to step 100, where phase 2 began: a fresh bandit"]
+    assert int(fresh.pulls.sum()) == 0
+    assert sorted(p.name for p in (tmp_path / ARCHIVE).iterdir()) == archived
+    train(fresh, 101, 150)
+    back.save(fresh, 150)
+    doc = json.loads((tmp_path / STATE).read_text())
+    assert (doc["step"], doc["previous"], doc["phase"]) == (
+        150,
+        [],
+        {"number": 2, "start_step": 100, "steps": 50},
+    )
+
+    log = []
+    store(run, policy, log=log).restore(make_mixer(policy, ARMS), 120)
+    assert len(log) == 1 and "has no state for step 120 (it has [150])" in log[0], log
+
+
 def test_zombie_arm_is_dropped_with_a_warning_and_the_other_arms_are_kept(tmp_path):
     policy = make_policy()
     run, _, _ = trained_run(tmp_path, policy)

@@ -99,6 +99,14 @@ class BanditStore:
             return
         entries = [doc, *doc.get("previous", [])]
         entry = next((e for e in entries if e["step"] == step), None)
+        if entry is None and {int(e["phase"]["start_step"]) for e in entries} == {step}:
+            # Back to the step this phase's bandit started fresh from (a guard rollback or a fallback to
+            # a pivot's checkpoint): a fresh bandit is exactly this phase's state there, not an anomaly.
+            # Its states past `step` are a timeline to be retrained, dropped as below.
+            self.phase = Phase(int(doc["phase"]["number"]), step)
+            self.history = []
+            self.warn(f"bandit: back to step {step}, where phase {self.phase.number} began: a fresh bandit")
+            return
         if entry is None:
             kept = sorted(e["step"] for e in entries)
             moved = self._set_aside(step)
