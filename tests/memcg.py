@@ -7,13 +7,13 @@ to it (v1 move_charge_at_immigrate; v2 charges what they allocate next), the lim
 what the group uses, and a "hog" of the group writes past it into a memfd: shmem charged to the group
 but in nobody's resident set, so the OOM killer, which picks the task with the largest resident set
 (plus oom_score_adj/1000 of the limit), never picks the hog for its size, and the target dies as when
-it is the one that grew. The hog stops at the group's first OOM kill and exits, freeing what it wrote:
-one fault, one kill. (Lowering the hog's own oom_score_adj needs CAP_SYS_RESOURCE, which root here
-lacks: the earlier -999 was refused, unseen, and a hog still writing once the target was dead but not
-yet gone made the kernel kill the next largest task, the supervisor.) `victims` names the group's
-processes the kernel log says were killed. Every group is named `andrea-test-*`; those of a killed
-earlier test or soak, left empty, are removed by the next one. Needs root and a memory cgroup
-controller; `unavailable()` says why not."""
+it is the one that grew. The hog is SIGKILLed (by a thread of its own) the moment the group counts an
+OOM kill, freeing what it wrote: one fault, one kill. (Lowering the hog's own oom_score_adj needs
+CAP_SYS_RESOURCE, which root here lacks: the earlier -999 was refused, unseen; and a hog still writing
+once the target was dead but not yet uncharged made the kernel kill the next largest task of the
+group, the supervisor.) `victims` names the group's processes the kernel log says were killed. Every
+group is named `andrea-test-*`; those of a killed earlier test or soak, left empty, are removed by the
+next one. Needs root and a memory cgroup controller; `unavailable()` says why not."""
 
 from __future__ import annotations
 
@@ -183,25 +183,37 @@ def _alive(pid: int) -> bool:
     return False
 
 
-# The hog: joins the group, writes into a memfd (charged to the group, in no resident set) until the
-# group counts an OOM kill past `before`, the target is gone, or it has written its bound; then exits.
+# The hog: joins the group, writes into a memfd (charged to the group, in no resident set) until it has
+# written its bound. A thread of its own watches the group's OOM kill count (and the target) and, the
+# moment a kill is counted, SIGKILLs the hog: a dying task's charge is let through, so the hog stops at
+# once. Without it the hog, still inside the write that hit the limit, retried the charge; the victim,
+# niced and with its memory not yet uncharged (the kernel hides it from the OOM killer once its pages
+# are unmapped, before they are uncharged), no longer counted, and the kernel killed the next largest
+# task of the group 9 ms later: the supervisor (dmesg, soak --kinds oom-trainer --seed 1, 2 of 6).
 HOG = """
-import os, sys, time
+import os, signal, sys, threading, time
 procs, events, before, target, most = sys.argv[1:3] + [int(a) for a in sys.argv[3:]]
 with open(procs, "w") as f:
     f.write(str(os.getpid()))
 def kills():
-    for line in open(events).read().splitlines():
-        if line.startswith("oom_kill "):
-            return int(line.split()[1])
+    with open(events) as f:
+        for line in f.read().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
     return 0
 def gone():
     try:
-        return open(f"/proc/{target}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        with open(f"/proc/{target}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+def watch():
+    while kills() <= before and not gone():
+        time.sleep(0.0002)
+    os.kill(os.getpid(), signal.SIGKILL)
+threading.Thread(target=watch, daemon=True).start()
 fd, chunk, written = os.memfd_create("andrea-test-hog"), b"x" * (1 << 20), 0
-while kills() <= before and not gone() and written < most:
+while written < most:
     try:
         written += os.write(fd, chunk)
     except OSError:  # ENOMEM: the charge failed (a kill is on its way)
