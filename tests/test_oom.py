@@ -17,9 +17,11 @@ import textwrap
 import pytest
 from conftest import REPO, _env, andrea, library_run
 from memcg import MemoryGroup, unavailable
+from tiny import tiny_config
 
 from andrea_core.oom import TRAINER_OOM_BIAS, OomWatch
 from andrea_core.ops.supervise import TrainerProcess, wait_for_logged_step
+from andrea_core.run.lock import read_lock
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
 
@@ -139,3 +141,56 @@ def _resident(pid: int) -> int:
     """Its resident set in kB (what the OOM killer weighs, with its page tables)."""
     status = open(f"/proc/{pid}/status").read()
     return int(status.split("VmRSS:")[1].split()[0])
+
+
+RANKS_SUPERVISOR = textwrap.dedent(
+    """
+    import sys
+    from andrea_core.ops.supervise import TrainerProcess
+    ballast = b"x" * int(sys.argv[2])
+    t = TrainerProcess(sys.argv[1], config=sys.argv[3], device="cpu", pace=0.05, nproc_per_node=2).start()
+    print("TRAINER", t.pid, flush=True)
+    for _ in t.lines():
+        pass
+    print("OUTCOME", t.outcome().describe(), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(unavailable()), reason=f"memory cgroup: {unavailable()}")
+def test_a_torchrun_rank_not_its_supervisor_is_killed_and_the_supervisor_says_so(tmp_path):
+    """A child of the trainer (a torchrun rank, the agent's child) inherits the raised oom_score_adj:
+    the kernel takes rank 0, not the larger supervisor; the agent ends with exit 1 and the supervisor,
+    alive, says "killed by the kernel: out of memory" (the group's count: the rank is not its child)."""
+    run = RunDir(str(tmp_path / "run"))
+    config = tiny_config(tmp_path, train__max_steps=100_000, train__checkpoint_every=1000)
+    with MemoryGroup("test-oom-rank") as group:
+        with group.joined():
+            sup = subprocess.Popen(
+                [sys.executable, "-c", RANKS_SUPERVISOR, run.url, str(320 << 20), config],
+                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
+            )  # fmt: skip
+        try:
+            first = sup.stdout.readline().split()
+            assert first[:1] == ["TRAINER"], first
+            agent = int(first[1])
+            wait_for_logged_step(run, 3, timeout=240)
+            lock = read_lock(run)
+            assert lock.agent_pid == agent and lock.pid != agent
+            own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
+            for pid in (agent, lock.pid):
+                assert int(open(f"/proc/{pid}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
+            assert _resident(sup.pid) > _resident(lock.pid)
+            kills = group.kills()
+            assert group.oom_kill(lock.pid), "the kernel did not kill rank 0"
+            assert group.kills() == kills + 1, "one fault, one kill"
+            if group.victims is not None:
+                assert group.victims == [lock.pid], (group.victims, lock.pid, agent, sup.pid)
+            out = sup.communicate(timeout=300)[0]
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+    assert sup.returncode == 0, out
+    assert "killed by the kernel: out of memory (memory cgroup " in out, out
