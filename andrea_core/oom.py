@@ -7,7 +7,12 @@ Two records, read when the process starts and again once it has died (`OomWatch`
     `oom_kill N`), readable by anyone: more kills in its group than at its start;
   - the kernel log (/dev/kmsg, readable by root or where dmesg is not restricted), from where it ended at
     the start on: "Killed process PID (NAME)", which names the process.
-Either is enough; with neither readable nothing is claimed. Standard library only."""
+Either is enough; with neither readable nothing is claimed.
+
+And the kernel's choice made right (`prefer_oom_kill`): a launched trainer raises its own oom_score_adj
+TRAINER_OOM_BIAS above its launcher's before it execs (andrea_core.pdeathsig), so that in an OOM the
+kernel kills the trainer, never the supervisor that would report it and start the next one (docs/design.md
+"Processes"). Standard library only."""
 
 from __future__ import annotations
 
@@ -20,6 +25,24 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 KMSG = "/dev/kmsg"
 KILLED_RE = re.compile(r"Killed process (\d+) \(([^)]*)\)")
 KMSG_BYTES = 1 << 20  # the most read from the kernel log at once (its ring is smaller)
+TRAINER_OOM_BIAS = 500  # a trainer's oom_score_adj above its launcher's (the kernel's range: -1000..1000)
+OOM_SCORE_ADJ_MAX = 1000
+
+
+def prefer_oom_kill(bias: int = TRAINER_OOM_BIAS) -> int | None:
+    """Raise this process's oom_score_adj by `bias` (to at most 1000; its children inherit it), which
+    any process may do: the OOM killer's score is its resident memory plus adj/1000 of the memory it may
+    use. The value now in force, or None where there is no such file (OSError: the kernel refused it)."""
+    path = Path("/proc/self/oom_score_adj")
+    try:
+        own = int(path.read_text())
+    except (OSError, ValueError):
+        return None
+    want = min(OOM_SCORE_ADJ_MAX, own + max(0, bias))
+    if want != own:
+        with open(path, "w") as f:  # a refusal (EACCES from an LSM) is raised at the close
+            f.write(str(want))
+    return int(path.read_text())
 
 
 def memory_group(pid: int) -> Path | None:
@@ -79,13 +102,17 @@ class OomWatch:
         except OSError:
             self.close()
 
+    @property
+    def reads_kernel_log(self) -> bool:
+        return self._kmsg is not None
+
     def close(self) -> None:
         if self._kmsg is not None:
             with contextlib.suppress(OSError):
                 os.close(self._kmsg)
             self._kmsg = None
 
-    def _killed(self) -> list[tuple[int, str]]:
+    def killed(self) -> list[tuple[int, str]]:
         """The kernel log's "Killed process" records since the watch began: (pid, its message)."""
         out, read = [], 0
         while self._kmsg is not None and read < KMSG_BYTES:
@@ -110,7 +137,7 @@ class OomWatch:
         """'killed by the kernel: out of memory (...)' if its cgroup counted an OOM kill since the
         start or the kernel log says it killed `pid` (another process of its cgroup: named), else None."""
         try:
-            killed = self._killed()
+            killed = self.killed()
         finally:
             self.close()
         after = group_kills(self.group)

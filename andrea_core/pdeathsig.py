@@ -6,7 +6,11 @@ A trainer launched by an orchestrator (a Prefect flow-run process) is that proce
 orchestrator is killed outright (SIGKILL, the OOM killer), the trainer must not train on unsupervised,
 holding the GPU and the run lock where nobody watches it: with Linux's parent-death signal it gets the
 same SIGTERM as any other stop, checkpoints the step in flight and exits, and the next run resumes.
-Standard library only (andrea_core.signals is), so that the exec happens before any heavy import.
+And the other way round: in an out-of-memory kill the kernel must take the trainer, not its launcher,
+which reports it and starts the next one; the command's oom_score_adj is raised above the launcher's
+(andrea_core.oom.prefer_oom_kill), before the exec, so a torchrun agent's ranks inherit it too.
+Standard library only (andrea_core.signals and andrea_core.oom are), so that the exec happens before
+any heavy import.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import signal
 import sys
 
+from andrea_core.oom import prefer_oom_kill
 from andrea_core.signals import nonce_environment
 
 PR_SET_PDEATHSIG = 1
@@ -37,6 +42,10 @@ def main(argv: list[str]) -> int:
         if os.getppid() != parent:
             print(f"andrea: error: launcher pid {parent} is gone; not starting {command[0]}", file=sys.stderr)
             return 3
+        try:
+            prefer_oom_kill()
+        except OSError as e:
+            print(f"andrea: warning: could not raise oom_score_adj: {e}", file=sys.stderr)
     # The signal request survives exec; the pid and process group stay. The trainer's nonce is given
     # here, tagged with that pid, so that the trainer need not re-exec itself to get one.
     os.execvpe(command[0], command, nonce_environment(os.getpid()))

@@ -209,6 +209,16 @@ def draw_system(rng: random.Random, kind: str) -> dict:
     return {}
 
 
+SUPERVISOR_BALLAST = 320 << 20  # the oom-trainer supervisor's, to be larger than its trainer
+
+
+def _oom_score_adj(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def system_unavailable() -> dict[str, str]:
     """The SYSTEM kinds that cannot run here, and why: the clocks need a C compiler (the shim), an OOM
     kill a memory cgroup (root)."""
@@ -1726,9 +1736,14 @@ class Soak:
 
     def f_oom_trainer(self, f: dict) -> None:
         """The trainer, started by the product's supervisor (supervise.TrainerProcess, as the Prefect
-        task starts it) in a memory cgroup, killed there by the kernel's OOM killer: the supervisor's
-        error names it, status says it is not training, and the next trainer resumes."""
+        task starts it) in a memory cgroup, killed there by the kernel's OOM killer: the kernel takes
+        the trainer (its oom_score_adj raised by the product), never the supervisor, though that holds
+        more memory than the trainer (a ballast: a Prefect flow-run process is about 330 MB resident,
+        a CPU trainer here about 285 MB); the supervisor's error names it, status says it is not
+        training, and the next trainer resumes."""
         from memcg import MemoryGroup
+
+        from andrea_core.oom import TRAINER_OOM_BIAS
 
         d = self.did["oom-trainer"]
         rc = self.stop_trainer(signal.SIGTERM)
@@ -1738,7 +1753,7 @@ class Soak:
             code = (
                 "import sys; from andrea_core.ops.supervise import TrainerProcess\n"
                 "open(sys.argv[2], 'w').write(sys.argv[3])\n"  # born in the group, its trainer too
-                "open('/proc/self/oom_score_adj', 'w').write('-500')\n"  # the trainer is the one killed
+                "ballast = b'x' * int(sys.argv[5])\n"  # as large as a flow-run process, charged there
                 "t = TrainerProcess(sys.argv[1], device='cpu', max_steps=int(sys.argv[4])).start()\n"
                 "for line in t.lines(): print(line, flush=True)\n"
                 "print('OUTCOME: ' + t.outcome().describe(), flush=True)\n"
@@ -1751,6 +1766,7 @@ class Soak:
                 str(group.path / "cgroup.procs"),
                 "0",
                 str(self.big),
+                str(SUPERVISOR_BALLAST),
             ]
             popen = subprocess.Popen(
                 ["nice", "-n", str(self.args.nice), *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -1766,20 +1782,39 @@ class Soak:
             if not isinstance(pid, int) or pid not in group.pids():
                 self.violate("7", f"the supervised trainer (pid {pid}) is not in its group {group.pids()}")
                 return
+            adj = {p: _oom_score_adj(p) for p in (popen.pid, pid)}
+            if adj[pid] != min(1000, adj[popen.pid] + TRAINER_OOM_BIAS):
+                self.violate(
+                    "7", f"the trainer's oom_score_adj is {adj[pid]}, its supervisor's {adj[popen.pid]}"
+                )
+            kills = group.kills()
             killed = group.oom_kill(pid)
+            kills, victims = group.kills() - kills, group.victims
             sup.expect_exit = True
             rc = sup.wait(TERM_BOUND)
             said = next((line for _, line in sup.lines if line.startswith("OUTCOME: ")), "")
+        if self.args.verbose:
+            names = {pid: "the trainer", popen.pid: "the supervisor"}
+            shown = "unreadable" if victims is None else [names.get(v, v) for v in victims]
+            print(f"  oom-trainer: {kills} OOM kill(s), the kernel log names {shown}; supervisor exit {rc}")
         if not killed:
             self.violate("7", f"the kernel did not kill the trainer in its memory cgroup:\n{sup.tail()}")
             return
         d["killed by the kernel"] += 1
+        if victims is not None:
+            d["the kernel log names the trainer"] += victims == [pid]
+            d["the kernel log names the supervisor"] += popen.pid in victims
+        if kills != 1 or (victims is not None and victims != [pid]):
+            who = f"trainer {pid}, supervisor {popen.pid}"
+            self.violate("7", f"{kills} OOM kills, the kernel log names {victims} ({who})")
         if "killed by the kernel: out of memory" in said:
             d["supervisor said out of memory"] += 1
         else:
             self.violate("7", f"an OOM-killed trainer's supervisor said: {said or sup.tail()}")
         if rc != 0:
             self.violate("7", f"the supervisor exited {rc}:\n{sup.tail()}")
+        else:
+            d["supervisor survived"] += 1
         st, _ = self.tool("status", ["status", self.store.run_url])
         if st == 0:
             self._status_truth(self.procs[-1], alive=False)

@@ -4,11 +4,16 @@ cgroup (v1's memory hierarchy, else v2's), the kill is the kernel's own.
 
 How a kill is aimed: the target (and its children) are moved into a fresh group, their memory charged
 to it (v1 move_charge_at_immigrate; v2 charges what they allocate next), the limit is set a little above
-what the group uses, and a "hog" of the group's allocates past it. The OOM killer then picks the task
-of the group with the largest resident set whose oom_score_adj allows it: the hog has -999 (killed
-only last), so the target dies, exactly as when it is the one that grew. Every group is named
-`andrea-test-*`; those of a killed earlier test or soak, left empty, are removed by the next one.
-Needs root and a memory cgroup controller; `unavailable()` says why not."""
+what the group uses, and a "hog" of the group writes past it into a memfd: shmem charged to the group
+but in nobody's resident set, so the OOM killer, which picks the task with the largest resident set
+(plus oom_score_adj/1000 of the limit), never picks the hog for its size, and the target dies as when
+it is the one that grew. The hog is SIGKILLed (by a thread of its own) the moment the group counts an
+OOM kill, freeing what it wrote: one fault, one kill. (Lowering the hog's own oom_score_adj needs
+CAP_SYS_RESOURCE, which root here lacks: the earlier -999 was refused, unseen; and a hog still writing
+once the target was dead but not yet uncharged made the kernel kill the next largest task of the
+group, the supervisor.) `victims` names the group's processes the kernel log says were killed. Every
+group is named `andrea-test-*`; those of a killed earlier test or soak, left empty, are removed by the
+next one. Needs root and a memory cgroup controller; `unavailable()` says why not."""
 
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ class MemoryGroup:
             with contextlib.suppress(OSError):  # deprecated on new kernels: then new allocations only
                 (self.path / "memory.move_charge_at_immigrate").write_text("3")
         self.hogs: list[subprocess.Popen] = []
+        self.victims: list[int] | None = None  # the last oom_kill's, as the kernel log names them
 
     def __enter__(self) -> MemoryGroup:
         return self
@@ -107,21 +113,29 @@ class MemoryGroup:
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
         (self.path / name).write_text(str(nbytes))
 
+    def _events(self) -> Path:
+        return self.path / ("memory.oom_control" if self.version == 1 else "memory.events")
+
     def kills(self) -> int:
-        name = "memory.oom_control" if self.version == 1 else "memory.events"
-        for line in (self.path / name).read_text().splitlines():
+        for line in self._events().read_text().splitlines():
             if line.startswith("oom_kill "):
                 return int(line.split()[1])
         return 0
 
     def oom_kill(self, target: int, headroom: int = 32 << 20, timeout: float = 60.0) -> bool:
         """Make the OOM killer kill `target` (a process of this group): the limit set `headroom` above
-        the group's use, a hog allocating past it until `target` is gone. True if the kernel killed it
-        (its group counted an OOM kill and it is gone)."""
+        the group's use, a hog writing past it until the group's first OOM kill. True if the kernel
+        killed it (its group counted an OOM kill and it is gone); `victims` then names the group's
+        processes the kernel log says it killed (None: the log is not readable here)."""
+        from andrea_core.oom import OomWatch
+
+        members = set(self.pids())
+        watch = OomWatch(target)  # the kernel log from here on
         before = self.kills()
         self.limit(self.usage() + headroom)
         hog = subprocess.Popen(
-            [sys.executable, "-c", HOG, str(self.path / "cgroup.procs"), str(target), str(4 * headroom)],
+            [sys.executable, "-c", HOG, str(self.path / "cgroup.procs"), str(self._events()), str(before)]
+            + [str(target), str(4 * headroom)],
             stdin=subprocess.DEVNULL,
         )
         self.hogs.append(hog)
@@ -130,6 +144,12 @@ class MemoryGroup:
         if hog.poll() is None:
             hog.kill()
             hog.wait()
+        deadline = time.monotonic() + timeout
+        while _alive(target) and self.kills() > before and time.monotonic() < deadline:
+            time.sleep(0.01)  # killed: its exit (every thread's) takes a moment
+        readable = watch.reads_kernel_log
+        self.victims = [pid for pid, _ in watch.killed() if pid in members] if readable else None
+        watch.close()
         return self.kills() > before and not _alive(target)
 
     def remove(self) -> None:
@@ -163,30 +183,50 @@ def _alive(pid: int) -> bool:
     return False
 
 
-# The hog: joins the group, makes itself the OOM killer's last choice, allocates (touching every page)
-# until the target is gone or it has allocated its bound, then exits.
+# The hog: joins the group, writes into a memfd (charged to the group, in no resident set) until it has
+# written its bound. A thread of its own watches the group's OOM kill count (and the target) and, the
+# moment a kill is counted, SIGKILLs the hog: a dying task's charge is let through, so the hog stops at
+# once. Without it the hog, still inside the write that hit the limit, retried the charge; the victim,
+# niced and with its memory not yet uncharged (the kernel hides it from the OOM killer once its pages
+# are unmapped, before they are uncharged), no longer counted, and the kernel killed the next largest
+# task of the group 9 ms later: the supervisor (dmesg, soak --kinds oom-trainer --seed 1, 2 of 6).
 HOG = """
-import os, sys, time
-procs, target, most = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-open("/proc/self/oom_score_adj", "w").write("-999")
-open(procs, "w").write(str(os.getpid()))
-held, chunk = [], 4 << 20
+import os, signal, sys, threading, time
+procs, events, before, target, most = sys.argv[1:3] + [int(a) for a in sys.argv[3:]]
+with open(procs, "w") as f:
+    f.write(str(os.getpid()))
+def kills():
+    with open(events) as f:
+        for line in f.read().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return 0
 def gone():
     try:
-        return open(f"/proc/{target}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        with open(f"/proc/{target}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-while not gone() and len(held) * chunk < most:
-    held.append(bytearray(b"x" * chunk))
-    time.sleep(0.01)
+def watch():
+    while kills() <= before and not gone():
+        time.sleep(0.0002)
+    os.kill(os.getpid(), signal.SIGKILL)
+threading.Thread(target=watch, daemon=True).start()
+fd, chunk, written = os.memfd_create("andrea-test-hog"), b"x" * (1 << 20), 0
+while written < most:
+    try:
+        written += os.write(fd, chunk)
+    except OSError:  # ENOMEM: the charge failed (a kill is on its way)
+        time.sleep(0.01)
 """
 
-if __name__ == "__main__":  # a look by hand: python tests/memcg.py (kills a child `sleep` by OOM)
+if __name__ == "__main__":  # a look by hand: python tests/memcg.py (kills a child born in a group by OOM)
     print(unavailable() or "memory cgroups available")
-    victim = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(60)"])
-    time.sleep(1)
     with MemoryGroup("manual") as g:
-        g.add(victim.pid)
-        print(
-            "usage", g.usage(), "killed:", g.oom_kill(victim.pid), "exit", victim.wait(), "kills", g.kills()
-        )
+        with g.joined():
+            victim = subprocess.Popen(
+                [sys.executable, "-c", "import time; x = b'x' * (64 << 20); time.sleep(60)"]
+            )
+        time.sleep(1)
+        print("usage", g.usage(), "killed:", g.oom_kill(victim.pid), "victims", g.victims, "pid", victim.pid)
+        print("exit", victim.wait(), "kills", g.kills())

@@ -1,8 +1,9 @@
 """A trainer killed by the kernel's OOM killer inside a memory-limited cgroup (issue 48, memory): the
 supervisor's error names it ("killed by the kernel: out of memory", the group and its limit, the kernel
 log's record) rather than a bare SIGKILL, `andrea status` says CRASHED, and the run resumes from its
-newest valid checkpoint. A real cgroup and the kernel's own kill (tests/memcg.py); skipped, naming why,
-without root or a memory controller."""
+newest valid checkpoint; and the kernel takes the trainer, not its supervisor, though the supervisor is
+the larger (a Prefect flow-run process is), so that the supervisor lives to restart it. A real cgroup
+and the kernel's own kill (tests/memcg.py); skipped, naming why, without root or a memory controller."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
-from conftest import andrea, library_run
+from conftest import REPO, _env, andrea, library_run
 from memcg import MemoryGroup, unavailable
+from tiny import tiny_config
 
-from andrea_core.oom import OomWatch
-from andrea_core.ops.supervise import TrainerProcess
+from andrea_core.oom import TRAINER_OOM_BIAS, OomWatch
+from andrea_core.ops.supervise import TrainerProcess, wait_for_logged_step
+from andrea_core.run.lock import read_lock
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
 
@@ -64,3 +68,129 @@ def test_a_trainer_killed_by_the_oom_killer_is_named_as_such_and_resumes(tmp_pat
     assert done.reason == "completed" and done.step == logged + 4, done.describe()
     steps = [e.step for e in read_history(run)]
     assert steps == list(range(1, logged + 5)), "the canonical history: every step once, none lost"
+
+
+# A supervisor as the Prefect task is one (supervise.TrainerProcess), as large as a flow-run process
+# (about 330 MB resident; the CPU trainer here about 285 MB): it follows its trainer to its end, says how
+# it ended, and starts the next one, which resumes and trains 4 steps.
+SUPERVISOR = textwrap.dedent(
+    """
+    import sys
+    from andrea_core.ops.supervise import TrainerProcess
+    from andrea_core.run.loss_log import read_history
+    from andrea_core.run.rundir import RunDir
+    ballast = b"x" * int(sys.argv[2])
+    t = TrainerProcess(sys.argv[1], max_steps=100_000, pace=0.02).start()
+    print("TRAINER", t.pid, flush=True)
+    for _ in t.lines():
+        pass
+    print("OUTCOME", t.outcome().describe(), flush=True)
+    last = read_history(RunDir(sys.argv[1]))[-1].step
+    again = TrainerProcess(sys.argv[1], max_steps=last + 4).start()
+    for _ in again.lines():
+        pass
+    done = again.outcome()
+    print("RESTARTED", done.reason, done.step, last, flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(bool(unavailable()), reason=f"memory cgroup: {unavailable()}")
+def test_the_oom_killer_takes_the_trainer_not_its_larger_supervisor_which_restarts_it(
+    tmp_path, tmp_path_factory
+):
+    """Without the trainer's raised oom_score_adj (andrea_core.pdeathsig) the kernel kills the larger
+    process of the group: the supervisor, and nobody restarts the trainer (it gets its parent-death
+    SIGTERM)."""
+    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 20))
+    with MemoryGroup("test-oom-sup") as group:
+        with group.joined():
+            sup = subprocess.Popen(
+                [sys.executable, "-c", SUPERVISOR, run.url, str(320 << 20)],
+                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
+            )  # fmt: skip
+        try:
+            first = sup.stdout.readline().split()
+            assert first[:1] == ["TRAINER"], first
+            trainer = int(first[1])
+            wait_for_logged_step(run, 24, timeout=120)
+            own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
+            assert int(open(f"/proc/{trainer}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
+            rss = {p: _resident(p) for p in (sup.pid, trainer)}
+            assert rss[sup.pid] > rss[trainer], f"the supervisor must be the larger to show anything: {rss}"
+            kills = group.kills()
+            assert group.oom_kill(trainer), "the kernel did not kill the trainer"
+            assert group.kills() == kills + 1, "one fault, one kill"
+            if group.victims is not None:  # the kernel log is root's here (dmesg_restrict)
+                assert group.victims == [trainer], (group.victims, trainer, sup.pid)
+            out = sup.communicate(timeout=300)[0]
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+    assert sup.returncode == 0, out
+    said = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0].isupper())
+    assert "killed by the kernel: out of memory (memory cgroup " in said["OUTCOME"], out
+    reason, step, last = said["RESTARTED"].split()
+    assert reason == "completed" and int(step) == int(last) + 4, out
+    steps = [e.step for e in read_history(run)]
+    assert steps == list(range(1, int(step) + 1)), "the canonical history: every step once, none lost"
+
+
+def _resident(pid: int) -> int:
+    """Its resident set in kB (what the OOM killer weighs, with its page tables)."""
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0])
+
+
+RANKS_SUPERVISOR = textwrap.dedent(
+    """
+    import sys
+    from andrea_core.ops.supervise import TrainerProcess
+    ballast = b"x" * int(sys.argv[2])
+    t = TrainerProcess(sys.argv[1], config=sys.argv[3], device="cpu", pace=0.05, nproc_per_node=2).start()
+    print("TRAINER", t.pid, flush=True)
+    for _ in t.lines():
+        pass
+    print("OUTCOME", t.outcome().describe(), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(unavailable()), reason=f"memory cgroup: {unavailable()}")
+def test_a_torchrun_rank_not_its_supervisor_is_killed_and_the_supervisor_says_so(tmp_path):
+    """A child of the trainer (a torchrun rank, the agent's child) inherits the raised oom_score_adj:
+    the kernel takes rank 0, not the larger supervisor; the agent ends with exit 1 and the supervisor,
+    alive, says "killed by the kernel: out of memory" (the group's count: the rank is not its child)."""
+    run = RunDir(str(tmp_path / "run"))
+    config = tiny_config(tmp_path, train__max_steps=100_000, train__checkpoint_every=1000)
+    with MemoryGroup("test-oom-rank") as group:
+        with group.joined():
+            sup = subprocess.Popen(
+                [sys.executable, "-c", RANKS_SUPERVISOR, run.url, str(320 << 20), config],
+                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
+            )  # fmt: skip
+        try:
+            first = sup.stdout.readline().split()
+            assert first[:1] == ["TRAINER"], first
+            agent = int(first[1])
+            wait_for_logged_step(run, 3, timeout=240)
+            lock = read_lock(run)
+            assert lock.agent_pid == agent and lock.pid != agent
+            own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
+            for pid in (agent, lock.pid):
+                assert int(open(f"/proc/{pid}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
+            assert _resident(sup.pid) > _resident(lock.pid)
+            kills = group.kills()
+            assert group.oom_kill(lock.pid), "the kernel did not kill rank 0"
+            assert group.kills() == kills + 1, "one fault, one kill"
+            if group.victims is not None:
+                assert group.victims == [lock.pid], (group.victims, lock.pid, agent, sup.pid)
+            out = sup.communicate(timeout=300)[0]
+        finally:
+            if sup.poll() is None:
+                sup.kill()
+                sup.wait()
+    assert sup.returncode == 0, out
+    assert "killed by the kernel: out of memory (memory cgroup " in out, out

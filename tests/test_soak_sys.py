@@ -46,4 +46,5 @@ def test_clock_steps_a_suspend_an_oom_kill_and_a_full_cache_break_no_invariant(t
     assert float(suspend["seconds the monotonic clock stopped"]) > 3.0, suspend
     oom = did(out, "oom-trainer")
     assert oom["killed by the kernel"] == oom["supervisor said out of memory"] == "1", oom
+    assert oom["the kernel log names the trainer"] == oom["supervisor survived"] == "1", oom
     assert did(out, "cache-full")["resumed and trained on a full cache"] == "1"

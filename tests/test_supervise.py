@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from andrea_core.checkpoint import checkpoint_name
+from andrea_core.oom import TRAINER_OOM_BIAS
 from andrea_core.ops.supervise import (
     LossLogSnapshot,
     SupervisionError,
@@ -139,6 +140,38 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
     run.read_checkpoint(stopped_at)
     resumed = andrea("train", "--run-dir", run.url, "--max-steps", str(stopped_at + 5))
     assert f"resuming {run.url} from {checkpoint_name(stopped_at)}" in resumed.stdout
+
+
+def test_a_launched_trainer_is_the_oom_killers_choice_before_its_launcher(tmp_path, tmp_path_factory):
+    """In an out-of-memory kill the kernel must take the trainer, not the supervisor that reports it
+    and starts the next one (test_oom shows it in a real memory cgroup): the trainer runs with an
+    oom_score_adj TRAINER_OOM_BIAS above its launcher's (set by pdeathsig before the exec, so a torchrun
+    agent's ranks inherit it), capped at the kernel's 1000; the launcher's own is left as it was."""
+    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 10))  # andrea-tiny at step 10
+    own = int(open("/proc/self/oom_score_adj").read())
+    trainer = TrainerProcess(run.url, max_steps=12).start()
+    seen = None
+    for _ in trainer.lines():
+        seen = seen if seen is not None else int(open(f"/proc/{trainer.pid}/oom_score_adj").read())
+    assert trainer.outcome().reason == "completed"
+    assert seen == min(1000, own + TRAINER_OOM_BIAS) and own < seen
+    assert int(open("/proc/self/oom_score_adj").read()) == own
+
+    # A launcher already raised (a unit's OOMScoreAdjust): its trainer above it, at most 1000.
+    for launcher in (300, 700):
+        code = textwrap.dedent(
+            f"""
+            import os, subprocess, sys
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("{launcher}")
+            pdeathsig = [sys.executable, "-m", "andrea_core.pdeathsig", str(os.getpid())]
+            print(subprocess.run([*pdeathsig, "cat", "/proc/self/oom_score_adj"], check=True).returncode)
+            """
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True
+        )
+        assert out.stdout.split() == [str(min(1000, launcher + TRAINER_OOM_BIAS)), "0"], out
 
 
 def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):
