@@ -553,7 +553,10 @@ class Soak:
         # takeover, reported once the paused holder runs again, is not a publish after it).
         self.lost_leases: list[tuple[Proc, float, set[int]]] = []
         self.fault_i = -1
-        self.listed: set[int] = set()  # every checkpoint a listing of the store showed (invariant (8))
+        # Every checkpoint a listing of the store showed, and when it last did (invariant (8)).
+        self.listed: dict[int, float] = {}
+        # Each pivot's boundary and when it was done: its closed phase's tail was published before.
+        self.closed: list[tuple[int, float]] = []
         self.readers: Counter = (
             Counter()
         )  # `andrea status` answers checked against the truth (invariant (10))
@@ -731,7 +734,7 @@ class Soak:
         listed = sorted(
             int(m.group(1)) for n in self.store.listdir("run") if (m := re.fullmatch(r"step_(\d+)\.bin", n))
         )
-        self.listed.update(listed)
+        self.listed.update(dict.fromkeys(listed, time.time()))
         return listed
 
     # --- faults ----------------------------------------------------------------------------------
@@ -1238,6 +1241,7 @@ class Soak:
             if new:
                 boundary = int(re.search(r"step_(\d+)", max(new)).group(1))
                 self.events.append(("pivot", boundary, policy))
+                self.closed.append((boundary, time.time()))
                 self.policy = policy
         elif f["at"] == "fork":
             have = self.checkpoints()
@@ -1429,6 +1433,7 @@ class Soak:
         if new:
             boundary = int(re.search(r"step_(\d+)", max(new)).group(1))
             self.events.append(("pivot", boundary, policy))
+            self.closed.append((boundary, time.time()))
             self.policy = policy
         self.trainer.expect_exit = True
         self.ensure_trainer()
@@ -2031,6 +2036,7 @@ class Soak:
         if new:
             boundary = int(re.search(r"step_(\d+)", max(new)).group(1))
             self.events.append(("pivot", boundary, policy))
+            self.closed.append((boundary, time.time()))
             self.policy = policy
             if f["at"] == "boundary" and boundary % self.every:
                 self.violate("11", f"--at boundary pivoted at {boundary}, off the checkpoint grid")
@@ -2399,18 +2405,23 @@ class Soak:
         # (self.listed, after every fault and in every wait on the run), and what the trainers' logs
         # say they wrote (an outage legitimately skips some): a log that lies cannot hide a loss.
         have = set(steps(got))
-        published = self.listed | {
-            int(m.group(1))
-            for p in self.procs
-            if p.what == "trainer"
-            for _, line in p.lines
-            if (m := re.search(r"checkpoint step_(\d+)\.bin \(", line))
-        }
+        seen = dict(self.listed)  # each checkpoint published, and when it was last seen or said
+        for p in self.procs:
+            if p.what == "trainer":
+                for t, line in p.lines:
+                    if m := re.search(r"checkpoint step_(\d+)\.bin \(", line):
+                        seen[int(m.group(1))] = max(t, seen.get(int(m.group(1)), t))
+        published = set(seen)
         tails = {
             int(m.group(1))
             for a in (got / "archive").glob("phase_*/step_*.bin")
             if (m := re.search(r"step_(\d+)", a.name))
         }
+        # A closed phase's tail (past its pivot's boundary, last published before that pivot was done)
+        # is the archive's, or gone before it: the old phase's own retention keeps its newest keep_last,
+        # and a tail holds more when a pivot --at now chose a grid checkpoint written as it asked, its
+        # request's checkpoint one more (seed 1's 578: 578, 580, 585 and the stop's 587 past 575).
+        tails |= {s for s in published if any(b < s and seen[s] <= t for b, t in self.closed)}
         published -= tails - have
         need = {e[1] for e in self.events if e[0] != "data"} | {
             s for s in published if s % (10 * self.every) == 0

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, last_logged_step, start_trainer, wait_for
+from conftest import REPO, _env, last_logged_step, library_run, start_trainer, wait_for
 
 from andrea_core.run.lock import REQUEST
 from andrea_core.run.rundir import LOCK, LOSS_LOG, RunDir
@@ -145,3 +145,93 @@ def test_nothing_is_pivoted_abandoned_collected_or_forked_under_a_trainer_that_c
         trainer.send_signal(signal.SIGTERM)
         trainer.wait(120)
     assert Path(tmp_path / "trainer.log").read_text().count("lost its lease") == 0
+
+
+def past(log: Path, boundary: int) -> list[int]:
+    """The checkpoints past `boundary` a trainer's log says it published."""
+    text = log.read_text() if log.exists() else ""
+    return [s for s in map(int, re.findall(r"checkpoint step_(\d+)\.bin \(", text)) if s > boundary]
+
+
+def test_a_trainer_restarted_while_a_remote_pivot_waits_for_the_stop_is_stopped_too(
+    tmp_path, tmp_path_factory
+):
+    """Issue 48 (the soak's pivot-remote, seed 1): the trainer a pivot from another host asked to stop
+    dies before it reads the request, and one restarted in its place (as systemd would) takes the lease
+    over. The pivot used to take the takeover for the stop, record "stopped" under the new trainer and
+    fail ("appended unexpectedly"), a half-done pivot every later trainer refused. Now it asks the new
+    holder to stop as well, then completes: that trainer's steps are the closed phase's tail, archived,
+    and the next trainer trains the new phase from boundary + 1."""
+    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
+    run = RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
+    # A lease unrenewed for twice its ttl is a dead trainer's (the pivot then stops waiting): 60 s here,
+    # time for the restart to take it over.
+    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}
+    host_a = _env() | lease | {"ANDREA_TEST_HOST": "host-a"}
+    args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
+    first = start_trainer(*args, env=host_a, log=tmp_path / "first.log")
+    second = pivot = None
+    try:
+        wait_for(lambda: last_logged_step(run) > 20, 300, "the first trainer's step 21")
+        generation = json.loads(run.read_bytes(LOCK))["generation"]
+        loss_log = run.read_bytes(LOSS_LOG)
+        loss_log = loss_log[: loss_log.rfind(b"\n") + 1]  # whole lines: one may be being appended
+        pivot = subprocess.Popen(
+            [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env() | lease | {"ANDREA_TEST_HOST": "host-b"},
+            cwd=REPO,
+        )
+        boundary = wait_for(
+            lambda: (json.loads(run.read_bytes("pivot.json")) if run.exists("pivot.json") else {}).get(
+                "boundary"
+            ),
+            300,
+            "the pivot's intent",
+        )
+        wait_for(lambda: run.exists(f"step_{boundary:06d}.bin"), 300, "the boundary checkpoint")
+        first.send_signal(signal.SIGSTOP)  # it reads requests after a renewal (each second): none now
+        stop = wait_for(
+            lambda: run.exists(REQUEST) and json.loads(run.read_bytes(REQUEST)), 300, "the stop request"
+        )
+        assert stop["request"] == "stop" and stop["generation"] == generation, stop
+        pivot.send_signal(signal.SIGSTOP)  # the restart trains a checkpoint's worth before it looks
+        first.kill()  # dead before it read the request
+        assert first.wait(60) == -signal.SIGKILL
+        second = start_trainer(*args, env=host_a, log=tmp_path / "second.log")  # as systemd would
+        wait_for(lambda: past(tmp_path / "second.log", boundary), 300, "the restart's checkpoint")
+        pivot.send_signal(signal.SIGCONT)
+        out, _ = pivot.communicate(timeout=600)
+        assert pivot.returncode == 0, out
+        assert f"asked trainer pid {first.pid} on host-a to stop" in out, out
+        assert f"took the run over (lease generation {generation + 1})" in out, out
+        assert f"asked trainer pid {second.pid} on host-a to stop" in out, out
+        assert second.wait(120) == 0
+        log = (tmp_path / "second.log").read_text()
+        assert "taking over the stale lock of dead trainer" in log and "stop requested by host-b" in log, log
+        # The restarted trainer's steps are the closed phase's: its checkpoints past the boundary (the
+        # stop's the last) are in the archive with the old phase's state, its steps in .loss.json after
+        # the bytes before the pivot, and the run's newest checkpoint is the boundary.
+        folder = f"archive/phase_001_step_{boundary:06d}"
+        tail = sorted(int(n[5:11]) for n in run.listdir(folder) if n.startswith("step_"))
+        wrote = past(tmp_path / "second.log", boundary)
+        assert set(wrote) <= set(tail) and tail[-1] == max(wrote) and min(tail) > boundary, (tail, log)
+        logged = [json.loads(x)["step"] for x in run.read_bytes(LOSS_LOG)[len(loss_log) :].splitlines()]
+        assert max(wrote) in logged, (wrote, logged)
+        assert max(run.checkpoint_steps()) == boundary and not run.exists("pivot.json")
+        assert run.exists(f"{folder}/.state.json") and not run.exists(".state.json")
+        assert "name: tiny-mix" in run.read_text("policy.yaml")
+        assert run.read_bytes(LOSS_LOG).startswith(loss_log)
+        # Nothing is wedged: the next trainer trains the new phase from the pivot point.
+        size = len(run.read_bytes(LOSS_LOG))
+        trainer = andrea_from([], host_a, "train", *args[:4], "--max-steps", str(boundary + 2))
+        assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        new = [json.loads(x)["step"] for x in run.read_bytes(LOSS_LOG)[size:].splitlines() if x.strip()]
+        assert new == [boundary + 1, boundary + 2], new
+    finally:
+        for p in (first, second, pivot):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()

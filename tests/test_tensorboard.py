@@ -202,3 +202,24 @@ def test_a_segment_after_a_wall_clock_step_back_sorts_after_the_older_files(tmp_
     assert (
         sorted([new, old]) == [old, new] and new == f"events.out.tfevents.{ahead + 1:010d}.andrea.segment0002"
     )
+
+
+def test_a_segment_drops_the_older_files_tail_before_its_first_flush(tmp_path):
+    """Issue 48's soak (pivot-remote, seed 1): a trainer SIGKILLed right after publishing its first
+    checkpoint, before it flushed its events, left no event file, and the next segment, resuming past
+    that checkpoint, could not drop what an older file showed for those steps: a pivot's archived
+    tail (466 and 467 of the closed phase) stood in for the new phase's. A segment's START is now on
+    disk as it opens, before its first step."""
+    run_dir = tmp_path / "run"
+    run = RunDir(str(run_dir))
+    run.makedirs()
+    old = TensorBoardLog(run, 1, 1)  # the closed phase, steps 1..15 (its tail past 10 archived)
+    for step in range(1, 16):
+        old.scalar(step, "train/loss", float(step))
+    old.flush()
+    TensorBoardLog(run, 2, 11)  # the new phase from 11: killed before its first flush
+    later = TensorBoardLog(run, 3, 14)  # resumed from that trainer's checkpoint 13
+    later.scalar(14, "train/loss", 140.0)
+    later.flush()
+    shown = [(e.step, e.value) for e in accumulated(run_dir / "tensorboard").Scalars("train/loss")]
+    assert shown == [(s, float(s)) for s in range(1, 11)] + [(14, 140.0)], shown

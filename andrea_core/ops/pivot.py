@@ -624,8 +624,11 @@ def wait_for_boundary(
 
 def stop_trainer(run: RunDir, journal: PivotJournal, timeout_s: float = 300.0, log: Log = print) -> dict:
     """Step 2: SIGTERM the trainer (identity-checked) and wait for its exit: by then it has checkpointed
-    the step in flight. Records .loss.json as it is now: every later step checks it byte for byte."""
-    if journal.reached("stopped"):
+    the step in flight. Records .loss.json as it is now: every later step checks it byte for byte.
+    "stopped" is recorded only once no trainer holds the run after it is on disk: a trainer that took
+    the lock just before read the journal before it (a trainer checks it under its lock) and trains,
+    so it is stopped as well and .loss.json recorded again; a rerun at "stopped" does the same."""
+    if journal.reached("stopped") and (journal.step != "stopped" or _holder(run) is None):
         pid = journal.stopped_pid
         return {
             "stopped": pid is not None,
@@ -636,16 +639,25 @@ def stop_trainer(run: RunDir, journal: PivotJournal, timeout_s: float = 300.0, l
             "world_size": 1,
             "seconds": 0.0,
         }
-    stopped = stop_live_trainer(run, timeout_s, log)
-    if journal.loss_before is not None:
-        journal.loss_before.check_prefix_of(run, "the stopped trainer's .loss.json")
-    journal.record(
-        run,
-        "stopped",
-        loss_at_stop=LossLogSnapshot.take(run),
-        stopped_pid=stopped["pid"],
-        stopped_step=stopped["step"],
-    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stopped = stop_live_trainer(run, max(0.0, deadline - time.monotonic()), log)
+        if journal.loss_before is not None:
+            journal.loss_before.check_prefix_of(run, "the stopped trainer's .loss.json")
+        journal.record(
+            run,
+            "stopped",
+            loss_at_stop=LossLogSnapshot.take(run),
+            stopped_pid=stopped["pid"] if stopped["pid"] is not None else journal.stopped_pid,
+            stopped_step=stopped["step"],
+        )
+        late = _holder(run)
+        if late is None:
+            break
+        log(
+            f"trainer pid {late.pid} on {late.host} took the run (lease generation {late.generation}) "
+            "before the pivot recorded the stop: stopping it too"
+        )
     _kill_point("stopped")
     return stopped
 
@@ -666,31 +678,42 @@ def job_world_size(pid: int) -> int:
 def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -> dict:
     """SIGTERM the trainer of `run` (identity-checked) and wait until it has exited: by then it has
     checkpointed the step in flight. One that cannot be checked from here is asked to stop through the
-    run directory (signal_live_trainer) and waited for until it releases the lock. A run with no live
+    run directory (signal_live_trainer) and waited for until it releases the lock. A trainer that takes
+    the run over meanwhile (one restarted, as systemd would, after the one asked died) is stopped in
+    turn, within the same timeout: the run is stopped once no trainer holds it. A run with no live
     trainer is left alone."""
+    deadline = time.monotonic() + timeout_s
     trainer = _holder(run)
+    last: TrainerIdentity | None = None
     waited = 0.0
     world_size = 1
-    if trainer is not None:
+    while trainer is not None:
+        if last is not None:
+            log(
+                f"trainer pid {trainer.pid} on {trainer.host} took the run over (lease generation "
+                f"{trainer.generation}) while the pivot waited for pid {last.pid} to stop: stopping it too"
+            )
         local_world_size = job_world_size(trainer.pid)  # read while it runs; trusted only if signalled
         receipt = signal_live_trainer(run, "SIGTERM")
         if receipt.get("request"):
             log(f"asked trainer pid {trainer.pid} on {trainer.host} to stop ({run.path(REQUEST)})")
+            world_size = 1
         else:  # signalled: the pid was checked to be this run's trainer, so its WORLD_SIZE is its job's
             world_size = local_world_size
-        waited = supervise.wait_for_exit(trainer, timeout_s, run=run)
+        left = max(0.0, deadline - time.monotonic())
+        waited += supervise.wait_for_exit(trainer, left, run=run)
+        last, trainer = trainer, _holder(run)
     newest = (run.checkpoint_steps() or [None])[-1]  # the stop's own checkpoint, past a pivot point
-    if trainer is None:
+    if last is None:
         log(f"{run.url}: no live trainer to stop")
     else:
         log(
-            f"trainer pid {trainer.pid} on {trainer.host} exited {waited:.1f}s after being asked to stop; "
+            f"trainer pid {last.pid} on {last.host} exited {waited:.1f}s after being asked to stop; "
             f"newest checkpoint {newest}"
         )
-    pid = trainer.pid if trainer is not None else None
     return {
-        "stopped": trainer is not None,
-        "pid": pid,
+        "stopped": last is not None,
+        "pid": last.pid if last is not None else None,
         "step": newest,
         "world_size": world_size,
         "seconds": waited,

@@ -6,8 +6,9 @@ One event file per trainer start (a segment of .loss.json), written through RunD
 append-only run file (on an object store, the run cache's mirror is published at each checkpoint), so
 the files live in the run directory wherever it is. The loop only appends tuples to a list; the events
 are encoded and appended at each checkpoint (and exit), off the step's hot path. A segment's file
-opens with a SessionLog START at its first step: TensorBoard then drops what older files logged from
-that step on (a resume, a pivot's archived tail), exactly as .loss.json's canonical history does.
+opens with a SessionLog START at its first step, written when the segment opens: TensorBoard then
+drops what older files logged from that step on (a resume, a pivot's archived tail), exactly as
+.loss.json's canonical history does, even when the trainer dies before its first checkpoint's flush.
 .loss.json stays the source of truth; these files are a view, made durable at each flush (a power cut
 loses at most the events since the last checkpoint, as it loses the steps).
 A run's first event file (none in RUN/tensorboard/ yet: a fork's branch, whose .loss.json holds its
@@ -60,6 +61,11 @@ class TensorBoardLog:
         self._pending.append(("start", first_step, time.time()))
         if first_step > 1:
             self._backfill(first_step)
+        # The START on disk before the segment's first step: a trainer killed before its first flush
+        # (right after publishing its first checkpoint, say) still drops the older files' tail from
+        # first_step on, which the next segment, resuming past it, cannot (issue 48's soak: a pivot's
+        # archived tail shown in place of the new phase's steps).
+        self.flush()
 
     @staticmethod
     def _stamp(run: RunDir) -> int:
