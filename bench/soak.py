@@ -545,6 +545,7 @@ class Soak:
         self.violations: list[tuple[int, str, str]] = []  # (fault index, invariant, what)
         self.stats: dict[str, Counter] = defaultdict(Counter)
         self.wall: dict[str, float] = defaultdict(float)
+        self.phases: dict[str, float] = {}  # seconds of wall time each phase of the soak took, in order
         self.events: list[tuple] = []  # ("pivot", boundary, policy) / ("fork", step, branches), in order
         self.policy = "tiny-mix"
         self.generations: list[tuple[float, int]] = []
@@ -2121,15 +2122,23 @@ class Soak:
                 snap[f"repo:{line[3:]}"] = "untracked"
         return snap
 
+    def phase(self, name: str, since: float) -> float:
+        """Record `name` as having taken the wall time since `since` (time.time()); returns now."""
+        now = time.time()
+        self.phases[name] = round(now - since, 1)
+        return now
+
     def run(self, schedule: list[dict]) -> None:
+        t = time.time()
         self._system_setup(schedule)
         self.prepare()
         watched = self.outside()
+        t = self.phase("setup and data prepare", t)
         self.trainer = self.start_trainer(first=True)
         if not self.wait_training(self.trainer):
             raise SystemExit(f"soak: the first trainer did not start:\n{self.trainer.tail()}")
         self.start_reference()
-        t_start = time.time()
+        t_start = self.phase("first trainer start", t)
         self.injected = 0
         for f in schedule:
             if self.args.time_limit and time.time() - t_start > self.args.time_limit:
@@ -2163,6 +2172,7 @@ class Soak:
                     flush=True,
                 )
         # The end: stop on a step, then train to the next grid step and complete there.
+        t = self.phase("faults", t_start)
         self.fault_i = self.injected
         self.stop_trainer(signal.SIGTERM)
         last = max(self.checkpoints())
@@ -2178,6 +2188,7 @@ class Soak:
             # Every start opens .loss.json after every kill, removing the dead writers' mirrors, and
             # the last one closed its own: none may be left (rundir.MirroredAppendFile).
             self.violate("6", f"the run's loss log mirrors left in the cache after a clean exit: {left}")
+        self.phase("last trainer", t)
         self.soak_s = time.time() - t_start
         self.lock()
         now = self.outside()
@@ -2214,6 +2225,7 @@ class Soak:
         ref_root = self.work / "ref"
         ref_root.mkdir()
         ref, host, grid = ref_root / "run", "soak-ref", 20 * self.every  # a multiple of both grids
+        self.ref_work = Counter()  # the reference's processes and the seconds they ran (phases' line)
         at, done, ahead = 0, 0, 10 * grid  # the reference's step; events replayed; the least step ahead
         while not self.stopping:
             settled = self.settled // grid * grid  # read before the events: earlier faults' are all in
@@ -2232,8 +2244,10 @@ class Soak:
                 argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(event[1])]
                 if at == 0:
                     argv[1:1] = ["--config", self.config]
-                p = self.spawn("ref", argv, host, nice=19, FSSPEC_S3_ENDPOINT_URL="")
+                p, t0 = self.spawn("ref", argv, host, nice=19, FSSPEC_S3_ENDPOINT_URL=""), time.time()
                 rc = p.wait(1800)
+                self.ref_work.update({"trainers": 1, f"steps to {event[0]}": event[1] - at})
+                self.ref_work["seconds"] += round(time.time() - t0, 1)
                 if rc != 0:
                     raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
                 at = event[1]
@@ -2689,7 +2703,11 @@ def main() -> int:
         except Violation as e:
             aborted = str(e)
         if aborted is None:
-            soak.check(soak.join_reference())
+            t = time.time()
+            ref_root = soak.join_reference()
+            t = soak.phase("waiting for the reference", t)
+            soak.check(ref_root)
+            soak.phase("end checks", t)
     finally:
         soak.close()
         for i, p in enumerate(soak.procs):  # each process's output, for the post-mortem
@@ -2750,6 +2768,7 @@ def main() -> int:
             "complete replies lost (key, object there with that ETag, the retries' answers, read back): "
             f"{[(c['key'], c['held'], c['retries'], c['read_back']) for c in relay.completes_lost]}"
         )
+    print(f"phases (wall s): {soak.phases}; the reference: {dict(getattr(soak, 'ref_work', {}))}")
     print(
         f"violations: {len(soak.violations)}; wall time {wall:.0f} s "
         f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"
