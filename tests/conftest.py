@@ -157,8 +157,9 @@ def warm_launcher():
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_launcher_server():
-    """Stops this worker's warm launcher, if a test started it; how many of its starts were warm, and
-    why the others were cold, in test-output/warm-launcher-<worker>.txt."""
+    """Stops this worker's warm launcher, if a test started it; how many of its starts were warm, why
+    the others were cold, and why each server after the first was started, in
+    test-output/warm-launcher-<worker>.txt."""
     yield
     if _launcher is not None:
         _launcher.stop()
@@ -166,8 +167,9 @@ def warm_launcher_server():
         report = REPO / "test-output" / f"warm-launcher-{worker}.txt"
         report.parent.mkdir(exist_ok=True)
         reasons = collections.Counter(_launcher.cold)
-        lines = [f"{_launcher.warm} warm, {len(_launcher.cold)} cold"]
-        report.write_text("\n".join(lines + [f"{n} cold: {why}" for why, n in reasons.most_common()]) + "\n")
+        lines = [f"{_launcher.warm} warm, {len(_launcher.cold)} cold, {1 + len(_launcher.started)} servers"]
+        lines += [f"{n} cold: {why}" for why, n in reasons.most_common()]
+        report.write_text("\n".join(lines + [f"server started: {why}" for why in _launcher.started]) + "\n")
 
 
 _IMPORTED = """import runpy, sys

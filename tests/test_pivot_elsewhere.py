@@ -34,9 +34,10 @@ def run_files(run: RunDir) -> dict[str, str]:
     found = run.fs.find(run.root)
     skip = (".loss.json", ".trainer.json", "trainer.log", ".samples.json", ".state.json")
     names = [p.removeprefix(run.root + "/") for p in found if ".tmp." not in p]  # a write in flight
-    out = {n: hashlib.sha256(run.read_bytes(n)).hexdigest()[:12] for n in names if not n.endswith(skip)}
-    # Checkpoints and TensorBoard's event files (appended at each checkpoint) are the live trainer's too.
-    return {n: h for n, h in out.items() if not n.startswith(("step_", "tensorboard/"))}
+    # Checkpoints and TensorBoard's event files (appended at each checkpoint) are the live trainer's too,
+    # left unread: retention may delete a listed checkpoint before it is read.
+    names = [n for n in names if not n.endswith(skip) and not n.startswith(("step_", "tensorboard/"))]
+    return {n: hashlib.sha256(run.read_bytes(n)).hexdigest()[:12] for n in names}
 
 
 def elsewhere(how: str) -> tuple[list[str], dict[str, str]]:

@@ -1,10 +1,12 @@
 """The tests' warm launcher (tests/warm_launcher.py, issue 45.2): a forked child is what a cold
 `python -m MODULE` would have been (exit status, exact output, env, cwd, umask, signal state, /proc),
-real signals reach it, an env read at import is honoured by running cold, and a server with threads
-refuses to fork. Compared against the same command started cold by subprocess."""
+real signals reach it, an env read at import is honoured by a server that imported under it (or by
+running cold), and a server with threads refuses to fork. Compared against the same command started
+cold by subprocess."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -147,18 +149,70 @@ def test_a_warm_child_has_the_state_a_cold_one_has(probe, tmp_path):
     assert w["cmdline"] == [os.path.normpath(sys.executable), "-m", "wprobe", "state", "--flag", "ü", ""]
 
 
-def test_a_variable_read_at_import_is_honoured_by_running_cold(probe):
-    """wprobe reads WPROBE_AT_IMPORT when imported, in the server; a request that changes it is run
-    cold, so the child sees its own value, as a cold one would."""
+def test_a_variable_read_at_import_is_honoured_by_a_server_that_imported_it(probe):
+    """wprobe reads WPROBE_AT_IMPORT when imported, in the server; a request that changes it goes to a
+    server started under the request's env, so the child sees its own value, as a cold one would, and
+    the first server still serves the first env."""
     launcher, env, root = probe
     same = launcher.popen(
         [sys.executable, "-m", "wprobe", "at-import"], env=env, cwd=root, stdout=subprocess.PIPE
     )
     assert same.communicate(timeout=60)[0] == b"unset\n" and same.warm
     changed = {**env, "WPROBE_AT_IMPORT": "changed"}
-    warm, cold = both(launcher, changed, root, "at-import")
-    assert warm.stdout == cold.stdout == b"changed\n"
-    assert "WPROBE_AT_IMPORT" in launcher.cold[-1]
+    cold = len(launcher.cold)
+    warm, cold_run = both(launcher, changed, root, "at-import")
+    assert warm.stdout == cold_run.stdout == b"changed\n" and len(launcher.cold) == cold, launcher.cold
+    assert "WPROBE_AT_IMPORT" in launcher.started[-1]
+    assert [s.env.get("WPROBE_AT_IMPORT") for s in launcher.servers] == ["changed", None]
+    again = launcher.run(
+        [sys.executable, "-m", "wprobe", "at-import"], env=env, cwd=root, capture_output=True
+    )
+    assert again.stdout == b"unset\n" and len(launcher.cold) == cold and len(launcher.servers) == 2
+
+
+def test_a_variable_read_at_import_runs_cold_where_no_server_can_import_it(probe):
+    """At most max_servers: the least recently used idle one is stopped for a new env; a busy one (its
+    child's exit status comes through it) never, and with every server busy the request runs cold."""
+    _, env, root = probe
+    launcher = WarmLauncher(["wprobe"], env, str(root), max_servers=2)
+    sleepers = []
+    try:
+        sleeper = launcher.popen(
+            [sys.executable, "-m", "wprobe", "sleep"], env=env, cwd=root, stdout=subprocess.PIPE
+        )
+        sleepers.append(sleeper)
+        assert sleeper.warm and sleeper.stdout.readline() == b"ready\n"
+        first = launcher.servers[0]
+        for value in ("one", "two"):  # "two" stops the idle server of "one", never the sleeper's
+            out = launcher.run(
+                [sys.executable, "-m", "wprobe", "at-import"],
+                env={**env, "WPROBE_AT_IMPORT": value}, cwd=root, capture_output=True,
+            )  # fmt: skip
+            assert out.stdout == f"{value}\n".encode() and not launcher.cold, launcher.cold
+        assert [s.env.get("WPROBE_AT_IMPORT") for s in launcher.servers] == ["two", None]
+        assert launcher.servers[1] is first and first.proc.poll() is None
+        busy = launcher.popen(
+            [sys.executable, "-m", "wprobe", "sleep"], env={**env, "WPROBE_AT_IMPORT": "two"}, cwd=root,
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        sleepers.append(busy)
+        assert busy.warm and busy.stdout.readline() == b"ready\n"
+        out = launcher.run(
+            [sys.executable, "-m", "wprobe", "at-import"],
+            env={**env, "WPROBE_AT_IMPORT": "three"}, cwd=root, capture_output=True,
+        )  # fmt: skip
+        assert out.stdout == b"three\n" and len(launcher.servers) == 2
+        assert launcher.cold == ["env differs in variables read at import: ['WPROBE_AT_IMPORT']"]
+        for proc in sleepers:
+            proc.kill()
+            assert proc.wait(timeout=60) == -signal.SIGKILL  # its status still comes through its server
+    finally:
+        for proc in sleepers:
+            if proc.returncode is None:  # a failed test: by pid, as its server may be gone
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGKILL)
+            proc.stdout.close()
+        launcher.stop()
 
 
 def test_real_signals_reach_a_warm_child_and_its_status_says_so(probe):
@@ -206,14 +260,8 @@ def test_a_warm_trainer_is_the_products_own_and_stops_cleanly(tmp_path):
 
     run = tmp_path / "run"
     log = tmp_path / "train.log"
-    # TORCHINDUCTOR_CACHE_DIR as the server has it: torch sets it in this process once a test before this
-    # one on the worker compiled in process, and a variable read at import that differs from the
-    # server's sends a start cold (CI saw it). This test is about a warm trainer, not that order.
-    env = {k: v for k, v in _env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    if "TORCHINDUCTOR_CACHE_DIR" in warm_launcher().env:
-        env["TORCHINDUCTOR_CACHE_DIR"] = warm_launcher().env["TORCHINDUCTOR_CACHE_DIR"]
     argv = ("--config", TINY, "--run-dir", str(run), "--device", "cpu", "--pace", "0.2")
-    proc = start_trainer(*argv, log=log, env=env)
+    proc = start_trainer(*argv, log=log)
     try:
         assert getattr(proc, "warm", False) or os.environ.get("ANDREA_WARM_LAUNCHER") == "0"
         wait_for(lambda: last_logged_step(run) >= 2, 300, "step 2")
@@ -227,6 +275,36 @@ def test_a_warm_trainer_is_the_products_own_and_stops_cleanly(tmp_path):
             proc.kill()
     text = log.read_text()
     assert "SIGTERM" in text and RunDir(str(run)).checkpoint_steps(), text
+
+
+def test_a_start_after_torch_set_its_inductor_cache_dir_runs_warm():
+    """torch sets TORCHINDUCTOR_CACHE_DIR in this process at its first optimizer step here (a test
+    that trains in process), a variable read at import by its prefix: starts with it and without it
+    both run warm, each on a server whose imports read it as the start has it (CI once ran 46 warm,
+    178 cold on one worker)."""
+    if os.environ.get("ANDREA_WARM_LAUNCHER") == "0":
+        pytest.skip("ANDREA_WARM_LAUNCHER=0")
+    import torch
+
+    name, before = "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        if before is None:
+            model = torch.nn.Linear(2, 2)
+            optimizer = torch.optim.AdamW(model.parameters())
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            assert name in os.environ, "torch no longer sets TORCHINDUCTOR_CACHE_DIR at an optimizer step"
+        value = os.environ[name]
+        launcher = warm_launcher()
+        cold = len(launcher.cold)
+        for env in ({k: v for k, v in _env().items() if k != name}, _env()):
+            proc = start_trainer("--help", env=env)
+            assert proc.warm and proc.wait(timeout=120) == 0, launcher.cold[cold:]
+            assert any(s.env.get(name) == env.get(name) for s in launcher.servers)
+        assert len(launcher.cold) == cold and {s.env.get(name) for s in launcher.servers} >= {None, value}
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
 
 
 def test_andrea_warm_launcher_0_turns_it_off(monkeypatch):

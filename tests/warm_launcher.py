@@ -12,10 +12,13 @@ child's wait status; `WarmLauncher.popen` returns a subprocess.Popen whose wait/
 
 A request is run cold (a plain Popen) when warm could differ: a module not preloaded, Popen options
 the server cannot apply (pass_fds, preexec_fn, a new session, user/group), an argv or env larger than
-the server's /proc room, or an env that differs from the server's in a variable read while importing
-(recorded by watching os.environ during the imports, plus the prefixes C libraries read at load:
-OpenMP, BLAS, torch, locale, the dynamic linker, Python's own). The server refuses to fork while it
-has more than one thread (OpenMP/BLAS pools do not survive fork): the caller gets an error.
+the server's /proc room, or an import that iterated os.environ and an env that differs from the
+server's. An env that differs in a variable read while importing (recorded by watching os.environ
+during the imports, plus the prefixes C libraries read at load: OpenMP, BLAS, torch, locale, the
+dynamic linker, Python's own) goes to a server whose imports read that env: WarmLauncher keeps up to
+`max_servers`, starting one under the request's env when none matches (cold when it cannot). The
+server refuses to fork while it has more than one thread (OpenMP/BLAS pools do not survive fork):
+the caller gets an error.
 Known, accepted differences: a warm child's parent is the server (tests about parent death, the
 command line or start-up stay cold: conftest's cold=True), its argv[0] in /proc is sys.executable
 padded with extra slashes (the same file), and it shares the server's str hash seed.
@@ -35,9 +38,11 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 ARGV_ROOM = 16 * 1024  # bytes of /proc/PID/cmdline a child may fill
 ENV_ROOM = 96 * 1024  # bytes of /proc/PID/environ a child may fill
+ENV_DIFFERS = "env differs in variables read at import"
 ROOM_VAR = "_WARM_LAUNCHER_ROOM"
 BLAS_VAR = "_WARM_LAUNCHER_OPENBLAS_NUM_THREADS"  # the base env's own OPENBLAS_NUM_THREADS ("" = unset)
 # Variables read when a library loads (C getenv, or Python's start-up), not through os.environ.
@@ -177,7 +182,7 @@ class Server:
             return "an import iterated os.environ: any env change is run cold"
         early = sorted(k for k in changed if k in self.import_reads or k.startswith(IMPORT_TIME_PREFIXES))
         if early:
-            return f"env differs in variables read at import: {early}"
+            return f"{ENV_DIFFERS}: {early}"
         if cmdline_bytes([sys.executable, *argv], self.regions[1] - self.regions[0]) is None:
             return "argv larger than the server's /proc room"
         if (
@@ -226,7 +231,8 @@ class Server:
             req = json.loads(data)
             reason = self.why_cold(req)
             if reason is not None:
-                conn.send(json.dumps({"cold": reason}).encode())
+                # "env": a server whose imports read this request's env could run it (WarmLauncher).
+                conn.send(json.dumps({"cold": reason, "env": reason.startswith(ENV_DIFFERS)}).encode())
                 conn.close()
                 return
             threads = _threads()
@@ -404,7 +410,7 @@ class WarmPopen(subprocess.Popen):
                 "umask": mask,
                 "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
             }
-            reply, self._conn = self._launcher.request(req, fds)
+            reply, self._conn = self._launcher.request(req, fds, self)
         if "cold" in reply:
             self._launcher.cold.append(reply["cold"])
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
@@ -449,18 +455,17 @@ class WarmPopen(subprocess.Popen):
         return self.returncode
 
 
-class WarmLauncher:
-    """One fork server with `preload` imported; `popen`/`run` as subprocess's, warm where it can be."""
+class _Server:
+    """One fork server process (Server, run as this file) whose imports read `env`."""
 
     def __init__(self, preload: list[str], env: dict[str, str], cwd: str) -> None:
-        self.env = dict(env)  # the server's environment (what a warm child's imports read)
+        self.env = dict(env)
         self.folder = tempfile.mkdtemp(prefix="warm-launcher-")
         self.sock_path = os.path.join(self.folder, "sock")
-        self.warm = 0  # children forked warm
-        self.cold: list[str] = []  # why each cold start was cold
+        self.children: weakref.WeakSet[WarmPopen] = weakref.WeakSet()  # forked by it, perhaps running
         server_env = {**env, ROOM_VAR: "x" * ENV_ROOM, BLAS_VAR: env.get("OPENBLAS_NUM_THREADS", "")}
         server_env["OPENBLAS_NUM_THREADS"] = "1"  # no BLAS pool in the server; a child gets its own
-        self.server = subprocess.Popen(
+        self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), self.sock_path, ",".join(preload), "#" * ARGV_ROOM],
             env=server_env,
             cwd=cwd,
@@ -468,8 +473,9 @@ class WarmLauncher:
         )
         deadline = time.monotonic() + 300
         while not os.path.exists(self.sock_path + ".ready"):
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"warm launcher server did not start (exit {self.server.returncode})")
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"warm launcher server did not start (exit {self.proc.returncode})")
             time.sleep(0.02)
 
     def request(self, req: dict, fds: list[int]) -> tuple[dict, socket.socket | None]:
@@ -481,6 +487,79 @@ class WarmLauncher:
             conn.close()
             return reply, None
         return reply, conn
+
+    def busy(self) -> bool:
+        """Whether a child it forked may still run (its exit status comes through this server)."""
+        return any(child.poll() is None for child in list(self.children))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait()
+        for name in ("sock", "sock.ready"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
+
+
+class WarmLauncher:
+    """Fork servers with `preload` imported; `popen`/`run` as subprocess's, warm where they can be.
+
+    The first server imports under `env`. A request whose env differs from every server's in a
+    variable read at import gets a server of its own, started then under the request's env (torch sets
+    TORCHINDUCTOR_CACHE_DIR in a test process once it has run an optimizer step there, and every later
+    start differs in it); at most `max_servers`, the least recently used idle one stopped for a new one.
+    Cold when none can be had (all busy) or one would not start under that env."""
+
+    def __init__(self, preload: list[str], env: dict[str, str], cwd: str, max_servers: int = 3) -> None:
+        self.preload, self.cwd, self.max_servers = list(preload), cwd, max_servers
+        self.env = dict(env)  # the first server's environment (what its warm children's imports read)
+        self.warm = 0  # children forked warm
+        self.cold: list[str] = []  # why each cold start was cold
+        self.started: list[str] = []  # why each server after the first was started
+        self.servers = [_Server(self.preload, env, cwd)]  # the most recently used first
+        self._unstartable: set[frozenset] = set()  # envs under which a server did not start
+        self._lock = threading.Lock()  # one request at a time: the servers' order, a new server
+
+    def request(self, req: dict, fds: list[int], popen: WarmPopen) -> tuple[dict, socket.socket | None]:
+        """Ask the servers, the most recently used first, to fork `req`; the server's reply (a pid, or
+        why it runs cold) and the connection its exit status comes back on."""
+        with self._lock:
+            for server in self.servers:
+                reply, conn = server.request(req, fds)
+                if not reply.get("env"):
+                    break
+            else:
+                server = self._server_for(req["env"], reply["cold"])
+                if server is None:
+                    return reply, None
+                reply, conn = server.request(req, fds)
+            self.servers.remove(server)
+            self.servers.insert(0, server)
+            if conn is not None:
+                server.children.add(popen)
+            return reply, conn
+
+    def _server_for(self, env: dict[str, str], why: str) -> _Server | None:
+        """A new server whose imports read `env`, room made for it; None if it cannot be had."""
+        key = frozenset(env.items())
+        if key in self._unstartable:
+            return None
+        if len(self.servers) >= self.max_servers:
+            idle = [s for s in reversed(self.servers) if not s.busy()]
+            if not idle:
+                return None
+            self.servers.remove(idle[0])
+            idle[0].stop()
+        try:
+            server = _Server(self.preload, env, self.cwd)
+        except RuntimeError:
+            self._unstartable.add(key)
+            return None
+        self.servers.append(server)
+        self.started.append(why)
+        return server
 
     def popen(self, args, **kwargs) -> WarmPopen:
         return WarmPopen(self, args, **kwargs)
@@ -509,13 +588,9 @@ class WarmLauncher:
         return result
 
     def stop(self) -> None:
-        self.server.terminate()
-        self.server.wait()
-        for name in ("sock", "sock.ready"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.folder, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self.folder)
+        for server in self.servers:
+            server.stop()
+        self.servers = []
 
 
 def _server_main(sock_path: str, preload: str) -> None:
