@@ -244,6 +244,10 @@ def system_missing(kinds: list[str] | None, ap: argparse.ArgumentParser) -> None
         ap.error(f"--kinds: {sorted(set(kinds) & set(missing))} cannot run here ({missing})")
 
 
+# pivot-remote: a trainer kill drawn later than this many seconds comes as the pivot asks it to stop.
+AT_STOP_S = 2.0
+
+
 def draw_feature(rng: random.Random, kind: str) -> dict:
     """A feature fault's parameters (issue 48 item 6)."""
     if kind == "guard-rollback":
@@ -253,7 +257,8 @@ def draw_feature(rng: random.Random, kind: str) -> dict:
         return {"ahead": rng.randint(3, 12), "kill": kill, "after_s": round(rng.uniform(0.0, 1.5), 2)}
     if kind == "data-change":  # a file of the prose arm's local folder added, changed or removed
         return {"change": rng.choice(["add", "change", "remove"])}
-    # pivot-remote: asked from the other host; the pivot or the trainer SIGKILLed kill_s into it, or none.
+    # pivot-remote: asked from the other host; the pivot or the trainer SIGKILLed kill_s into it (a trainer
+    # drawn past AT_STOP_S: as the pivot asks it to stop), or none.
     return {
         "at": rng.choice(["now", "boundary"]),
         "restart": rng.choice([True, False]),
@@ -1993,8 +1998,10 @@ class Soak:
 
     def f_pivot_remote(self, f: dict) -> None:
         """`andrea pivot --at now|boundary --restart|--no-restart` from the other host while the trainer
-        runs (a request through the run directory), the pivot or the trainer SIGKILLed kill_s into it
-        (then the same command again). Then: one phase folder more, its boundary checkpoint in the run,
+        runs (a request through the run directory), the pivot or the trainer SIGKILLed kill_s into it,
+        a trainer drawn past AT_STOP_S as the pivot asks it to stop (a trainer restarted at once, as
+        systemd would: the pivot stops it too; a pivot that failed, the same command again). Then: one
+        phase folder more, its boundary checkpoint in the run,
         .loss.json's bytes before the pivot a prefix of its bytes after, and with --restart a trainer
         of the pivoting host training past the boundary (stopped, SIGTERM, by its pid, checked)."""
         d, other = self.did["pivot-remote"], HOSTS[1 - HOSTS.index(self.host)]
@@ -2006,17 +2013,31 @@ class Soak:
         loss = loss[: loss.rfind(b"\n") + 1]
         self.trainer.expect_exit = True
         p = self.spawn("pivot", argv, host=other)
-        if f["kill"]:
+        at_stop = f["kill"] == "trainer" and f["kill_s"] > AT_STOP_S
+        if at_stop:
+            # The trainer dies as the pivot asks it to stop (it reads the request at its next renewal),
+            # and the restart below takes the lease over while the pivot waits for the stop (issue 48,
+            # seed 1: the pivot took that for the stop and left a half-done pivot no rerun finished).
+            deadline = time.monotonic() + TOOL_BOUND
+            while p.first(r" to stop \(") is None and p.popen.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif f["kill"]:
             time.sleep(f["kill_s"])
+        if f["kill"]:
             victim = p if f["kill"] == "pivot" else self.trainer
             killed = victim.popen.poll() is None
             victim.signal(signal.SIGKILL)
-            d[f"{f['kill']} killed mid-pivot" if killed else f"{f['kill']} done before the kill"] += 1
+            at_stop = at_stop and killed
+            how = "as the pivot asked it to stop" if at_stop else "mid-pivot"
+            d[f"{f['kill']} killed {how}" if killed else f"{f['kill']} done before the kill"] += 1
             if f["kill"] == "trainer" and killed:
                 # As systemd would (Restart=on-failure): a trainer again, which the pivot must find.
                 self.trainer = self.start_trainer()
                 self.trainer.expect_exit = True
         rc = p.wait(TOOL_BOUND)
+        if at_stop and rc == 0:
+            took = p.first(r"took the run over \(lease generation") is not None
+            d["pivot finished: the restart took the run over, stopped too" if took else "pivot finished"] += 1
         if rc != 0:
             if not f["kill"]:
                 self.violate("7", f"andrea pivot from {other} exited {rc}:\n{p.tail()}")
@@ -2349,13 +2370,17 @@ class Soak:
         pr = sorted(p.name for p in (ref / "archive").glob("phase_*")) if (ref / "archive").exists() else []
         if pg != pr:
             self.violate("3", f"archived phases {pg}, the reference's {pr}")
+        start = 0  # each phase trains (start, boundary]: its own boundary's bandit state, unless empty
         for name in sorted(set(pg) & set(pr)):
+            boundary = int(name.split("_step_")[1])
             self._same_sidecars(
                 got / "archive" / name,
                 ref / "archive" / name,
                 f"archive/{name}",
-                boundary=int(name.split("_step_")[1]),
+                boundary=boundary,
+                trained=boundary > start,
             )
+            start = boundary
         self._same_sidecars(got, ref, "the phase in force", boundary=self.final)
 
         # (4) fork branches: complete, their fork point kept in the parent, one forks.jsonl line each
@@ -2527,7 +2552,11 @@ class Soak:
             self.views[f"{tag} steps shown"] = len(shown)
             self.views[f"{tag} steps missing"] = len(canon) - len({s for s, _ in shown})
 
-    def _same_sidecars(self, got: Path, ref: Path, where: str, boundary: int) -> None:
+    def _same_sidecars(self, got: Path, ref: Path, where: str, boundary: int, trained: bool = True) -> None:
+        """policy.yaml, each step's bandit state and audit as the reference's; the bandit state of
+        `boundary` required unless the phase trained no step (two pivots at one boundary, the second
+        before a trainer of the phase between them trained: seed 2's phase_003_step_000315 had no
+        .state.json, nor the reference's), whose fresh bandit was never written."""
         a, r = got / "policy.yaml", ref / "policy.yaml"
         if (a.read_bytes() if a.exists() else None) != (r.read_bytes() if r.exists() else None):
             self.violate("3", f"{where}: policy.yaml differs")
@@ -2551,7 +2580,7 @@ class Soak:
             return {int(x["step"]): x for x in items}
 
         sg, sr = states(got), states(ref)
-        if boundary not in sg or boundary not in sr:
+        if (boundary not in sg or boundary not in sr) and (trained or sg or sr):
             self.violate(
                 "3",
                 f"{where}: the bandit state of step {boundary} is missing "
