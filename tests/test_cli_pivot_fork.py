@@ -10,12 +10,10 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, andrea, last_logged_step, library_run, start_trainer, wait_for
+from conftest import _env, andrea, last_logged_step, library_run, start_trainer, wait_for
 from prefect_ephemeral import ephemeral_prefect  # noqa: F401
 from test_pivot_checks import half_policy
 from test_retention import fabricated_run
@@ -167,14 +165,8 @@ def test_a_pivot_killed_after_any_step_completes_exactly_once_when_rerun(trained
         run = copy_run(trained, tmp_path / point)
         early = KILL_POINTS.index(point) < KILL_POINTS.index("installed")
         flags = (*pivot, "--no-restart") if early else pivot
-        killed = subprocess.run(
-            [sys.executable, "-m", "andrea_core", "pivot", str(run), *flags],
-            env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": point},
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        env = {**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": point}
+        killed = andrea("pivot", str(run), *flags, env=env, check=False, timeout=900)
         assert killed.returncode == -signal.SIGKILL, (point, killed.stdout, killed.stderr)
         journal = json.loads((run / PIVOT_JSON).read_text())
         assert journal["step"] == ("archiving" if point == "archive-move-1" else point)
@@ -196,13 +188,8 @@ def test_a_pivot_killed_after_any_step_completes_exactly_once_when_rerun(trained
 def test_abandon_restores_the_old_phase(trained, tmp_path):
     run = copy_run(trained, tmp_path / "run")
     before = files_of(run)
-    killed = subprocess.run(
-        [sys.executable, "-m", "andrea_core", "pivot", str(run), "--policy", "tiny-mix", "--no-restart"],
-        env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"},
-        cwd=REPO,
-        capture_output=True,
-        timeout=900,
-    )
+    env = {**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"}
+    killed = andrea("pivot", str(run), "--policy", "tiny-mix", "--no-restart", env=env, check=False)
     assert killed.returncode == -signal.SIGKILL
     assert not (run / ".samples.json").exists()
     andrea("pivot", str(run), "--abandon")
@@ -328,24 +315,9 @@ def test_fork_and_compare_from_the_shell_and_a_fork_killed_mid_copy(trained, tmp
     assert (report / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A fork killed right after copying its first branch's checkpoint, then rerun.
-    killed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "andrea_core",
-            "fork",
-            str(parent),
-            "--step",
-            "200",
-            "--branch",
-            "x",
-            "--branch",
-            "y",
-        ],
-        env={**_env(), "ANDREA_TEST_FORK_KILL_AFTER": "x/step_000200.bin"},
-        cwd=REPO,
-        capture_output=True,
-        timeout=600,
+    env = {**_env(), "ANDREA_TEST_FORK_KILL_AFTER": "x/step_000200.bin"}
+    killed = andrea(
+        "fork", str(parent), "--step", "200", "--branch", "x", "--branch", "y", env=env, check=False
     )
     assert killed.returncode == -signal.SIGKILL
     half = Path(f"{parent}-fork200-x")
@@ -373,13 +345,8 @@ def test_the_pivot_flow_completes_a_pivot_the_shell_left_half_done(tmp_path):
     for name, data in sidecars.items():
         RunDir(run.url).write_atomic(name, data)
     old_policy = (tmp_path / "run" / "policy.yaml").read_bytes()
-    killed = subprocess.run(
-        [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
-        env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"},
-        cwd=REPO,
-        capture_output=True,
-        timeout=600,
-    )
+    env = {**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"}
+    killed = andrea("pivot", run.url, "--policy", "tiny-mix", "--no-restart", env=env, check=False)
     assert killed.returncode == -signal.SIGKILL
     result = pivot(run.url, "tiny-mix", restart="none")
     folder = tmp_path / "run" / ARCHIVE_1

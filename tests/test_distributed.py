@@ -337,17 +337,19 @@ def test_pivot_of_a_two_rank_trainer(tmp_path):
 
 
 @pytest.mark.slow
-def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path):
+def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path, tmp_path_factory):
     """A resume under a policy the .state.json does not belong to: rank 0 moves the state aside (one
-    file in archive/), every rank starts the same fresh bandit, no rank writes or trips over the move."""
+    file in archive/), every rank starts the same fresh bandit, no rank writes or trips over the move.
+    The run at step 10 (its checkpoint and .state.json) is a copy of the library's (conftest.library_run,
+    trained by one process: a checkpoint resumes at any world size, test_checkpoint_resumes_at_another_
+    world_size); the 2-rank resume is this test's."""
     from andrea_core.ops.pivot import install_policy
-    from tests.conftest import TINY
+    from tests.conftest import TINY, library_run
 
-    run = tmp_path / "run"
-    config = _config(tmp_path, 20, 10)
-    _train(config, run, 2, "--max-steps", "10")
+    run = library_run(tmp_path_factory, tmp_path / "run", 10)  # andrea-tiny at step 10
+    assert json.loads((run / ".state.json").read_text())["step"] == 10
     install_policy(RunDir(str(run)), (Path(TINY).parent / "policies" / "default.yaml").read_text())
-    _train(config, run, 2, "--max-steps", "20")  # the run's target is 10 since the first start
+    andrea("train", "--run-dir", str(run), *CPU, "--nproc-per-node", "2", "--max-steps", "20", timeout=300)
     assert len(list((run / "archive").glob("unloaded_state_step_000010_*.json"))) == 1
     assert sorted(_losses(run)) == list(range(1, 21))
     assert json.loads((run / ".state.json").read_text())["step"] == 20

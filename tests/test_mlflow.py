@@ -31,23 +31,30 @@ from andrea_core.train.mlflow_view import run_key
 VENV = Path(os.environ.get("ANDREA_MLFLOW_VENV", REPO / ".venv-mlflow"))
 PACE = "0.05"  # seconds per step at least: a SIGUSR1 and a SIGKILL land between checkpoints
 
-# Everything the test reads back, through MLflow's own client (not this product's REST calls).
+# Everything the test reads back, through MLflow's own client (not this product's REST calls): one
+# process of the server's venv for the module (importing mlflow takes seconds), answering each request
+# line (a tracking URI and an experiment name, as JSON) with one line of JSON.
 READ_BACK = """
-import json, sys
+import json, sys, traceback
 from mlflow import MlflowClient
 from mlflow.entities import ViewType
-client = MlflowClient(sys.argv[1])
-experiment = client.get_experiment_by_name(sys.argv[2])
-runs = client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL) if experiment else []
-out = []
-for r in runs:
-    history = {
-        key: [[m.step, m.value, m.timestamp] for m in client.get_metric_history(r.info.run_id, key)]
-        for key in r.data.metrics
-    }
-    info = {"id": r.info.run_id, "stage": r.info.lifecycle_stage, "status": r.info.status}
-    out.append({**info, "tags": r.data.tags, "history": history})
-print(json.dumps(out))
+for request in sys.stdin:
+    try:
+        uri, name = json.loads(request)
+        client = MlflowClient(uri)
+        experiment = client.get_experiment_by_name(name)
+        ids = [experiment.experiment_id] if experiment else []
+        out = []
+        for r in client.search_runs(ids, run_view_type=ViewType.ALL) if ids else []:
+            history = {
+                key: [[m.step, m.value, m.timestamp] for m in client.get_metric_history(r.info.run_id, key)]
+                for key in r.data.metrics
+            }
+            info = {"id": r.info.run_id, "stage": r.info.lifecycle_stage, "status": r.info.status}
+            out.append({**info, "tags": r.data.tags, "history": history})
+        print(json.dumps({"runs": out}), flush=True)
+    except Exception:
+        print(json.dumps({"error": traceback.format_exc()}), flush=True)
 """
 
 
@@ -103,13 +110,34 @@ def env_for(uri: str, experiment: str, **extra: str) -> dict[str, str]:
     return {**_env(), "MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": experiment, **extra}
 
 
-def mlflow_runs(uri: str, experiment: str) -> list[dict]:
-    proc = subprocess.run(
-        [str(VENV / "bin" / "python"), "-c", READ_BACK, uri, experiment],
-        capture_output=True, text=True, timeout=300,
+@pytest.fixture(scope="module")
+def mlflow_reader() -> Iterator[subprocess.Popen]:
+    """The module's reader (READ_BACK), a process of the server's venv, until the module ends."""
+    reader = subprocess.Popen(
+        [str(VENV / "bin" / "python"), "-c", READ_BACK],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    yield reader
+    reader.stdin.close()
+    try:
+        reader.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        reader.kill()
+        reader.wait()
+
+
+def mlflow_runs(reader: subprocess.Popen, uri: str, experiment: str) -> list[dict]:
+    """Every run of `experiment` on the server at `uri`, with its tags and each metric's history."""
+    import select
+
+    reader.stdin.write(json.dumps([uri, experiment]) + "\n")
+    reader.stdin.flush()
+    assert select.select([reader.stdout], [], [], 300)[0], "the MLflow reader did not answer in 300 s"
+    line = reader.stdout.readline()
+    assert line, f"the MLflow reader exited {reader.wait()} (its traceback above)"
+    reply = json.loads(line)
+    assert "error" not in reply, reply["error"]
+    return reply["runs"]
 
 
 def active(runs: list[dict]) -> list[dict]:
@@ -142,7 +170,7 @@ def unique_steps(mlflow_run: dict, key: str) -> list[tuple[int, float]]:
 
 
 def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonical_one(
-    mlflow_server, tiny_reference, tmp_path
+    mlflow_server, mlflow_reader, tiny_reference, tmp_path
 ):
     """A trained run (copied) trains on with MLflow on: its first start back-fills steps 1..300 from
     .loss.json; a SIGUSR1 checkpoint is sent; a SIGKILL after it loses the steps since (logged in
@@ -185,7 +213,9 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonic
     history = read_history(run)
     assert len({e.segment for e in history}) >= 3  # the reference's, the killed start's, the resume's
 
-    (mlflow_run,) = mlflow_runs(mlflow_server, "killed")  # one MLflow run: continued, none superseded
+    (mlflow_run,) = mlflow_runs(
+        mlflow_reader, mlflow_server, "killed"
+    )  # one MLflow run: continued, none superseded
     assert mlflow_run["stage"] == "active" and mlflow_run["status"] == "FINISHED"
     assert mlflow_run["tags"]["andrea.run"] == run.url
     assert mlflow_run["tags"]["andrea.run_key"] == run_key(run.url)
@@ -200,7 +230,9 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonic
     assert all(stamps[s] >= round(resumed * 1000) - 1 for s in range(usr1 + 1, killed_at + 1))
 
 
-def test_after_a_guard_rollback_the_mlflow_run_is_the_canonical_history(mlflow_server, tmp_path):
+def test_after_a_guard_rollback_the_mlflow_run_is_the_canonical_history(
+    mlflow_server, mlflow_reader, tmp_path
+):
     """The batch at data position 25 poisons a step: the guard rolls back to checkpoint 10 while MLflow
     holds steps 1..20 of the abandoned timeline, which it cannot take back: the MLflow run is made again
     from the canonical history and the old one is tagged and put in MLflow's trash."""
@@ -214,7 +246,7 @@ def test_after_a_guard_rollback_the_mlflow_run_is_the_canonical_history(mlflow_s
     andrea(
         "train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "20", "--device", "cpu", env=env
     )
-    (first,) = active(mlflow_runs(mlflow_server, "rollback"))
+    (first,) = active(mlflow_runs(mlflow_reader, mlflow_server, "rollback"))
     assert sorted(s for s, _, _ in first["history"]["train/loss"]) == list(range(1, 21))
     out = andrea("train", "--run-dir", str(run_dir), "--max-steps", "60", "--device", "cpu", env=env)
     run = RunDir(str(run_dir))
@@ -223,7 +255,7 @@ def test_after_a_guard_rollback_the_mlflow_run_is_the_canonical_history(mlflow_s
         json.loads(x)["action"] == "rollback" for x in (run_dir / "guard.jsonl").read_text().splitlines()
     )
 
-    runs = mlflow_runs(mlflow_server, "rollback")
+    runs = mlflow_runs(mlflow_reader, mlflow_server, "rollback")
     (current,) = active(runs)
     (old,) = [r for r in runs if r["stage"] == "deleted"]
     assert old["id"] == first["id"]
@@ -242,7 +274,9 @@ def test_after_a_guard_rollback_the_mlflow_run_is_the_canonical_history(mlflow_s
     assert any(v != canonical[s] and not math.isnan(v) for s, v in abandoned.items())
 
 
-def test_a_pivot_is_tagged_and_a_forks_branch_is_nested_under_its_parent(mlflow_server, tmp_path):
+def test_a_pivot_is_tagged_and_a_forks_branch_is_nested_under_its_parent(
+    mlflow_server, mlflow_reader, tmp_path
+):
     parent = tmp_path / "parent"
     env = env_for(mlflow_server, "lineage")
     cfg = tiny_config(tmp_path, train__checkpoint_every=10)
@@ -255,7 +289,7 @@ def test_a_pivot_is_tagged_and_a_forks_branch_is_nested_under_its_parent(mlflow_
     (url,) = [line.split(": ", 1)[1] for line in out.stdout.strip().splitlines()]
     andrea("train", "--run-dir", url, "--max-steps", "25", "--device", "cpu", env=env)
 
-    runs = active(mlflow_runs(mlflow_server, "lineage"))
+    runs = active(mlflow_runs(mlflow_reader, mlflow_server, "lineage"))
     assert len(runs) == 2
     (p,) = [r for r in runs if r["tags"]["andrea.run"] == RunDir(str(parent)).url]
     (b,) = [r for r in runs if r["tags"]["andrea.run"] == RunDir(url).url]
@@ -323,7 +357,9 @@ def forwarding(port: int, to: str) -> Iterator[None]:
             server.shutdown()
 
 
-def test_a_server_that_comes_back_gets_every_step_at_the_next_checkpoint(mlflow_server, tmp_path):
+def test_a_server_that_comes_back_gets_every_step_at_the_next_checkpoint(
+    mlflow_server, mlflow_reader, tmp_path
+):
     """Down at the first checkpoints (one warning), up from a later one: the steps that waited in memory
     and those since are sent then, and the MLflow run is the canonical history, as if never down."""
     run_dir = tmp_path / "run"
@@ -336,7 +372,7 @@ def test_a_server_that_comes_back_gets_every_step_at_the_next_checkpoint(mlflow_
     with forwarding(port, mlflow_server):
         assert last_logged_step(run_dir) < 50  # checkpoints 50 and 60 are still to come
         assert proc.wait(timeout=600) == 0
-    (mlflow_run,) = mlflow_runs(mlflow_server, "back")
+    (mlflow_run,) = mlflow_runs(mlflow_reader, mlflow_server, "back")
     out = (tmp_path / "train.log").read_text()
     warned = [x for x in out.splitlines() if "warning: MLflow" in x]
     assert len(warned) == 1 and "ConnectError" in warned[0], warned

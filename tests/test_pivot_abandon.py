@@ -58,14 +58,9 @@ def trained(tmp_path_factory) -> Path:
 
 
 def pivot_killed_after(run: Path | str, point: str, *extra: str) -> None:
-    argv = [sys.executable, "-m", "andrea_core", "pivot", str(run), "--policy", "tiny-mix", "--no-restart"]
-    killed = subprocess.run(
-        [*argv, *extra],
-        env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": point},
-        cwd=REPO,
-        capture_output=True,
-        timeout=900,
-    )
+    # The kill point is read at run time, not at import: a warm start (conftest.andrea) behaves the same.
+    env = {**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": point}
+    killed = andrea("pivot", str(run), "--policy", "tiny-mix", "--no-restart", *extra, env=env, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
 
 

@@ -4,9 +4,10 @@ repository's prefect.yaml deployed with `prefect deploy --all`, real trainer pro
 headless Chromium.
 
 The tests share one server, worker and "live" run and build on each other in file order, like an
-operator's day: train, audit-fork the live run, refuse a busy GPU, pivot, cancel, look at the UI, lose
-a flow-run process. Figures (server start, flow durations, cancellation to checkpoint) are written to
-test-output/prefect/timings.json.
+operator's day: train, audit-fork the live run, refuse a busy GPU, pivot, cancel, lose a flow-run
+process; while the server notices that loss (a minute: its lease and heartbeat windows), the tests that
+need no worker: the UI, refusals at submission, a pivot called in this process. Figures (server start,
+flow durations, cancellation to checkpoint) are written to test-output/prefect/timings.json.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Stack:
         self.worker: subprocess.Popen | None = None
         self.live: dict = {}  # run dir and flow run of the trainer the tests share
         self.cancelled: list[UUID] = []  # flow runs cancelled: the crash automation must leave them alone
+        self.crashed: dict = {}  # the train flow run whose process was killed, its trainer's last step
         self.setup_output = self.deploy_output = ""
 
     def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
@@ -472,107 +474,6 @@ def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
     assert not list(Path(live_run.url).parent.glob("live-fork*-a"))
 
 
-def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tmp_path):
-    """`branches` is a list of tasks.fork.Branch: the deployment's parameter schema describes its fields
-    (the UI's form), and the server refuses a misspelled key or a bad branch name at submission, naming
-    the field; no flow run is created. So does a pivot `at` outside its Literal."""
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-
-    with client() as c:
-        schema = c.read_deployment_by_name("audit-fork/audit-fork").parameter_openapi_schema
-    branches = schema["properties"]["branches"]
-    assert branches["type"] == "array"
-    branch = schema["definitions"][branches["items"]["$ref"].rsplit("/", 1)[1]]
-    assert branch["type"] == "object" and branch["additionalProperties"] is False
-    assert set(branch["properties"]) == {"name", "overrides", "url"} and branch["required"] == ["name"]
-    assert branch["properties"]["name"]["pattern"] == BRANCH_NAME_SCHEMA
-    assert branch["properties"]["overrides"]["type"] == "object"
-
-    def runs_of(deployment: str) -> int:
-        with client() as c:
-            where = DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
-            return len(c.read_flow_runs(deployment_filter=where))
-
-    run_dir = str(tmp_path / "never-written")
-    refused = {
-        (
-            "audit-fork/audit-fork",
-            "branches",
-            '[{"name": "a"}, {"name": "b", "overide": {"train.lr": 1e-3}}]',
-        ): (
-            "Validation failed for field 'branches[1]'. Failure reason: Additional properties are not "
-            "allowed ('overide' was unexpected)"
-        ),
-        ("audit-fork/audit-fork", "branches", '[{"name": "a"}, {"name": "q/../../escaped"}]'): (
-            "Validation failed for field 'branches[1].name'. Failure reason: 'q/../../escaped' does not "
-            f"match '{BRANCH_NAME_SCHEMA}'"
-        ),
-        ("pivot/pivot", "at", "later"): (
-            "Validation failed for field 'at'. Failure reason: 'later' is not one of ['boundary', 'now']"
-        ),
-    }
-    before = {name: runs_of(name.split("/")[1]) for name in ("audit-fork/audit-fork", "pivot/pivot")}
-    for (deployment, param, value), error in refused.items():
-        extra = ["--param", "policy=polish"] if deployment == "pivot/pivot" else []
-        proc = stack.cli(
-            "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *extra,
-            "--param", f"{param}={value}", check=False,
-        )  # fmt: skip
-        output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
-        assert proc.returncode == 1, output
-        assert f"Error creating flow run: {error}" in output
-    assert {name: runs_of(name.split("/")[1]) for name in before} == before
-    assert not (tmp_path / "never-written").exists()
-
-
-def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
-    """The pivot flow called in this process (against the test server), on a trainer started here.
-    A policy whose floors sum above 1 fails the pivot before the trainer is signalled or a file moves;
-    then at="now" pivots at the checkpoint a SIGUSR1 asks for, off the grid, and with restart="none"
-    leaves the run stopped under its new policy."""
-    from flows.pivot import pivot
-
-    run = RunDir(tmp_path / "run")
-    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=100_000, pace=LIVE_PACE).start()
-    try:
-        wait_for(lambda: run.exists(LOSS_LOG) and read_history(run), timeout=300, what="the first steps")
-        bad = tmp_path / "bad-policy.yaml"
-        bad.write_text(
-            "name: bad\narms:\n  - {name: stdlib-code, kind: python-stdlib, floor: 0.7}\n"
-            "  - {name: docs-prose, kind: prose, floor: 0.6}\n"
-        )
-        identity = live_trainer(run)
-        policy_before, steps_before = run.read_bytes(POLICY_YAML), run.checkpoint_steps()
-        at = last_logged_step(run)
-        # at="now" would send SIGUSR1 first thing: the refusal must come before it.
-        with pytest.raises(ConfigError, match=r"bad-policy\.yaml: infeasible policy: floors sum to 1\.3 > 1"):
-            pivot(run.url, str(bad), at="now", restart="none")
-        assert run.read_bytes(POLICY_YAML) == policy_before and not run.exists(ARCHIVE)
-        wait_for(lambda: last_logged_step(run) >= at + 5, timeout=120, what="the trainer to train on")
-        assert live_trainer(run) == identity and identity.is_alive()
-        assert all(s % 100 == 0 for s in run.checkpoint_steps() if s not in steps_before), "no SIGUSR1"
-
-        wait_for(lambda: 20 <= last_logged_step(run) % 100 < 50, timeout=120, what="a step off the grid")
-        result = pivot(run.url, "polish", at="now", restart="none")
-    finally:
-        lines: list[str] = []
-        outcome = trainer.stop(on_line=lines.append)  # all it printed: nobody read its output before
-    boundary = result["boundary"]
-    assert boundary % 100 != 0, "a checkpoint written on request, not one of the grid"
-    # One SIGUSR1 in the trainer's whole life (the good pivot's), one SIGTERM (the pivot's stop).
-    assert [x for x in lines if "SIGUSR1" in x] == [
-        f"andrea: SIGUSR1: checkpoint of step {boundary} requested"
-    ]
-    assert len([x for x in lines if re.match(r"andrea: SIGTERM: stopped at step", x)]) == 1
-    assert outcome.reason == "SIGTERM" and outcome.step >= boundary
-    assert run.checkpoint_steps()[-1] == boundary
-    assert run.read_bytes(POLICY_YAML) == load_policy("polish")[1].encode()
-    assert live_trainer(run) is None
-    archived = RunDir(result["archive"]["folder"])
-    assert archived.read_bytes(POLICY_YAML) == load_policy(read_run(run).config.data.policy)[1].encode()
-    assert all(s > boundary for s in archived.checkpoint_steps())
-
-
 def test_pivot_of_a_live_run(stack, live_run):
     live = ensure_live_train(stack, live_run)
     old_trainer = live_trainer(live_run)
@@ -766,6 +667,28 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
     stack.live = {}
 
 
+def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(stack, live_run):
+    """Worker and flow-run process killed outright: the trainer stops itself with a checkpoint
+    (parent-death SIGTERM). What the server makes of the silent run (the lease of its GPU slot runs
+    out, the automation marks it Crashed: a minute at least) is checked by
+    test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes, last in the module: the tests
+    between it and this one need no worker, and run in that minute instead of a wait. This one leaves
+    no worker behind."""
+    live = ensure_live_train(stack, live_run)
+    trainer = live_trainer(live_run)
+    flow_process = int(Path(f"/proc/{trainer.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    wait_for(lambda: _heartbeats(stack, live["flow_run_id"]), timeout=120, what="a first heartbeat")
+    stack.worker.kill()
+    stack.worker.wait()
+    os.kill(flow_process, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: not trainer.is_alive(), timeout=60, what="the orphaned trainer to stop")
+    stopped_at = read_history(live_run)[-1].step
+    assert live_run.checkpoint_steps()[-1] == stopped_at
+    live_run.read_checkpoint(stopped_at)
+    stack.crashed = {"flow_run_id": live["flow_run_id"], "stopped_at": stopped_at, "killed": killed}
+
+
 def test_the_ui_shows_the_flow_runs_and_the_fork_report(stack, live_run):
     exe = chromium_path()
     assert exe, "chromium is not installed (scripts/test.sh installs it)"
@@ -791,22 +714,117 @@ def test_the_ui_shows_the_flow_runs_and_the_fork_report(stack, live_run):
     ).stat().st_size > 10_000
 
 
+def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tmp_path):
+    """`branches` is a list of tasks.fork.Branch: the deployment's parameter schema describes its fields
+    (the UI's form), and the server refuses a misspelled key or a bad branch name at submission, naming
+    the field; no flow run is created. So does a pivot `at` outside its Literal."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with client() as c:
+        schema = c.read_deployment_by_name("audit-fork/audit-fork").parameter_openapi_schema
+    branches = schema["properties"]["branches"]
+    assert branches["type"] == "array"
+    branch = schema["definitions"][branches["items"]["$ref"].rsplit("/", 1)[1]]
+    assert branch["type"] == "object" and branch["additionalProperties"] is False
+    assert set(branch["properties"]) == {"name", "overrides", "url"} and branch["required"] == ["name"]
+    assert branch["properties"]["name"]["pattern"] == BRANCH_NAME_SCHEMA
+    assert branch["properties"]["overrides"]["type"] == "object"
+
+    def runs_of(deployment: str) -> int:
+        with client() as c:
+            where = DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
+            return len(c.read_flow_runs(deployment_filter=where))
+
+    run_dir = str(tmp_path / "never-written")
+    refused = {
+        (
+            "audit-fork/audit-fork",
+            "branches",
+            '[{"name": "a"}, {"name": "b", "overide": {"train.lr": 1e-3}}]',
+        ): (
+            "Validation failed for field 'branches[1]'. Failure reason: Additional properties are not "
+            "allowed ('overide' was unexpected)"
+        ),
+        ("audit-fork/audit-fork", "branches", '[{"name": "a"}, {"name": "q/../../escaped"}]'): (
+            "Validation failed for field 'branches[1].name'. Failure reason: 'q/../../escaped' does not "
+            f"match '{BRANCH_NAME_SCHEMA}'"
+        ),
+        ("pivot/pivot", "at", "later"): (
+            "Validation failed for field 'at'. Failure reason: 'later' is not one of ['boundary', 'now']"
+        ),
+    }
+    before = {name: runs_of(name.split("/")[1]) for name in ("audit-fork/audit-fork", "pivot/pivot")}
+    for (deployment, param, value), error in refused.items():
+        extra = ["--param", "policy=polish"] if deployment == "pivot/pivot" else []
+        proc = stack.cli(
+            "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *extra,
+            "--param", f"{param}={value}", check=False,
+        )  # fmt: skip
+        output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
+        assert proc.returncode == 1, output
+        assert f"Error creating flow run: {error}" in output
+    assert {name: runs_of(name.split("/")[1]) for name in before} == before
+    assert not (tmp_path / "never-written").exists()
+
+
+def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
+    """The pivot flow called in this process (against the test server), on a trainer started here.
+    A policy whose floors sum above 1 fails the pivot before the trainer is signalled or a file moves;
+    then at="now" pivots at the checkpoint a SIGUSR1 asks for, off the grid, and with restart="none"
+    leaves the run stopped under its new policy."""
+    from flows.pivot import pivot
+
+    run = RunDir(tmp_path / "run")
+    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=100_000, pace=LIVE_PACE).start()
+    try:
+        wait_for(lambda: run.exists(LOSS_LOG) and read_history(run), timeout=300, what="the first steps")
+        bad = tmp_path / "bad-policy.yaml"
+        bad.write_text(
+            "name: bad\narms:\n  - {name: stdlib-code, kind: python-stdlib, floor: 0.7}\n"
+            "  - {name: docs-prose, kind: prose, floor: 0.6}\n"
+        )
+        identity = live_trainer(run)
+        policy_before, steps_before = run.read_bytes(POLICY_YAML), run.checkpoint_steps()
+        at = last_logged_step(run)
+        # at="now" would send SIGUSR1 first thing: the refusal must come before it.
+        with pytest.raises(ConfigError, match=r"bad-policy\.yaml: infeasible policy: floors sum to 1\.3 > 1"):
+            pivot(run.url, str(bad), at="now", restart="none")
+        assert run.read_bytes(POLICY_YAML) == policy_before and not run.exists(ARCHIVE)
+        wait_for(lambda: last_logged_step(run) >= at + 5, timeout=120, what="the trainer to train on")
+        assert live_trainer(run) == identity and identity.is_alive()
+        assert all(s % 100 == 0 for s in run.checkpoint_steps() if s not in steps_before), "no SIGUSR1"
+
+        wait_for(lambda: 20 <= last_logged_step(run) % 100 < 50, timeout=120, what="a step off the grid")
+        result = pivot(run.url, "polish", at="now", restart="none")
+    finally:
+        lines: list[str] = []
+        outcome = trainer.stop(on_line=lines.append)  # all it printed: nobody read its output before
+    boundary = result["boundary"]
+    assert boundary % 100 != 0, "a checkpoint written on request, not one of the grid"
+    # One SIGUSR1 in the trainer's whole life (the good pivot's), one SIGTERM (the pivot's stop).
+    assert [x for x in lines if "SIGUSR1" in x] == [
+        f"andrea: SIGUSR1: checkpoint of step {boundary} requested"
+    ]
+    assert len([x for x in lines if re.match(r"andrea: SIGTERM: stopped at step", x)]) == 1
+    assert outcome.reason == "SIGTERM" and outcome.step >= boundary
+    assert run.checkpoint_steps()[-1] == boundary
+    assert run.read_bytes(POLICY_YAML) == load_policy("polish")[1].encode()
+    assert live_trainer(run) is None
+    archived = RunDir(result["archive"]["folder"])
+    assert archived.read_bytes(POLICY_YAML) == load_policy(read_run(run).config.data.policy)[1].encode()
+    assert all(s > boundary for s in archived.checkpoint_steps())
+
+
 def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, live_run):
-    """Worker and flow-run process killed outright: the trainer stops itself with a checkpoint
-    (parent-death SIGTERM), the automation marks the silent run Crashed, a new run resumes. Last in
-    the module: it leaves no worker behind."""
-    live = ensure_live_train(stack, live_run)
-    trainer = live_trainer(live_run)
-    flow_process = int(Path(f"/proc/{trainer.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    wait_for(lambda: _heartbeats(stack, live["flow_run_id"]), timeout=120, what="a first heartbeat")
-    stack.worker.kill()
-    stack.worker.wait()
-    os.kill(flow_process, signal.SIGKILL)
-    t0 = time.monotonic()
-    wait_for(lambda: not trainer.is_alive(), timeout=60, what="the orphaned trainer to stop")
-    stopped_at = read_history(live_run)[-1].step
-    assert live_run.checkpoint_steps()[-1] == stopped_at
-    live_run.read_checkpoint(stopped_at)
+    """The flow run whose process test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint
+    killed: its GPU slot's lease runs out, the automation marks the silent run Crashed (and no cancelled
+    one), a new run resumes from the trainer's last checkpoint. Last in the module."""
+    assert stack.crashed, (
+        "test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint ran first"
+    )
+    live = {"flow_run_id": stack.crashed["flow_run_id"]}
+    stopped_at, t0 = stack.crashed["stopped_at"], stack.crashed["killed"]
+    assert read_history(live_run)[-1].step == stopped_at == live_run.checkpoint_steps()[-1]
     # Nobody renews the dead process's lease on the GPU slot: it runs out (60 s) and frees the slot.
     with client() as c:
         wait_for(
@@ -814,6 +832,7 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
             timeout=240,
             what="the dead flow run's GPU slot lease to run out",
         )
+    # An upper bound: the module's tests in between ran first (the figure is at least the lease's 60 s).
     _timed("crash: flow-run process SIGKILL to GPU slot free (s)", time.monotonic() - t0)
 
     run = wait_for_final(live["flow_run_id"], timeout=300)
