@@ -30,6 +30,7 @@ from andrea_core.run.guard_events import read_events
 from andrea_core.run.loss_log import parse_entries, read_history
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import GUARD_LOG, RunDir
+from andrea_core.run.samples import read_audits
 from andrea_core.train.guard import EXIT_DIVERGED
 from andrea_core.train.optim import lr_at
 
@@ -325,6 +326,10 @@ def test_a_rollback_to_a_phase_start_in_process_is_a_restart_from_it(tmp_path):
         proc = train(run, "--max-steps", "60", check=False, ANDREA_TEST_GUARD_NAN_AT="45", **kill)
         assert proc.returncode == (-signal.SIGKILL if kill else 0), (how, proc.stdout[-3000:], proc.stderr)
         if kill:
+            # The abandoned timeline's audit of step 40 is out of the file once the rollback restored:
+            # killed after retraining step 40's checkpoint and before its audit, the next trainer must
+            # audit it, not take the old one for it (the soak's guard-rollback, issue 48).
+            assert read_audits(RunDir(str(run))) == []
             train(run, "--max-steps", "60", ANDREA_TEST_GUARD_NAN_AT="45")
     for how, run in runs.items():
         (event,) = facts(run)

@@ -215,7 +215,9 @@ class Auditor:
         self.on_written: Callable[[dict[str, Any]], None] | None = None
         self.prompts = audit_prompts(data, cfg)  # once: the same at every audit of this start's phase
         # Audits past the resume point belong to a timeline that was abandoned with its checkpoints.
-        self.audits = [a for a in read_audits(run) if a["step"] <= start_step]
+        found = read_audits(run)
+        self.audits = [a for a in found if a["step"] <= start_step]
+        self.abandoned = len(found) - len(self.audits)  # dropped from the file by drop_abandoned()
         self._weights: GPT | None = None  # the copy a background audit reads, reused
         self._stream: Any = None  # on CUDA, the stream background audits run on
         self._thread: threading.Thread | None = None
@@ -236,6 +238,21 @@ class Auditor:
             mine = [a for a in self.audits if a["step"] not in steps]
             self.audits = sorted([*mine, *carried], key=lambda a: a["step"])[-KEEP_AUDITS:]
             self.unwritten = sorted(steps & {a["step"] for a in self.audits})
+
+    def drop_abandoned(self) -> None:
+        """Write the file without the audits past this start's step, if it has any (a guard rollback, a
+        fallback past a torn checkpoint): left there, one would pass for the audit of its step retrained
+        on another timeline if the trainer stopped between that checkpoint and its audit. A write that
+        fails is logged; the next write drops them."""
+        if not self.abandoned:
+            return
+        with self._file:
+            try:
+                self._store()
+            except OSError as e:
+                self.log(f"ERROR: the sample audits past step {self.start_step} could not be dropped: {e}")
+                return
+        self.abandoned = 0
 
     def record(self, step: int) -> dict[str, Any]:
         self.wait()

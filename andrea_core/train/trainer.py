@@ -468,6 +468,7 @@ class Trainer:
         self.auditor = Auditor(self.run, self.cfg, self.model, self.data, self.device, step, log=self.log)
         if isinstance(previous, Auditor):
             self.auditor.adopt(previous)
+        self.auditor.drop_abandoned()
         self.loss_log = LossWriter(self.run, warn=self.log)
         # The steps an earlier segment logged and this one trains again, compared (run/resume_check.py);
         # a rollback's segment trains them under its remedy, so it only records its conditions.
