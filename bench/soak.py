@@ -820,8 +820,11 @@ class Soak:
         return w
 
     def f_sigstop_short(self, f: dict) -> None:
-        holder, g0 = self.trainer, (self.lock() or {}).get("generation")
+        holder = self.trainer
         w = self._waiter(0.0)
+        # Read once the waiter watches a lease: a trainer just restarted may not hold one yet (seed 2
+        # read None, then the holder took generation 9: "changed the lock's generation None -> 9").
+        g0 = (self.lock() or {}).get("generation")
         holder.signal(signal.SIGSTOP)
         time.sleep(f["stop_s"])
         holder.signal(signal.SIGCONT)

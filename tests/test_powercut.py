@@ -191,6 +191,26 @@ def test_the_folders_the_path_layer_creates_survive_a_power_cut(layer):
     assert run.listdir() == ["archive", "tensorboard"]
 
 
+def test_what_the_path_layer_removes_stays_removed_after_a_power_cut(layer):
+    """A product defect the power-cut soak found (issue 48, `--faults 40 --seed 2`): RunDir's remove and
+    remove_folder did not fsync the folder, so a power cut a thousand steps after `andrea pivot
+    --abandon` brought its phase folder back (phase.json and policy.yaml in it), and the next pivot
+    numbered its phase one too high: every later bandit state differed from the reference's."""
+    from andrea_core.run.rundir import RunDir
+
+    m = layer.mount
+    run = RunDir(str(m / "run"))
+    run.write_atomic("archive/phase_003_step_001535/phase.json", b"{}")
+    run.write_atomic("pivot.json", b"{}")
+    assert layer.cut()["entries"] == 0
+    run.remove("archive/phase_003_step_001535/phase.json")
+    run.remove_folder("archive/phase_003_step_001535")
+    run.remove("pivot.json")
+    dropped = layer.cut()
+    assert dropped["entries"] == 0, dropped
+    assert run.listdir() == ["archive"] and run.listdir("archive") == []
+
+
 def test_tensorboard_events_flushed_at_a_checkpoint_survive_a_power_cut(layer):
     """Issue 48: the event files were appended without fsync on local disk, so every power cut dropped
     the TensorBoard view since the last boot (the soak's cuts named them); the audits' and bandit's

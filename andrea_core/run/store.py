@@ -426,6 +426,7 @@ class LocalStore(_Named):
         dfd, base = self._parent_fd(name)
         try:
             os.unlink(base, dir_fd=dfd)  # a symlink is removed, never its target
+            os.fsync(dfd)  # durable: a power cut would bring back a journal, a phase folder's file
         finally:
             os.close(dfd)
 
@@ -438,6 +439,7 @@ class LocalStore(_Named):
         try:
             self._refuse_link(dfd, base, sub)
             os.rmdir(base, dir_fd=dfd)
+            os.fsync(dfd)
         except FileNotFoundError:
             pass
         finally:
