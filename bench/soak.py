@@ -666,6 +666,19 @@ class Soak:
         p = self.spawn("trainer", argv, host, **extra)
         return p
 
+    def _held_generation(self, holder: Proc) -> int | None:
+        """The lock's generation once `holder` holds it (its pid, not released): a trainer just started
+        may not have taken the lock yet, and a fault's "the generation did not change" read before it
+        did compared against None or its predecessor's (seed 2: "None -> 9"). Bounded: after 60 s, or
+        once `holder` exited, the generation as it stands."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and holder.popen.poll() is None:
+            doc = self.lock() or {}
+            if doc.get("pid") == holder.pid and not doc.get("released"):
+                return doc.get("generation")
+            time.sleep(0.05)
+        return (self.lock() or {}).get("generation")
+
     def lock(self) -> dict | None:
         raw = self.store.read("run/.trainer.json")
         try:
@@ -821,10 +834,8 @@ class Soak:
 
     def f_sigstop_short(self, f: dict) -> None:
         holder = self.trainer
+        g0 = self._held_generation(holder)
         w = self._waiter(0.0)
-        # Read once the waiter watches a lease: a trainer just restarted may not hold one yet (seed 2
-        # read None, then the holder took generation 9: "changed the lock's generation None -> 9").
-        g0 = (self.lock() or {}).get("generation")
         holder.signal(signal.SIGSTOP)
         time.sleep(f["stop_s"])
         holder.signal(signal.SIGCONT)
@@ -849,7 +860,7 @@ class Soak:
 
     def f_sigstop_long(self, f: dict) -> None:
         holder = self.trainer
-        g0 = (self.lock() or {}).get("generation")
+        g0 = self._held_generation(holder)
         w = self._waiter(4 * TTL_S + f["stop_s"] + 30)
         stopped = time.time()
         holder.signal(signal.SIGSTOP)
@@ -1003,7 +1014,7 @@ class Soak:
             "complete": r"^POST .*/run/[^?]*\?uploadId=",
             "any": r".",
         }[f["match"]]
-        g0 = (self.lock() or {}).get("generation")
+        g0 = self._held_generation(holder)
         w = self._waiter(4 * TTL_S + f["hang_s"] + 30) if f["waiter"] else None
         n0 = len(relay.hung)
         relay.hang = {"host": self.host, "match": match, "for_s": f["hang_s"]}
@@ -1050,7 +1061,7 @@ class Soak:
         trainer of the other host waits for the lease and takes the run over; the old holder, still
         running, is healed after_s later: it must stop (exit 2) and have published nothing after."""
         relay, holder, d = self.store.relay, self.trainer, self.did["s3-partition"]
-        g0 = (self.lock() or {}).get("generation")
+        g0 = self._held_generation(holder)
         w = self._waiter(4 * TTL_S + 60)
         before = Counter(relay.partitioned)
         cut = time.time()
@@ -1634,7 +1645,7 @@ class Soak:
         checkpoint is written, and `andrea status` on the stepped machine gives the speed the trainer
         trains at (its loss log's times jump with the clock)."""
         holder, host, d = self.trainer, self.host, self.did["clock-step"]
-        g0 = (self.lock() or {}).get("generation")
+        g0 = self._held_generation(holder)
         w = self._waiter(2 * TTL_S) if f["waiter"] else None
         stepped = time.time()
         offset, _ = self._shift_clock(host, wall=f["shift_s"])
@@ -1713,7 +1724,7 @@ class Soak:
         stopped), aimed at a random moment or a checkpoint's writes, while a trainer of the other
         machine watches: that one takes over; the woken holder publishes nothing and exits 2."""
         holder, host, d = self.trainer, self.host, self.did["suspend"]
-        g0 = (self.lock() or {}).get("generation")
+        g0 = self._held_generation(holder)
         w = self._waiter(4 * TTL_S + f["stop_s"] + 30)
         if f["at"] == "ckpt":
             self._at_boundary()  # holder is the live trainer
