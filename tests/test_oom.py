@@ -101,33 +101,44 @@ def test_the_oom_killer_takes_the_trainer_not_its_larger_supervisor_which_restar
 ):
     """Without the trainer's raised oom_score_adj (andrea_core.pdeathsig) the kernel kills the larger
     process of the group: the supervisor, and nobody restarts the trainer (it gets its parent-death
-    SIGTERM)."""
-    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 20))
-    with MemoryGroup("test-oom-sup") as group:
-        with group.joined():
-            sup = subprocess.Popen(
-                [sys.executable, "-c", SUPERVISOR, run.url, str(320 << 20)],
-                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
-            )  # fmt: skip
-        try:
-            first = sup.stdout.readline().split()
-            assert first[:1] == ["TRAINER"], first
-            trainer = int(first[1])
-            wait_for_logged_step(run, 24, timeout=120)
-            own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
-            assert int(open(f"/proc/{trainer}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
-            rss = {p: _resident(p) for p in (sup.pid, trainer)}
-            assert rss[sup.pid] > rss[trainer], f"the supervisor must be the larger to show anything: {rss}"
-            kills = group.kills()
-            assert group.oom_kill(trainer), "the kernel did not kill the trainer"
-            assert group.kills() == kills + 1, "one fault, one kill"
-            if group.victims is not None:  # the kernel log is root's here (dmesg_restrict)
-                assert group.victims == [trainer], (group.victims, trainer, sup.pid)
-            out = sup.communicate(timeout=300)[0]
-        finally:
-            if sup.poll() is None:
-                sup.kill()
-                sup.wait()
+    SIGTERM). The kernel may follow its first kill with a second one in the same episode, while the
+    victim is still charged to the group (the hog's charge retried: a few ms later, one run in five
+    here under load); the claim is the kernel's first choice, so such a run, its first victim the
+    trainer, is thrown again in a fresh group (at most three runs); a first victim other than the
+    trainer fails at once."""
+    for attempt in range(3):
+        run = RunDir(library_run(tmp_path_factory, tmp_path / f"run{attempt}", 20))
+        with MemoryGroup("test-oom-sup") as group:
+            with group.joined():
+                sup = subprocess.Popen(
+                    [sys.executable, "-c", SUPERVISOR, run.url, str(320 << 20)],
+                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
+                )  # fmt: skip
+            try:
+                first = sup.stdout.readline().split()
+                assert first[:1] == ["TRAINER"], first
+                trainer = int(first[1])
+                wait_for_logged_step(run, 24, timeout=120)
+                own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
+                assert int(open(f"/proc/{trainer}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
+                rss = {p: _resident(p) for p in (sup.pid, trainer)}
+                assert rss[sup.pid] > rss[trainer], (
+                    f"the supervisor must be the larger to show anything: {rss}"
+                )
+                kills = group.kills()
+                assert group.oom_kill(trainer), "the kernel did not kill the trainer"
+                if group.victims is not None:  # the kernel log is root's here (dmesg_restrict)
+                    assert group.victims[:1] == [trainer], (group.victims, trainer, sup.pid)
+                    if len(group.victims) > 1 and attempt < 2:
+                        continue  # the second kill of one episode (above): thrown again
+                    assert group.victims == [trainer], (group.victims, trainer, sup.pid)
+                assert group.kills() == kills + 1, "one fault, one kill"
+                out = sup.communicate(timeout=300)[0]
+            finally:
+                if sup.poll() is None:
+                    sup.kill()
+                    sup.wait()
+        break
     assert sup.returncode == 0, out
     said = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0].isupper())
     assert "killed by the kernel: out of memory (memory cgroup " in said["OUTCOME"], out
