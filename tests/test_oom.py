@@ -110,18 +110,10 @@ def test_the_oom_killer_takes_the_trainer_not_its_larger_supervisor_which_restar
     for attempt in range(3):
         run = RunDir(library_run(tmp_path_factory, tmp_path / f"run{attempt}", 20))
         with MemoryGroup("test-oom-sup") as group:
-            with group.joined():
-                sup = subprocess.Popen(
-                    [sys.executable, "-c", SUPERVISOR, run.url, str(320 << 20)],
-                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
-                )  # fmt: skip
+            sup, trainer = _supervise(group, SUPERVISOR, run.url, str(320 << 20))
             try:
-                first = sup.stdout.readline().split()
-                assert first[:1] == ["TRAINER"], first
-                trainer = int(first[1])
                 wait_for_logged_step(run, 24, timeout=120)
-                own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
-                assert int(open(f"/proc/{trainer}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
+                assert _score(trainer) == min(1000, _score(sup.pid) + TRAINER_OOM_BIAS)
                 rss = {p: _resident(p) for p in (sup.pid, trainer)}
                 assert rss[sup.pid] > rss[trainer], (
                     f"the supervisor must be the larger to show anything: {rss}"
@@ -153,6 +145,26 @@ def test_the_oom_killer_takes_the_trainer_not_its_larger_supervisor_which_restar
     assert steps == list(range(1, int(step) + 1)), "the canonical history: every step once, none lost"
 
 
+def _supervise(group: MemoryGroup, script: str, *args: str) -> tuple[subprocess.Popen, int]:
+    """A supervisor `script` born in `group`, and the pid of the trainer it printed it started."""
+    with group.joined():
+        sup = subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
+        )  # fmt: skip
+    first = sup.stdout.readline().split()
+    if first[:1] != ["TRAINER"]:
+        sup.kill()
+        sup.wait()
+        raise AssertionError(first)
+    return sup, int(first[1])
+
+
+def _score(pid: int) -> int:
+    """Its oom_score_adj."""
+    return int(open(f"/proc/{pid}/oom_score_adj").read())
+
+
 def _resident(pid: int) -> int:
     """Its resident set in kB (what the OOM killer weighs, with its page tables)."""
     status = open(f"/proc/{pid}/status").read()
@@ -182,21 +194,13 @@ def test_a_torchrun_rank_not_its_supervisor_is_killed_and_the_supervisor_says_so
     run = RunDir(str(tmp_path / "run"))
     config = tiny_config(tmp_path, train__max_steps=100_000, train__checkpoint_every=1000)
     with MemoryGroup("test-oom-rank") as group:
-        with group.joined():
-            sup = subprocess.Popen(
-                [sys.executable, "-c", RANKS_SUPERVISOR, run.url, str(320 << 20), config],
-                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
-            )  # fmt: skip
+        sup, agent = _supervise(group, RANKS_SUPERVISOR, run.url, str(320 << 20), config)
         try:
-            first = sup.stdout.readline().split()
-            assert first[:1] == ["TRAINER"], first
-            agent = int(first[1])
             wait_for_logged_step(run, 3, timeout=240)
             lock = read_lock(run)
             assert lock.agent_pid == agent and lock.pid != agent
-            own = int(open(f"/proc/{sup.pid}/oom_score_adj").read())
             for pid in (agent, lock.pid):
-                assert int(open(f"/proc/{pid}/oom_score_adj").read()) == min(1000, own + TRAINER_OOM_BIAS)
+                assert _score(pid) == min(1000, _score(sup.pid) + TRAINER_OOM_BIAS)
             assert _resident(sup.pid) > _resident(lock.pid)
             kills = group.kills()
             assert group.oom_kill(lock.pid), "the kernel did not kill rank 0"
