@@ -51,6 +51,11 @@ elif action == "thread":
     import threading
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
     print("main done")
+elif action == "proc":
+    print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+                      "nice": os.getpriority(os.PRIO_PROCESS, 0)}))
+elif action == "time":
+    print(time.time())
 elif action == "state":
     def proc(name):
         return [x.decode() for x in open(f"/proc/self/{name}", "rb").read().split(b"\0")]
@@ -316,16 +321,111 @@ def test_andrea_warm_launcher_0_turns_it_off(monkeypatch):
     assert type(proc) is subprocess.Popen and proc.wait(timeout=120) == 0
 
 
+def test_a_child_starts_in_its_own_session_at_its_nice_value_as_a_cold_one_does(probe):
+    """start_new_session: the warm child's pid is its session's and its process group's (the soak
+    kills a machine's processes by group), as a cold Popen's; `nice`: its niceness is this process's
+    plus the increment, as `nice -n N python ...`'s. Without either: this process's session, group and
+    niceness, as cold. A killpg of a warm child's group kills it, not its server."""
+    launcher, env, root = probe
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    argv = [sys.executable, "-m", "wprobe", "proc"]
+    for session, nice in ((False, 0), (True, 0), (False, 7), (True, 5)):
+        cold_before = len(launcher.cold)
+        warm = launcher.popen(
+            argv, env=env, cwd=root, stdout=subprocess.PIPE, start_new_session=session, nice=nice
+        )
+        w = json.loads(warm.communicate(timeout=120)[0])
+        assert warm.warm and warm.returncode == 0 and len(launcher.cold) == cold_before, launcher.cold
+        cold = subprocess.run(
+            ["nice", "-n", str(nice), *argv], env=env, cwd=root, capture_output=True,
+            start_new_session=session, timeout=120,
+        )  # fmt: skip
+        c = json.loads(cold.stdout)
+        assert w["pid"] == warm.pid and w["nice"] == c["nice"] == min(19, ours + nice), (w, c, ours)
+        if session:
+            assert w["sid"] == w["pgid"] == w["pid"] and c["sid"] == c["pgid"] == c["pid"], (w, c)
+        else:
+            assert (w["sid"], w["pgid"]) == (c["sid"], c["pgid"]) == (os.getsid(0), os.getpgid(0))
+    sleeper = launcher.popen(
+        [sys.executable, "-m", "wprobe", "sleep"], env=env, cwd=root, stdout=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert sleeper.warm and sleeper.stdout.readline() == b"ready\n"
+        os.killpg(sleeper.pid, signal.SIGKILL)
+        assert sleeper.wait(timeout=60) == -signal.SIGKILL
+        assert all(s.proc.poll() is None for s in launcher.servers)
+    finally:
+        if sleeper.returncode is None:
+            with contextlib.suppress(OSError):
+                os.kill(sleeper.pid, signal.SIGKILL)
+        sleeper.stdout.close()
+
+
+def test_a_cold_start_is_niced_as_a_warm_one(probe):
+    """A start the server cannot run warm (a module it did not preload) gets its `nice` by nice(1)."""
+    launcher, env, root = probe
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    proc = launcher.popen(
+        [sys.executable, "-m", "wprobe.__main__", "proc"], env=env, cwd=root, stdout=subprocess.PIPE,
+        nice=6, start_new_session=True,
+    )  # fmt: skip
+    got = json.loads(proc.communicate(timeout=120)[0])
+    assert not proc.warm and proc.returncode == 0 and proc.args[:2] == [sys.executable, "-m"]
+    assert got["nice"] == min(19, ours + 6) and got["sid"] == got["pid"] == proc.pid, got
+
+
+def test_a_variable_a_preloaded_shim_reads_at_load_gets_a_server_of_its_own(probe, tmp_path):
+    """The soak's clock shim (bench/clockshim.c, LD_PRELOAD'd) maps the file $ANDREA_SOAK_CLOCK_FILE
+    names at its first clock read, in the server: named in load_vars, a start with another host's clock
+    file goes to a server started under it and reads that host's clock, as a cold start does (not
+    named, the first server would fork it with the first host's clock)."""
+    import shutil
+    import struct
+    import time
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler for bench/clockshim.c")
+    launcher, env, root = probe
+    shim = tmp_path / "clockshim.so"
+    subprocess.run(
+        ["cc", "-O2", "-shared", "-fPIC", "-o", str(shim), str(REPO / "bench" / "clockshim.c"), "-ldl"],
+        check=True,
+    )
+    clocks = {}
+    for host, wall in (("a", 0), ("b", 10**6)):
+        clocks[host] = tmp_path / f"clock-{host}"
+        clocks[host].write_bytes(struct.pack("=qq", wall * 10**9, 0))
+    envs = {h: {**env, "LD_PRELOAD": str(shim), "ANDREA_SOAK_CLOCK_FILE": str(f)} for h, f in clocks.items()}
+    shimmed = WarmLauncher(["wprobe"], envs["a"], str(root), load_vars=("ANDREA_SOAK_CLOCK_FILE",))
+    try:
+        for host in ("a", "b", "a"):
+            argv = [sys.executable, "-m", "wprobe", "time"]
+            warm = shimmed.popen(argv, env=envs[host], cwd=root, stdout=subprocess.PIPE)
+            ahead = float(warm.communicate(timeout=120)[0]) - time.time()
+            cold = subprocess.run(argv, env=envs[host], cwd=root, capture_output=True, timeout=120)
+            assert warm.warm and not shimmed.cold, shimmed.cold
+            expected = 10**6 if host == "b" else 0
+            assert abs(ahead - expected) < 60 and abs(float(cold.stdout) - time.time() - expected) < 60
+        assert len(shimmed.servers) == 2 and "ANDREA_SOAK_CLOCK_FILE" in shimmed.started[0], shimmed.started
+    finally:
+        shimmed.stop()
+
+
 def test_what_the_server_cannot_apply_runs_cold(probe):
     """`-c`, a module the server did not preload, or Popen options it cannot apply: an ordinary Popen."""
     launcher, env, root = probe
+    extra, other = os.pipe()
+    os.close(other)
     for argv, kwargs in (
         ([sys.executable, "-c", "import os; print(os.getppid() == int(os.environ['PARENT']))"], {}),
         ([sys.executable, "-m", "wprobe.__main__", "at-import"], {}),
-        ([sys.executable, "-m", "wprobe", "at-import"], {"start_new_session": True}),
+        ([sys.executable, "-m", "wprobe", "at-import"], {"pass_fds": (extra,)}),
+        ([sys.executable, "-m", "wprobe", "at-import"], {"preexec_fn": os.getpid}),
     ):
         proc = launcher.popen(
             argv, env={**env, "PARENT": str(os.getpid())}, cwd=root, stdout=subprocess.PIPE, **kwargs
         )
         out = proc.communicate(timeout=120)[0]
         assert not proc.warm and proc.returncode == 0 and out in (b"True\n", b"unset\n"), launcher.cold[-1]
+    os.close(extra)

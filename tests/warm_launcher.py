@@ -10,15 +10,19 @@ given it (andrea_core.signals.nonce_environment). It exits as python does: Syste
 traceback and 1, non-daemon threads joined, atexit run, stdio flushed. The server sends back each
 child's wait status; `WarmLauncher.popen` returns a subprocess.Popen whose wait/poll read it.
 
+A child may start in a session of its own (Popen's start_new_session: setsid, so its pid is its
+session's and group's, for killpg) and at a lower priority (`nice`: WarmPopen's own keyword, nice(1)'s
+increment, applied by the child with nice(2) before it runs; a cold start runs `nice -n N` instead).
 A request is run cold (a plain Popen) when warm could differ: a module not preloaded, Popen options
-the server cannot apply (pass_fds, preexec_fn, a new session, user/group), an argv or env larger than
+the server cannot apply (pass_fds, preexec_fn, user/group), an argv or env larger than
 the server's /proc room, or an import that iterated os.environ and an env that differs from the
 server's. An env that differs in a variable read while importing (recorded by watching os.environ
 during the imports, plus the prefixes C libraries read at load: OpenMP, BLAS, torch, locale, the
-dynamic linker, Python's own) goes to a server whose imports read that env: WarmLauncher keeps up to
-`max_servers`, starting one under the request's env when none matches (cold when it cannot). The
-server refuses to fork while it has more than one thread (OpenMP/BLAS pools do not survive fork):
-the caller gets an error.
+dynamic linker, Python's own, and the launcher's `load_vars`: names a C library loaded in the server
+reads once, such as an LD_PRELOAD'd shim's file) goes to a server whose imports read that env:
+WarmLauncher keeps up to `max_servers`, starting one under the request's env when none matches (cold
+when it cannot). The server refuses to fork while it has more than one thread (OpenMP/BLAS pools do
+not survive fork): the caller gets an error.
 Known, accepted differences: a warm child's parent is the server (tests about parent death, the
 command line or start-up stay cold: conftest's cold=True), its argv[0] in /proc is sys.executable
 padded with extra slashes (the same file), and it shares the server's str hash seed.
@@ -45,6 +49,7 @@ ENV_ROOM = 96 * 1024  # bytes of /proc/PID/environ a child may fill
 ENV_DIFFERS = "env differs in variables read at import"
 ROOM_VAR = "_WARM_LAUNCHER_ROOM"
 BLAS_VAR = "_WARM_LAUNCHER_OPENBLAS_NUM_THREADS"  # the base env's own OPENBLAS_NUM_THREADS ("" = unset)
+LOAD_VAR = "_WARM_LAUNCHER_LOAD_VARS"  # the launcher's load_vars, comma-separated
 # Variables read when a library loads (C getenv, or Python's start-up), not through os.environ.
 IMPORT_TIME_PREFIXES = (
     "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH", "CUDA",
@@ -106,11 +111,13 @@ class Server:
         self.base = dict(os.environ)
         self.base.pop(ROOM_VAR, None)
         blas = self.base.pop(BLAS_VAR, "")
+        load_vars = {v for v in self.base.pop(LOAD_VAR, "").split(",") if v}
         if blas:
             self.base["OPENBLAS_NUM_THREADS"] = blas
         else:
             self.base.pop("OPENBLAS_NUM_THREADS", None)
         self.import_reads, self.refresh, self.any_env_cold = self._import(preload)
+        self.import_reads |= load_vars  # read once by a C library already loaded here (WarmLauncher)
         self.runnable = {m.split(".")[0] for m in preload}  # `-m PACKAGE` of a preloaded package only
         self.blas = self._blas_setter()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -272,6 +279,10 @@ class Server:
                     os.close(fd)
             os.umask(req["umask"])
             os.chdir(req["cwd"])
+            if req.get("session"):
+                os.setsid()  # as Popen's start_new_session: its own session and process group
+            if req.get("nice"):
+                os.nice(req["nice"])  # as nice(1): relative to the server's, which is the launcher's
             argv = [sys.executable, *req["argv"]]
             env = dict(req["env"])
             os.environ.clear()  # unsetenv each: libc's environ no longer points into the old block
@@ -383,8 +394,9 @@ class WarmPopen(subprocess.Popen):
     """subprocess.Popen whose child is forked by a WarmLauncher server (or, when the server says so,
     started cold as usual). pid, signals, pipes, communicate, wait and poll behave as Popen's."""
 
-    def __init__(self, launcher: WarmLauncher, args, **kwargs) -> None:
-        self._launcher, self._conn, self.warm = launcher, None, False
+    def __init__(self, launcher: WarmLauncher, args, nice: int = 0, **kwargs) -> None:
+        """`nice`: the child's niceness above this process's, as `nice -n NICE ARGS` would start it."""
+        self._launcher, self._conn, self.warm, self._nice = launcher, None, False, int(nice)
         super().__init__(args, **kwargs)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -392,7 +404,7 @@ class WarmPopen(subprocess.Popen):
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):  # fmt: skip
         plain = (
             not shell and executable is None and preexec_fn is None and not pass_fds and restore_signals
-            and gid is None and gids is None and uid is None and umask < 0 and not start_new_session
+            and gid is None and gids is None and uid is None and umask < 0
             and process_group in (None, -1) and list(args[:1]) == [sys.executable]
         )  # fmt: skip
         reply = {"cold": "Popen options the server does not apply"}
@@ -409,10 +421,14 @@ class WarmPopen(subprocess.Popen):
                 "cwd": os.path.abspath(os.fsdecode(cwd) if cwd is not None else os.getcwd()),
                 "umask": mask,
                 "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+                "session": bool(start_new_session),
+                "nice": self._nice,
             }
             reply, self._conn = self._launcher.request(req, fds, self)
         if "cold" in reply:
             self._launcher.cold.append(reply["cold"])
+            if self._nice:
+                args = ["nice", "-n", str(self._nice), *args]
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                                           c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
@@ -458,12 +474,15 @@ class WarmPopen(subprocess.Popen):
 class _Server:
     """One fork server process (Server, run as this file) whose imports read `env`."""
 
-    def __init__(self, preload: list[str], env: dict[str, str], cwd: str) -> None:
+    def __init__(
+        self, preload: list[str], env: dict[str, str], cwd: str, load_vars: tuple[str, ...] = ()
+    ) -> None:
         self.env = dict(env)
         self.folder = tempfile.mkdtemp(prefix="warm-launcher-")
         self.sock_path = os.path.join(self.folder, "sock")
         self.children: weakref.WeakSet[WarmPopen] = weakref.WeakSet()  # forked by it, perhaps running
         server_env = {**env, ROOM_VAR: "x" * ENV_ROOM, BLAS_VAR: env.get("OPENBLAS_NUM_THREADS", "")}
+        server_env[LOAD_VAR] = ",".join(load_vars)
         server_env["OPENBLAS_NUM_THREADS"] = "1"  # no BLAS pool in the server; a child gets its own
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), self.sock_path, ",".join(preload), "#" * ARGV_ROOM],
@@ -510,15 +529,25 @@ class WarmLauncher:
     variable read at import gets a server of its own, started then under the request's env (torch sets
     TORCHINDUCTOR_CACHE_DIR in a test process once it has run an optimizer step there, and every later
     start differs in it); at most `max_servers`, the least recently used idle one stopped for a new one.
-    Cold when none can be had (all busy) or one would not start under that env."""
+    Cold when none can be had (all busy) or one would not start under that env. `load_vars`: variables
+    read when the server starts that its import watch cannot see, treated as read at import (the soak's
+    clock shim, LD_PRELOAD'd, maps the file $ANDREA_SOAK_CLOCK_FILE names at its first clock read)."""
 
-    def __init__(self, preload: list[str], env: dict[str, str], cwd: str, max_servers: int = 3) -> None:
+    def __init__(
+        self,
+        preload: list[str],
+        env: dict[str, str],
+        cwd: str,
+        max_servers: int = 3,
+        load_vars: tuple[str, ...] = (),
+    ) -> None:
         self.preload, self.cwd, self.max_servers = list(preload), cwd, max_servers
+        self.load_vars = tuple(load_vars)
         self.env = dict(env)  # the first server's environment (what its warm children's imports read)
         self.warm = 0  # children forked warm
         self.cold: list[str] = []  # why each cold start was cold
         self.started: list[str] = []  # why each server after the first was started
-        self.servers = [_Server(self.preload, env, cwd)]  # the most recently used first
+        self.servers = [_Server(self.preload, env, cwd, self.load_vars)]  # the most recently used first
         self._unstartable: set[frozenset] = set()  # envs under which a server did not start
         self._lock = threading.Lock()  # one request at a time: the servers' order, a new server
 
@@ -553,7 +582,7 @@ class WarmLauncher:
             self.servers.remove(idle[0])
             idle[0].stop()
         try:
-            server = _Server(self.preload, env, self.cwd)
+            server = _Server(self.preload, env, self.cwd, self.load_vars)
         except RuntimeError:
             self._unstartable.add(key)
             return None
@@ -562,6 +591,7 @@ class WarmLauncher:
         return server
 
     def popen(self, args, **kwargs) -> WarmPopen:
+        """subprocess.Popen's arguments, and `nice` (WarmPopen)."""
         return WarmPopen(self, args, **kwargs)
 
     def run(
