@@ -575,6 +575,8 @@ class Soak:
         # the step that diverges and the rollback it must make.
         self.poisoned: list[int] = []
         self.divergences: list[dict] = []
+        self.launcher = None  # --warm's (tests/warm_launcher.py), started at the first start
+        self.launcher_lock = threading.Lock()
 
     def _freeze_policies(self) -> dict[str, str]:
         """tiny-mix and stdlib-only as files of the soak's own, their prose arm reading a copy of the
@@ -629,20 +631,44 @@ class Soak:
         return env
 
     def spawn(
-        self, what: str, argv: list[str], host: str | None = None, nice: int | None = None, **extra: str
+        self,
+        what: str,
+        argv: list[str],
+        host: str | None = None,
+        nice: int | None = None,
+        cold: bool = False,
+        **extra: str,
     ) -> Proc:
-        popen = subprocess.Popen(
-            ["nice", "-n", str(self.args.nice if nice is None else nice), PYTHON, "-m", "andrea_core", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env(host, **extra),
-            cwd=REPO,
-            start_new_session=True,
-        )
+        """`python -m andrea_core ARGV` at `nice` (the soak's --nice), in a session of its own (a power
+        cut kills its group); forked by the warm launcher under --warm unless `cold`."""
+        nice = self.args.nice if nice is None else nice
+        env = self.env(host, **extra)
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        launcher = None if cold else self._launcher(env)
+        if launcher is not None:
+            popen = launcher.popen([PYTHON, "-m", "andrea_core", *argv], nice=nice, **kw, cwd=REPO,
+                                   start_new_session=True)  # fmt: skip
+        else:
+            popen = subprocess.Popen(["nice", "-n", str(nice), PYTHON, "-m", "andrea_core", *argv], **kw,
+                                     cwd=REPO, start_new_session=True)  # fmt: skip
         p = Proc(popen, what, host or self.host)
         self.procs.append(p)
         return p
+
+    def _launcher(self, env: dict[str, str]):
+        """The warm launcher (tests/warm_launcher.py) of --warm, started at the first start (its first
+        server imports under that start's env); None without --warm. A fork server per clock file:
+        bench/clockshim.c, LD_PRELOAD'd in the server, maps its host's file once there."""
+        if not self.args.warm:
+            return None
+        with self.launcher_lock:
+            if self.launcher is None:
+                from warm_launcher import WarmLauncher
+
+                preload = ["andrea_core.cli", "andrea_core.train.trainer"]
+                load_vars = ("ANDREA_SOAK_CLOCK_FILE",)
+                self.launcher = WarmLauncher(preload, env, str(REPO), max_servers=3, load_vars=load_vars)
+            return self.launcher
 
     def tool(self, what: str, argv: list[str], timeout: float = TOOL_BOUND, **extra: str) -> tuple[int, str]:
         p = self.spawn(what, argv, **extra)
@@ -659,11 +685,13 @@ class Soak:
         self.violations.append((self.fault_i, invariant, what))
         print(f"  VIOLATION ({invariant}) at fault {self.fault_i}: {what}", flush=True)
 
-    def start_trainer(self, first: bool = False, host: str | None = None, **extra: str) -> Proc:
+    def start_trainer(
+        self, first: bool = False, host: str | None = None, cold: bool = False, **extra: str
+    ) -> Proc:
         argv = ["train", "--run-dir", self.store.run_url, "--device", "cpu", "--max-steps", str(self.big)]
         if first:
             argv[1:1] = ["--config", self.config]
-        p = self.spawn("trainer", argv, host, **extra)
+        p = self.spawn("trainer", argv, host, cold=cold, **extra)
         return p
 
     def _held_generation(self, holder: Proc) -> int | None:
@@ -795,8 +823,10 @@ class Soak:
         self.stop_trainer(signal.SIGKILL)
 
     def f_sigkill_startup(self, f: dict) -> None:
+        """SIGKILL `after_s` into a trainer's start: cold under --warm too, its imports and re-exec
+        (the window the kill is aimed at) as a user's start has them."""
         self.stop_trainer(signal.SIGKILL)
-        self.trainer = self.start_trainer()
+        self.trainer = self.start_trainer(cold=True)
         time.sleep(f["after_s"])
         self.stop_trainer(signal.SIGKILL)
 
@@ -1765,16 +1795,30 @@ class Soak:
         the trainer (its oom_score_adj raised by the product), never the supervisor, though that holds
         more memory than the trainer (a ballast: a Prefect flow-run process is about 330 MB resident,
         a CPU trainer here about 285 MB); the supervisor's error names it, status says it is not
-        training, and the next trainer resumes."""
+        training, and the next trainer resumes.
+        The claim is the kernel's first choice, as tests/test_oom.py's: the kernel may kill a second
+        process of the group 4-9 ms after the trainer (the hog's retried charge while the trainer is
+        still charged: the injector's artifact, not what a real OOM does), then the episode's second
+        victim is named in the report and the fault thrown again in a fresh group, at most 3 episodes;
+        a first victim other than the trainer is a violation at once."""
         from memcg import MemoryGroup
-
-        from andrea_core.oom import TRAINER_OOM_BIAS
 
         d = self.did["oom-trainer"]
         rc = self.stop_trainer(signal.SIGTERM)
         if rc != 0:
             self.violate("7", f"SIGTERM before the OOM fault: exit {rc}:\n{self.trainer.tail()}")
-        with MemoryGroup(f"soak-{self.fault_i}") as group:
+        for episode in range(3):
+            judged = self._oom_episode(f, MemoryGroup(f"soak-{self.fault_i}-{episode}"), d, last=episode == 2)
+            if judged:
+                return
+
+    def _oom_episode(self, f: dict, group, d: Counter, last: bool) -> bool:
+        """One OOM kill of the supervised trainer in `group` (a fresh MemoryGroup): False if the kernel
+        killed a second process after the trainer (the episode named, nothing more judged) and another
+        may be thrown."""
+        from andrea_core.oom import TRAINER_OOM_BIAS
+
+        with group:
             code = (
                 "import sys; from andrea_core.ops.supervise import TrainerProcess\n"
                 "open(sys.argv[2], 'w').write(sys.argv[3])\n"  # born in the group, its trainer too
@@ -1793,6 +1837,8 @@ class Soak:
                 str(self.big),
                 str(SUPERVISOR_BALLAST),
             ]
+            # Cold under --warm too: a `python -c` supervisor that puts itself in the group before the
+            # product's TrainerProcess starts the trainer there (the start under test, cold as a user's).
             popen = subprocess.Popen(
                 ["nice", "-n", str(self.args.nice), *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=self.env(), cwd=REPO, start_new_session=True,
@@ -1801,12 +1847,12 @@ class Soak:
             self.procs.append(sup)
             self.trainer = sup
             if not self.wait_training(sup):
-                return
+                return True
             time.sleep(f["after_s"])
             pid = (self.lock() or {}).get("pid")
             if not isinstance(pid, int) or pid not in group.pids():
                 self.violate("7", f"the supervised trainer (pid {pid}) is not in its group {group.pids()}")
-                return
+                return True
             adj = {p: _oom_score_adj(p) for p in (popen.pid, pid)}
             if adj[pid] != min(1000, adj[popen.pid] + TRAINER_OOM_BIAS):
                 self.violate(
@@ -1816,22 +1862,36 @@ class Soak:
             killed = group.oom_kill(pid)
             kills, victims = group.kills() - kills, group.victims
             sup.expect_exit = True
+            names = {pid: "the trainer", popen.pid: "the supervisor"}
+            again = killed and victims is not None and victims[:1] == [pid] and len(victims) > 1 and not last
+            if again:  # the episode's second kill (the docstring): named, the fault thrown again
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)
             rc = sup.wait(TERM_BOUND)
             said = next((line for _, line in sup.lines if line.startswith("OUTCOME: ")), "")
         if self.args.verbose:
-            names = {pid: "the trainer", popen.pid: "the supervisor"}
             shown = "unreadable" if victims is None else [names.get(v, v) for v in victims]
             print(f"  oom-trainer: {kills} OOM kill(s), the kernel log names {shown}; supervisor exit {rc}")
         if not killed:
             self.violate("7", f"the kernel did not kill the trainer in its memory cgroup:\n{sup.tail()}")
-            return
+            return True
         d["killed by the kernel"] += 1
         if victims is not None:
-            d["the kernel log names the trainer"] += victims == [pid]
-            d["the kernel log names the supervisor"] += popen.pid in victims
-        if kills != 1 or (victims is not None and victims != [pid]):
-            who = f"trainer {pid}, supervisor {popen.pid}"
-            self.violate("7", f"{kills} OOM kills, the kernel log names {victims} ({who})")
+            d["the kernel log names the trainer first"] += victims[:1] == [pid]
+            d["the kernel log names the supervisor first"] += victims[:1] == [popen.pid]
+        who = f"trainer {pid}, supervisor {popen.pid}"
+        if victims is not None and victims[:1] != [pid]:
+            self.violate("7", f"the kernel's first OOM victim was not the trainer: {victims} ({who})")
+            return True
+        if again or (victims is not None and len(victims) > 1):
+            second = " and ".join(str(names.get(v, v)) for v in victims[1:])  # ", " parts the report
+            d[f"episodes the kernel killed again after the trainer ({second})"] += 1
+            if again:
+                return False
+            d["the supervisor not judged (3 episodes, each killed twice)"] += 1  # as test_oom skips
+            return True
+        if kills != 1:  # the kernel log unreadable here: one fault must be one kill
+            self.violate("7", f"{kills} OOM kills, the kernel log unreadable ({who})")
         if "killed by the kernel: out of memory" in said:
             d["supervisor said out of memory"] += 1
         else:
@@ -1843,6 +1903,7 @@ class Soak:
         st, _ = self.tool("status", ["status", self.store.run_url])
         if st == 0:
             self._status_truth(self.procs[-1], alive=False)
+        return True
 
     def f_cache_full(self, f: dict) -> None:
         """The cache folder (token shards; a tmpfs of its own) full, not a byte or 64 kB left, while a
@@ -2627,6 +2688,8 @@ class Soak:
                 p.signal(signal.SIGCONT)
                 p.signal(signal.SIGKILL)
                 p.wait(30)
+        if self.launcher is not None:
+            self.launcher.stop()
         self._system_close()
         self.store.close()
 
@@ -2699,6 +2762,12 @@ def main() -> int:
     ap.add_argument("--cache", help="ANDREA_CACHE_DIR of every process (default: WORK/cache, built first)")
     ap.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind)")
     ap.add_argument("--verbose", action="store_true", help="one line per fault")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="start the trainers and commands from a fork server with torch imported "
+        "(tests/warm_launcher.py; the CI rounds do): seconds less a start, not a user's start",
+    )
     ap.add_argument(
         "--no-layer",
         dest="layer",
@@ -2812,6 +2881,12 @@ def main() -> int:
             f"{[(c['key'], c['held'], c['retries'], c['read_back']) for c in relay.completes_lost]}"
         )
     print(f"phases (wall s): {soak.phases}; the reference: {dict(getattr(soak, 'ref_work', {}))}")
+    if soak.launcher is not None:
+        why = Counter(soak.launcher.cold)
+        print(
+            f"warm launcher: {soak.launcher.warm} starts warm, {len(soak.launcher.cold)} cold "
+            f"({dict(why)}), {1 + len(soak.launcher.started)} servers"
+        )
     print(
         f"violations: {len(soak.violations)}; wall time {wall:.0f} s "
         f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"

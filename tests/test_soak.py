@@ -48,10 +48,14 @@ def run_soak(
     """bench/soak.py --faults each*len(kinds) --seed 1 --kinds KINDS on `store`: its exit status, its
     output (also in WORK.out, beside its folder, for the post-mortem), and its table (kind -> (injected,
     survived, violations), every kind of the store: 0 for those not drawn)."""
+    # --warm: the trainers and commands forked by a fork server with torch imported (tests/
+    # warm_launcher.py), as the suite's; ANDREA_WARM_LAUNCHER=0 starts each cold, as a user's.
+    warm = [] if os.environ.get("ANDREA_WARM_LAUNCHER") == "0" else ["--warm"]
     proc = subprocess.run(
         [
             sys.executable,
             str(REPO / "bench" / "soak.py"),
+            *warm,
             "--faults",
             str(each * len(kinds)),
             "--seed",
@@ -92,11 +96,17 @@ def soak(store: str, kinds: list[str], work: Path) -> str:
         assert row == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
     assert returncode == 0, out[-6000:]
+    if os.environ.get("ANDREA_WARM_LAUNCHER") != "0":  # --warm was given, and its starts were forked
+        launched = re.search(r"^warm launcher: (\d+) starts warm, (\d+) cold", out, re.M)
+        assert launched and int(launched.group(1)) > 0, out[-6000:]
     features_did_what_they_claim(out)
     if set(STORAGE) & set(kinds):
         storage_did_what_it_claims(out)
-    for kind in set(SYSTEM) & set(kinds):
-        SYSTEM_CLAIMS[kind](did(out, kind))
+    unreached = [
+        why for kind in sorted(set(SYSTEM) & set(kinds)) if (why := SYSTEM_CLAIMS[kind](did(out, kind)))
+    ]
+    if unreached:
+        pytest.skip(f"the round passed; a claim not reached: {unreached}")
     return out
 
 
@@ -143,11 +153,20 @@ def _suspend(suspend: dict) -> None:
     assert float(suspend["seconds the monotonic clock stopped"]) > 3.0, suspend
 
 
-def _oom(oom: dict) -> None:
-    """The kernel's OOM killer killed the trainer in its memory cgroup, not its larger supervisor, which
-    survived and said so."""
-    assert oom["killed by the kernel"] == oom["supervisor said out of memory"] == "1", oom
-    assert oom["the kernel log names the trainer"] == oom["supervisor survived"] == "1", oom
+def _oom(oom: dict) -> str | None:
+    """The kernel's OOM killer killed the trainer in its memory cgroup first, not its larger supervisor,
+    which survived and said so. An episode in which the kernel killed again after the trainer (the
+    hog's retried charge: tests/test_oom.py's decision) is named and thrown again, at most 3; after 3
+    the supervisor's part is not reached: why, for the round to be skipped at its end (as test_oom's)."""
+    episodes = int(oom["killed by the kernel"])
+    assert 1 <= episodes <= 3 and oom["the kernel log names the trainer first"] == str(episodes), oom
+    again = sum(int(v) for k, v in oom.items() if k.startswith("episodes the kernel killed again after"))
+    if "the supervisor not judged (3 episodes, each killed twice)" in oom:
+        assert episodes == again == 3, oom
+        return f"the kernel killed twice in each of 3 OOM episodes, the trainer first: {oom}"
+    assert again == episodes - 1, oom
+    assert oom["supervisor said out of memory"] == oom["supervisor survived"] == "1", oom
+    return None
 
 
 def _cache_full(cache: dict) -> None:
