@@ -1890,8 +1890,8 @@ class Soak:
                 return False
             d["the supervisor not judged (3 episodes, each killed twice)"] += 1  # as test_oom skips
             return True
-        if kills != 1:  # the kernel log unreadable here: one fault must be one kill
-            self.violate("7", f"{kills} OOM kills, the kernel log unreadable ({who})")
+        if kills != 1:  # one fault, one kill (the group's count; the kernel log may be unreadable here)
+            self.violate("7", f"{kills} OOM kills, the kernel log names {victims} ({who})")
         if "killed by the kernel: out of memory" in said:
             d["supervisor said out of memory"] += 1
         else:
