@@ -6,9 +6,11 @@ steps, a suspend, an OOM kill, a full cache; issue 48 items 4-5) and the 3 featu
 48 item 6); on moto (tests/test_soak_s3.py) 24: the 14 common ones, s3-deny, s3-lost-reply, the
 relay's 5 storage faults (issue 48 item 3) and the 3 features. One round a store: each round trains its
 run and its reference from zero, prepares its data and checks its end once, so a kind costs its fault
-alone. Its purpose is that the harness works and a fault of every kind passes; the long rounds
-(`--faults 40` and `--faults 1000`) and their figures stay in bench/README.md. Each store in a module
-of its own, so that the two go to the suite's two workers side by side."""
+alone; its trainers and commands start warm (`bench/soak.py --warm`: tests/warm_launcher.py's fork
+servers, ~2 s of CPU less a start; ANDREA_WARM_LAUNCHER=0 starts them cold). Its purpose is that
+the harness works and a fault of every kind passes; the long rounds (`--faults 40` and `--faults 1000`)
+and their figures stay in bench/README.md. Each store in a module of its own, so that the two go to
+the suite's two workers side by side."""
 
 from __future__ import annotations
 
