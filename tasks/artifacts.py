@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import re
 import time
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -18,15 +19,12 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from andrea_core.config import limit
-from andrea_core.ops.compare import (
-    Comparison,
-    plot_comparison,
-    png_data_uri,
-    report_markdown,
-    write_report,
-)
+from andrea_core.ops.loss_view import png_data_uri
 from andrea_core.run.rundir import RunDir
 from andrea_core.untrusted import markdown_text
+
+if TYPE_CHECKING:  # ops/compare imports torch: the train and pivot flow-run processes never need it
+    from andrea_core.ops.compare import Comparison
 
 
 def artifact_key(*parts: str) -> str:
@@ -168,6 +166,9 @@ def publish_status(run_dir: str, title: str, rows: dict[str, object]) -> None:
 def publish_fork_report(comparison: Comparison, report_dir: str) -> dict[str, str]:
     """The audit report as a markdown artifact with the plot embedded (a data URI: the UI needs no
     access to the run's storage), the plot as an image artifact, and both as files in `report_dir`."""
+    # Lazy: keeps the train and pivot flow-run processes torch-free (docs/design.md "Layout").
+    from andrea_core.ops.compare import plot_comparison, report_markdown, write_report
+
     logger = get_run_logger()
     png = plot_comparison(comparison)
     uri = png_data_uri(png)

@@ -223,16 +223,19 @@ def flock_held_elsewhere(path: Path) -> Iterator[int]:
         holder.wait()
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 300, what: str = "condition") -> object:
-    """`predicate()`'s first truthy value, polled every 20 ms. A wait, not a timing assertion: the default
-    is generous so that a loaded machine is slow, not red (a `mix` fixture's first checkpoint took over
-    120 s at load 14)."""
+def wait_for(
+    predicate: Callable[[], object], timeout: float = 300, what: str = "condition", every: float = 0.02
+) -> object:
+    """`predicate()`'s first truthy value, polled every `every` seconds (20 ms). A wait, not a timing
+    assertion: the default is generous so that a loaded machine is slow, not red (a `mix` fixture's first
+    checkpoint took over 120 s at load 14). A predicate that asks a server (Prefect's API) or parses a
+    whole file polls slower: each call costs the server, or this process, CPU the trainers need."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.02)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 

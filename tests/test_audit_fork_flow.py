@@ -68,7 +68,8 @@ def test_a_rerun_after_a_failed_report_writes_the_report_without_retraining(tmp_
     obstacle = tmp_path / "a-file"
     obstacle.write_text("the report folder cannot be made under a file")
     branches = [{"name": "a"}, {"name": "b", "overrides": {"train.lr": 1e-4}}]
-    common = {"steps": 3, "device": "cpu", "gpu_slot": None, "val_sequences": 4}
+    # One run a branch: the rerun's promise is per branch folder (replicates are the verdict's, test_fork's).
+    common = {"steps": 3, "device": "cpu", "gpu_slot": None, "val_sequences": 4, "replicates": 1}
     first = audit_fork(parent.url, branches, report_dir=str(obstacle / "report"), return_state=True, **common)
     assert first.is_failed()
     urls = [f"{parent.url}-fork100-{b['name']}" for b in branches]

@@ -28,11 +28,11 @@ from andrea_core.ops.compare import (
     comparison_figure,
     legend_label,
     plot_comparison,
-    png_data_uri,
     report_markdown,
     sequence_losses,
 )
 from andrea_core.ops.fork import BranchSpec, fork
+from andrea_core.ops.loss_view import png_data_uri
 from andrea_core.run.record import read_run
 from andrea_core.run.rundir import LOSS_LOG, RunDir
 from andrea_core.train.optim import build_optimizer

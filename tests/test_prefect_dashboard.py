@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_prefect_flows import (  # noqa: F401 (stack: the fixture)
+    API_POLL_S,
     REPO,
     artifact,
     assert_a_clean_cancel,
@@ -74,7 +75,9 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
         versions = artifact_versions(run_key("run", run.url))
         return len(versions) >= 4 and checkpoint_of(versions[3].data) is not None and versions[:4]
 
-    versions = wait_for(two_checkpoints_drawn, timeout=300, what="the dashboard after 2 checkpoints")
+    versions = wait_for(
+        two_checkpoints_drawn, timeout=300, what="the dashboard after 2 checkpoints", every=API_POLL_S
+    )
     drawn = [checkpoint_of(v.data) for v in versions]
     assert drawn[0] is None and drawn[1] in (None, EVERY), drawn
     assert EVERY <= drawn[2] <= drawn[3] <= drawn[2] + EVERY and drawn[3] >= 2 * EVERY, drawn
@@ -110,6 +113,7 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
         lambda: re.fullmatch(pattern, progress_artifact(flow_run_id).description.replace("\\", "")),
         timeout=120,
         what="a progress bar with an ETA",
+        every=API_POLL_S,
     )
     # Its tokens/s is the trainer's own, over its last log window (a burst: not the minute's mean).
     assert 0 < int(said[3].replace(",", "")) <= 1.5 * 8 * 64 / 0.1, said[0]

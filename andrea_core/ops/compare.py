@@ -32,7 +32,6 @@ link, an image or HTML.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import math
@@ -845,10 +844,6 @@ def comparison_figure(c: Comparison):
         bx.legend(fontsize=8)
     fig.tight_layout()
     return fig
-
-
-def png_data_uri(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:

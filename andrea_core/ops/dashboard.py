@@ -14,8 +14,7 @@ from typing import Any
 
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.config import ConfigError
-from andrea_core.ops.compare import png_data_uri
-from andrea_core.ops.loss_view import loss_view, plot_view
+from andrea_core.ops.loss_view import loss_view, plot_view, png_data_uri
 from andrea_core.ops.status import RunStatus, run_status
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.resume_check import describe as describe_check

@@ -7,6 +7,7 @@ from `loss_view`, so every view shows the same data. Read from the run directory
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 from collections.abc import Callable
@@ -260,6 +261,12 @@ def draw_marks(ax: Any, marks: list[Mark]) -> None:
             color=color,
             bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
         )
+
+
+def png_data_uri(png: bytes) -> str:
+    """A PNG as a data URI: a plot embedded in a markdown artifact, which the UI shows without access to
+    the run's storage."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def plot_view(view: LossView, title: str | None = None) -> bytes:
