@@ -345,3 +345,42 @@ def test_commands_on_a_full_disk_say_so_in_one_line_and_change_nothing(small_dis
     filler.unlink()
     andrea("train", "--run-dir", str(run), "--device", "cpu", "--max-steps", "20")  # room again: it trains on
     assert (run / "step_000020.bin").is_file()
+
+
+def test_an_s3_runs_appends_wait_on_a_full_cache_and_land_whole_in_order(small_disk, s3_bucket, monkeypatch):
+    """Issue 48 (the S3 soak's cache-full, filled under a running trainer): a run on S3 appends to its
+    loss log through a mirror in the cache folder (store.MirroredAppendFile). A full cache made the
+    mirror's buffered file keep unwritten bytes the handle did not count, so the retry of the lines
+    the loss log kept in memory landed after them (repeated, torn), and what was published from then on
+    was the mirror's first N bytes, not the file's: the soak's run lost steps 37-75 of its history, and
+    its later bandit states and checkpoints differed from the reference's (11 violations). Now a write
+    the cache has no room for keeps its unwritten bytes pending, as the local file does, and the
+    published file is every line once, in order, once there is room."""
+    import errno
+
+    monkeypatch.setenv("ANDREA_CACHE_DIR", str(small_disk))
+    run = RunDir(f"{s3_bucket}/run")
+    lines = [b'{"step":%d,"loss":%s}\n' % (i, str(1.0 / (i + 1)).encode()) for i in range(1, 6001)]
+    sent, failed = [], 0
+    with run.open_append(".loss.json") as f:
+        f.write(b"".join(lines[:10]), durable=True)
+        sent += lines[:10]
+        filler = fill(small_disk, 0, prefix="filler-")
+        try:
+            for i in range(10, len(lines), 500):  # 500 lines (~20 kB) a write: the last page fills mid-write
+                chunk = lines[i : i + 500]
+                try:
+                    f.write(b"".join(chunk))
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    failed += 1
+                sent += chunk
+                if failed == 3:
+                    break
+            assert failed == 3, "the cache never filled"
+            with pytest.raises(OSError):
+                f.write(b"", durable=True)  # nothing published while the pending bytes have no room
+        finally:
+            filler.unlink()
+        f.write(b"", durable=True)  # room again: what was pending lands first, then it is published
+    assert run.read_bytes(".loss.json") == b"".join(sent)

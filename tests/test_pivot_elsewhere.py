@@ -278,3 +278,152 @@ def test_a_trainer_restarted_while_a_remote_pivot_waits_for_the_stop_is_stopped_
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _pivot_journal(run: RunDir) -> dict:
+    return json.loads(run.read_bytes("pivot.json")) if run.exists("pivot.json") else {}
+
+
+@pytest.mark.parametrize("at", ["boundary", pytest.param("now", marks=pytest.mark.slow)])
+def test_a_trainer_killed_before_the_stop_request_and_restarted_is_pivoted_not_a_failed_pivot(
+    at, tmp_path, tmp_path_factory
+):
+    """Issue 48 (the soak's pivot-remote, a kill landing before the pivot asked the trainer to stop): the
+    trainer a pivot from another host waits on for its pivot checkpoint is killed before it wrote it, and
+    one restarted in its place (as systemd would) takes the lease over. The pivot used to fail (exit 1,
+    "exited before writing step_N.bin" / "before checkpointing"); now it decides again against the new
+    holder, takes its pivot checkpoint, stops it and completes: one phase folder, the boundary the
+    newest checkpoint, written by the restarted trainer, .loss.json's bytes before it a prefix."""
+    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
+    run = RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
+    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}  # a dead lease: 60 s, time to restart
+    host_a = _env() | lease | {"ANDREA_TEST_HOST": "host-a"}
+    args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
+    first = start_trainer(*args, env=host_a, log=tmp_path / "first.log")
+    second = pivot = None
+    try:
+        wait_for(lambda: last_logged_step(run) > 20, 300, "the first trainer's step 21")
+        generation = json.loads(run.read_bytes(LOCK))["generation"]
+        first.send_signal(signal.SIGSTOP)  # it writes nothing more, reads no request: killed below
+        loss_log = run.read_bytes(LOSS_LOG)
+        loss_log = loss_log[: loss_log.rfind(b"\n") + 1]
+        pivot = subprocess.Popen(
+            [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart",
+             "--at", at],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=_env() | lease | {"ANDREA_TEST_HOST": "host-b"}, cwd=REPO,
+        )  # fmt: skip
+        # The pivot waits on the first trainer: its intent is on disk (at "now" its checkpoint request).
+        wait_for(lambda: _pivot_journal(run).get("step") == "intent", 300, "the pivot's intent")
+        if at == "now":
+            wait_for(lambda: run.exists(REQUEST), 300, "the pivot's checkpoint request")
+            assert json.loads(run.read_bytes(REQUEST))["request"] == "checkpoint"
+        newest = max(run.checkpoint_steps())
+        first.kill()  # before the pivot asked it to stop
+        assert first.wait(60) == -signal.SIGKILL
+        second = start_trainer(*args, env=host_a, log=tmp_path / "second.log")  # as systemd would
+        out, _ = pivot.communicate(timeout=600)
+        assert pivot.returncode == 0, out
+        assert f"trainer pid {first.pid} no longer holds the run" in out and "deciding again" in out, out
+        assert f"asked trainer pid {second.pid} on host-a to stop" in out, out
+        assert f"trainer pid {first.pid} on host-a to stop" not in out, out  # never asked: it was dead
+        assert second.wait(120) == 0
+        log = (tmp_path / "second.log").read_text()
+        assert "taking over the stale lock of dead trainer" in log and "stop requested by host-b" in log, log
+        assert f"generation {generation + 1})" in log, log
+        boundary = int(re.search(r"pivot checkpoint step_(\d+)\.bin is valid", out)[1])
+        # The pivot checkpoint is the restarted trainer's, past what the killed one had written.
+        assert boundary > newest and f"checkpoint step_{boundary:06d}.bin (" in log, (boundary, newest, log)
+        if at == "boundary":
+            assert boundary % 10 == 0, boundary
+        else:
+            assert f"asked (.trainer-request.json) trainer pid {second.pid} on host-a" in out, out
+        assert run.listdir("archive") == [f"phase_001_step_{boundary:06d}"]
+        assert max(run.checkpoint_steps()) == boundary and not run.exists("pivot.json")
+        assert run.read_checkpoint(boundary).step == boundary
+        assert run.read_bytes(LOSS_LOG).startswith(loss_log)
+    finally:
+        for p in (first, second, pivot):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+def test_a_trainer_that_takes_the_run_after_the_stop_is_waited_for_not_a_trainer_elsewhere(
+    tmp_path, s3_bucket, s3_server
+):
+    """Issue 48 (the soak's pivot-remote, seed 2: a rerun exited 2, "cannot be checked from here"): a
+    trainer that started before a pivot stopped the run, and takes the released run once the stop is on
+    disk, holds the lock for a moment while it reads the journal, finds the pivot half done and refuses.
+    A pivot (here the rerun of one killed mid-archive) that met it there refused to archive under "a live
+    trainer elsewhere" and exited 2, a half-done pivot left. Now step 3 waits for it to release the run,
+    and completes. The moment is made long for certain: the second trainer's read of pivot.json is held
+    by its link to the store (tests/s3_relay.py) and the trainer frozen while it holds the lock."""
+    from s3_relay import Relay, RelayFaults
+
+    url = f"{s3_bucket}/run"
+    run = RunDir(url)
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10, train__sample_every=10**6)
+    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}
+    faults = RelayFaults()
+    link = Relay(s3_server.port, faults, host="host-c")
+    args = ("--run-dir", url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
+    host_a = _env() | lease | {"ANDREA_TEST_HOST": "host-a"}
+    host_b = _env() | lease | {"ANDREA_TEST_HOST": "host-b"}
+    host_c = _env() | lease | s3_server.env(link.endpoint)
+    host_c |= {"ANDREA_TEST_HOST": "host-c", "ANDREA_LEASE_WAIT_S": "600"}
+    first = start_trainer("--config", cfg, *args, env=host_a, log=tmp_path / "first.log")
+    second = rerun = None
+    try:
+        wait_for(lambda: run.checkpoint_steps() and last_logged_step(run) > 12, 300, "a checkpoint")
+        # The second trainer starts while no pivot is under way, and waits for the first one's lease.
+        second = start_trainer(*args, env=host_c, log=tmp_path / "second.log")
+        wait_for(
+            lambda: "watching whether it renews" in (tmp_path / "second.log").read_text(), 300, "the wait"
+        )
+        second.send_signal(signal.SIGSTOP)  # it takes the run only once the stop is on disk
+        killed = andrea_from(
+            [], host_b | {"ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"},
+            "pivot", url, "--policy", "tiny-mix", "--no-restart",
+        )  # fmt: skip
+        assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+        assert first.wait(120) == 0
+        journal = _pivot_journal(run)
+        assert journal["step"] == "archiving", journal
+        boundary, loss_log = journal["boundary"], run.read_bytes(LOSS_LOG)
+        faults.hang = {"host": "host-c", "match": r"pivot\.json", "for_s": 6.0}
+        second.send_signal(signal.SIGCONT)
+        wait_for(lambda: faults.hung, 120, "the second trainer's read of pivot.json")
+        second.send_signal(signal.SIGSTOP)  # holding the lock, its read of the journal in flight
+        held = json.loads(run.read_bytes(LOCK))
+        assert held["pid"] == second.pid and not held["released"], (held, faults.hung)
+        log = tmp_path / "rerun.log"
+        with open(log, "wb") as out:
+            rerun = subprocess.Popen(
+                [sys.executable, "-m", "andrea_core", "pivot", url, "--policy", "tiny-mix", "--no-restart"],
+                stdout=out, stderr=subprocess.STDOUT, env=host_b, cwd=REPO,
+            )  # fmt: skip
+        waits = f"trainer pid {second.pid} on host-c took the run (lease generation"
+        at_archive = lambda: waits in log.read_text() or rerun.poll() is not None  # noqa: E731
+        wait_for(at_archive, 300, "the rerun at the archive")
+        second.send_signal(signal.SIGCONT)
+        assert rerun.wait(300) == 0, log.read_text()
+        said = log.read_text()
+        assert "cannot be checked from here" not in said and "after the stop was recorded" in said, said
+        assert second.wait(120) == 2
+        refused = (tmp_path / "second.log").read_text()
+        assert "taking the released lock" in refused and "is half done" in refused, refused
+        assert "training steps" not in refused, refused
+        # The pivot is complete and the refusing trainer wrote nothing: the loss log as at the stop.
+        assert run.listdir("archive") == [f"phase_001_step_{boundary:06d}"]
+        assert max(run.checkpoint_steps()) == boundary and not run.exists("pivot.json")
+        assert run.read_bytes(LOSS_LOG) == loss_log
+        assert json.loads(run.read_bytes(LOCK))["released"] is True
+    finally:
+        for p in (first, second, rerun):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+        link.shutdown()

@@ -18,6 +18,7 @@ from andrea_core.oom import TRAINER_OOM_BIAS
 from andrea_core.ops.supervise import (
     LossLogSnapshot,
     SupervisionError,
+    TrainerChanged,
     TrainerProcess,
     first_entry_after,
     gpu_slot_name,
@@ -179,7 +180,9 @@ def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):
     trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=150).start()
     wait_for(lambda: live_trainer(run), timeout=120, what="the trainer's lock")
     identity = live_trainer(run)
-    with pytest.raises(SupervisionError, match=r"exited before writing step_000200\.bin"):
+    # TrainerChanged: whoever waited decides again from whoever holds the run now (the pivot's step 1).
+    said = r"it exited \(or another took the run over\) before writing step_000200\.bin"
+    with pytest.raises(TrainerChanged, match=said):
         wait_for_checkpoint(run, 200, timeout=300, trainer=identity)
     for _ in trainer.lines():
         pass

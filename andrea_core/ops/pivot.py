@@ -44,6 +44,7 @@ from andrea_core.run.lock import (
     UNKNOWN,
     LockError,
     TrainerIdentity,
+    elsewhere_error,
     live_trainer,
     require_not_elsewhere,
     send_request,
@@ -504,9 +505,16 @@ def choose_boundary(run: RunDir) -> tuple[int, int]:
 
 
 def newest_checkpoint(run: RunDir, log: Log = print) -> int:
-    """With no trainer running, the pivot point is the newest valid checkpoint."""
-    if require_not_elsewhere(run, "pivoting").state == ALIVE:
-        raise SupervisionError(f"{run.url}: a trainer is running; pivot it from its boundary instead")
+    """With no trainer running, the pivot point is the newest valid checkpoint. A trainer that took the
+    run since the pivot looked (alive here or elsewhere) raises TrainerChanged: the pivot decides again,
+    against it (take_pivot_checkpoint)."""
+    verdict = trainer_liveness(run)
+    if verdict.state in (ALIVE, UNKNOWN):
+        held = verdict.holder
+        raise supervise.TrainerChanged(
+            f"{run.url}: trainer pid {held.pid} on {held.host} took the run (lease generation "
+            f"{held.generation}) as the pivot looked for a checkpoint to pivot at"
+        )
     ckpt = run.newest_valid_checkpoint(run_n_params(read_run(run)), warn=log)
     if ckpt is None:
         raise CheckpointError(run.url, "no valid checkpoint to pivot from")
@@ -518,23 +526,30 @@ def signal_live_trainer(run: RunDir, signal_name: str) -> dict:
     signalled); one that cannot be checked from here (another machine, another pid namespace) is asked
     through the run directory instead (lock.send_request: SIGUSR1 a checkpoint, SIGTERM a stop), which
     it reads at its next lease renewal. Returns what the run looked like just before, for waiting on
-    the signal's effect."""
+    the signal's effect. One verdict (trainer_liveness) decides how: a trainer gone meanwhile, or
+    released, raises TrainerChanged (the caller looks again), never a refusal read from a second look."""
     verdict = trainer_liveness(run)
-    if verdict.state == UNKNOWN and signal_name in ("SIGUSR1", "SIGTERM"):
-        trainer = verdict.holder
+    trainer = verdict.holder
+    if verdict.state == UNKNOWN:
+        if signal_name not in ("SIGUSR1", "SIGTERM"):
+            raise elsewhere_error(run, verdict, "signalling its trainer")
         request = "checkpoint" if signal_name == "SIGUSR1" else "stop"
         receipt = {"pid": trainer.pid, "signal": signal_name, "request": request}
         receipt |= {"logged_step": supervise.logged_step(run), "checkpoints": run.checkpoint_steps()}
         receipt["request_id"] = send_request(run, trainer, request)
         return receipt
-    trainer = supervise.require_live_trainer(run)
+    if verdict.state != ALIVE:
+        raise supervise.TrainerChanged(f"{run.url}: no live trainer ({verdict.why})")
     receipt = {
         "pid": trainer.pid,
         "signal": signal_name,
         "logged_step": supervise.logged_step(run),
         "checkpoints": run.checkpoint_steps(),
     }
-    trainer.signal(signal.Signals[signal_name])
+    try:
+        trainer.signal(signal.Signals[signal_name])
+    except ProcessLookupError as e:  # it exited between the verdict and the signal
+        raise supervise.TrainerChanged(f"{run.url}: {e}") from None
     return receipt
 
 
@@ -548,25 +563,23 @@ def _holder(run: RunDir) -> TrainerIdentity | None:
 def take_pivot_checkpoint(run: RunDir, journal: PivotJournal, timeout_s: float, log: Log = print) -> int:
     """Step 1: the pivot checkpoint, protected by the journal (retention keeps it) before the trainer is
     stopped: the next one on the grid (at="boundary"), one written now (at="now", SIGUSR1), or with
-    no trainer running the newest valid one. A failure here leaves the run as it was (no journal)."""
+    no trainer running the newest valid one. A trainer that stops holding the run before it wrote the
+    pivot checkpoint (killed before the stop request, or taken over by one restarted in its place), or
+    one that takes a run the pivot found free, does not fail the pivot: it decides again from whoever
+    holds the run then, within the same timeout (TrainerChanged). A failure here leaves the run as it
+    was (no journal)."""
     if journal.reached("checkpointed"):
         return journal.boundary
-    trainer = _holder(run)
+    deadline = time.monotonic() + timeout_s
     try:
-        if trainer is None:
-            boundary = newest_checkpoint(run, log)
-            log(f"no trainer running: pivoting at the newest valid checkpoint, step {boundary}")
-        elif journal.at == "now":
-            # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
-            journal.record(run, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
-            receipt = signal_live_trainer(run, "SIGUSR1")
-            how = f"asked ({REQUEST})" if receipt.get("request") else "sent SIGUSR1 to"
-            log(f"{how} trainer pid {receipt['pid']} on {trainer.host}: a checkpoint of the step in flight")
-            boundary = supervise.wait_for_new_checkpoint(
-                run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), timeout_s, trainer=trainer
-            ).step
-        else:
-            boundary = wait_for_boundary(run, journal, timeout_s, trainer, log)
+        while True:
+            try:
+                boundary = _pivot_point(run, journal, deadline, log)
+                break
+            except supervise.TrainerChanged as e:
+                if time.monotonic() >= deadline:
+                    raise
+                log(f"{e}: deciding again")
         if journal.restart != "none":
             require_steps_after(journal.max_steps, boundary)
         journal.record(run, "checkpointed", boundary=boundary, not_before=None)
@@ -576,6 +589,26 @@ def take_pivot_checkpoint(run: RunDir, journal: PivotJournal, timeout_s: float, 
     log(f"pivot checkpoint {checkpoint_name(boundary)} is valid")
     _kill_point("checkpointed")
     return boundary
+
+
+def _pivot_point(run: RunDir, journal: PivotJournal, deadline: float, log: Log) -> int:
+    """One decision of step 1 against whoever holds the run now (take_pivot_checkpoint)."""
+    trainer = _holder(run)
+    left = max(0.0, deadline - time.monotonic())
+    if trainer is None:
+        boundary = newest_checkpoint(run, log)
+        log(f"no trainer running: pivoting at the newest valid checkpoint, step {boundary}")
+        return boundary
+    if journal.at == "now":
+        # Which checkpoint the SIGUSR1 writes is not known yet: protect all from here on.
+        journal.record(run, "intent", boundary=None, not_before=supervise.logged_step(run) or 0)
+        receipt = signal_live_trainer(run, "SIGUSR1")
+        how = f"asked ({REQUEST})" if receipt.get("request") else "sent SIGUSR1 to"
+        log(f"{how} trainer pid {receipt['pid']} on {trainer.host}: a checkpoint of the step in flight")
+        return supervise.wait_for_new_checkpoint(
+            run, receipt["logged_step"] or 0, set(receipt["checkpoints"]), left, trainer=trainer
+        ).step
+    return wait_for_boundary(run, journal, left, trainer, log)
 
 
 def wait_for_boundary(
@@ -694,7 +727,11 @@ def stop_live_trainer(run: RunDir, timeout_s: float = 300.0, log: Log = print) -
                 f"{trainer.generation}) while the pivot waited for pid {last.pid} to stop: stopping it too"
             )
         local_world_size = job_world_size(trainer.pid)  # read while it runs; trusted only if signalled
-        receipt = signal_live_trainer(run, "SIGTERM")
+        try:
+            receipt = signal_live_trainer(run, "SIGTERM")
+        except supervise.TrainerChanged:  # gone (or released) between the look and the signal: look again
+            last, trainer = trainer, _holder(run)
+            continue
         if receipt.get("request"):
             log(f"asked trainer pid {trainer.pid} on {trainer.host} to stop ({run.path(REQUEST)})")
             world_size = 1
@@ -729,18 +766,19 @@ def loss_at_stop(journal: PivotJournal) -> LossLogSnapshot:
 # --- steps 3 to 5 ------------------------------------------------------------------------------
 
 
-def archive(run: RunDir, journal: PivotJournal, log: Log = print) -> dict:
+def archive(run: RunDir, journal: PivotJournal, log: Log = print, timeout_s: float = 300.0) -> dict:
     """Step 3: move .samples.json, .state.json, (a copy of) policy.yaml and the checkpoints past the
     boundary into archive/phase_NNN_step_SSSSSS/, a folder named in the journal before the first move
     (a rerun finishes the moves into the same folder). Afterwards the run holds no bandit state or
-    sample log, so the next trainer starts a fresh bandit, and its newest checkpoint is the boundary."""
+    sample log, so the next trainer starts a fresh bandit, and its newest checkpoint is the boundary.
+    Only once no trainer holds the run (_archive_when_free), waiting at most `timeout_s`."""
     boundary = journal.boundary
     if not journal.reached("archived"):
         if not journal.archive:
             journal.record(run, "archiving", archive=next_phase_folder(run, boundary))
         moves = iter(range(1, 1_000_000))
-        archived = archive_phase(
-            run, boundary, journal.archive, after_move=lambda _: _kill_point(f"archive-move-{next(moves)}")
+        archived = _archive_when_free(
+            run, journal, timeout_s, log, lambda _: _kill_point(f"archive-move-{next(moves)}")
         )
         journal.record(run, "archived")
         log(f"archived {', '.join(archived.moved) or 'nothing left to move'} into {archived.folder}")
@@ -756,6 +794,32 @@ def archive(run: RunDir, journal: PivotJournal, log: Log = print) -> dict:
             f"{run.url}: newest checkpoint is step {newest}, not the pivot point {boundary}"
         )
     return {"folder": run.path(journal.archive)}
+
+
+def _archive_when_free(
+    run: RunDir, journal: PivotJournal, timeout_s: float, log: Log, after_move: Callable[[str], None]
+) -> ArchivedPhase:
+    """archive_phase once no trainer holds the run. The stop is on disk with no holder after it (step
+    2), so a trainer holding the run now took it since: it read the journal under its lock, found the
+    pivot half done and refuses to train (exit 2), releasing the run. It is asked to stop as well and
+    waited for, within `timeout_s`, as step 2 waits; never taken for a trainer that forbids archiving
+    (the soak's pivot-remote: a rerun saw no holder, met that one and exited 2, "cannot be checked from
+    here", a half-done pivot left for a third run)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        late = _holder(run)
+        if late is not None:
+            log(
+                f"trainer pid {late.pid} on {late.host} took the run (lease generation {late.generation}) "
+                "after the stop was recorded: it refuses to train a half-done pivot; waiting for it to "
+                "release the run"
+            )
+            stop_live_trainer(run, max(0.0, deadline - time.monotonic()), log)
+        try:
+            return archive_phase(run, journal.boundary, journal.archive, after_move=after_move)
+        except LockError:  # taken again between the look and the archive's own check (before any move)
+            if time.monotonic() >= deadline:
+                raise
 
 
 def keep_loss_log(run: RunDir, journal: PivotJournal) -> dict:
@@ -919,7 +983,7 @@ def run_pivot(
     journal: PivotJournal = step("begin-pivot", lambda: begin_pivot(run, checked, at, how, log))
     boundary = step("take-pivot-checkpoint", lambda: take_pivot_checkpoint(run, journal, timeout_s, log))
     stopped = step("stop-trainer", lambda: stop_trainer(run, journal, timeout_s, log))
-    archived = step("archive-phase", lambda: archive(run, journal, log))
+    archived = step("archive-phase", lambda: archive(run, journal, log, timeout_s))
     kept = step("keep-loss-log", lambda: keep_loss_log(run, journal))
     log(f".loss.json untouched: {kept['bytes']} bytes, sha256 {kept['sha256'][:16]}")
     step("install-policy", lambda: install(run, journal))

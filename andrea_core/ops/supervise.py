@@ -51,6 +51,12 @@ class CheckpointPassed(SupervisionError):
     failed: a full disk, a lease that could not be renewed). It will not appear: wait for a later one."""
 
 
+class TrainerChanged(SupervisionError):
+    """The trainer a wait was for no longer holds the run before it did what was waited for: it exited
+    (killed, stopped) or another trainer took the run over (one restarted in its place, as systemd's
+    Restart=on-failure would). Whatever waited decides again from whoever holds the run now."""
+
+
 # --- a trainer process -----------------------------------------------------------------------------
 
 
@@ -427,9 +433,9 @@ def wait_for_checkpoint(
         if trainer is not None and not still_holds(run, trainer):
             if run.exists(name):
                 return run.read_checkpoint(step)
-            raise SupervisionError(
-                f"{run.url}: trainer pid {trainer.pid} exited before writing {name} "
-                f"(newest checkpoint: {_newest_name(run)})"
+            raise TrainerChanged(
+                f"{run.url}: trainer pid {trainer.pid} no longer holds the run: it exited (or another took "
+                f"the run over) before writing {name} (newest checkpoint: {_newest_name(run)})"
             )
         lease.check()
         return None
@@ -459,7 +465,10 @@ def wait_for_new_checkpoint(
         if new:
             return run.read_checkpoint(min(new))
         if trainer is not None and not still_holds(run, trainer):
-            raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} exited before checkpointing")
+            raise TrainerChanged(
+                f"{run.url}: trainer pid {trainer.pid} no longer holds the run: it exited (or another took "
+                "the run over) before checkpointing"
+            )
         lease.check()
         return None
 

@@ -477,13 +477,18 @@ def require_not_elsewhere(run: RunDir, doing: str) -> Liveness:
     how recently its lock says it was renewed."""
     verdict = trainer_liveness(run)
     if verdict.state == UNKNOWN:
-        held = verdict.holder
-        raise TrainerElsewhere(
-            f"{run.url}: not {doing}: trainer pid {held.pid} on host {held.host} cannot be checked from "
-            f"here ({verdict.why}); {lease_said(held)}. It counts as a live trainer elsewhere: stop it "
-            "there first, or run this where it can be checked"
-        )
+        raise elsewhere_error(run, verdict, doing)
     return verdict
+
+
+def elsewhere_error(run: RunDir, verdict: Liveness, doing: str) -> TrainerElsewhere:
+    """The refusal of `doing` under verdict's trainer, which cannot be checked from here (UNKNOWN)."""
+    held = verdict.holder
+    return TrainerElsewhere(
+        f"{run.url}: not {doing}: trainer pid {held.pid} on host {held.host} cannot be checked from "
+        f"here ({verdict.why}); {lease_said(held)}. It counts as a live trainer elsewhere: stop it "
+        "there first, or run this where it can be checked"
+    )
 
 
 def acquire(

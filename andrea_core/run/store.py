@@ -744,7 +744,10 @@ class MirroredAppendFile:
     held under its flock while open, and removed at a clean close. One a crash leaves behind holds only
     a tail that was never published (a resume reads the run, never a mirror): the next open of the file
     on this machine removes it, once its process is gone and no one holds its flock, so that a run's
-    crashes over weeks do not pile up copies of its loss log in the cache."""
+    crashes over weeks do not pile up copies of its loss log in the cache. A write the cache folder has
+    no room for (ENOSPC) keeps what it could not write pending, sent first by the next write, as
+    AppendFile's: the mirror holds exactly the bytes counted (unbuffered writes), so a full cache delays
+    the file's lines, never tears, repeats or loses them (the S3 soak's cache-full)."""
 
     in_place = False
 
@@ -760,9 +763,13 @@ class MirroredAppendFile:
         with contextlib.suppress(OSError):  # held by an earlier handle of this process: held all the same
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         _remove_dead_mirrors(self.path, mirror.name)
-        self._f.write(data)
-        self._f.flush()
-        self._size = len(data)
+        self._size, self._pending = 0, b""  # bytes in the mirror; bytes written to it yet to land there
+        try:
+            self._write_pending(data)
+        except OSError:  # no room for the published copy: no mirror, nothing half made left behind
+            self._f.close()
+            self.path.unlink(missing_ok=True)
+            raise
         self._torn_end = _line_end(data[-1:]) if lines else b""  # ends a torn last line, with the first write
         # The trainer appends on its thread while the checkpoint writer publishes on its own.
         self._lock = threading.Lock()
@@ -779,12 +786,18 @@ class MirroredAppendFile:
         with open(self.path, "rb") as f:
             return f.read(self._size)
 
+    def _write_pending(self, data: bytes) -> None:
+        """Append `data` after what is pending; on OSError (ENOSPC) the unwritten rest stays pending."""
+        self._pending += data
+        while self._pending:
+            written = self._f.write(self._pending) or 0  # unbuffered: OSError with nothing written
+            self._pending = self._pending[written:]
+            self._size += written
+
     def write(self, data: bytes, durable: bool = False) -> None:
         with self._lock:
             data, self._torn_end = self._torn_end + data, b""
-            self._f.write(data)
-            self._f.flush()
-            self._size += len(data)
+            self._write_pending(data)
             if durable:
                 self._publish_locked()
 
@@ -836,7 +849,7 @@ def _new_mirror(stem: Path) -> tuple[Path, Any]:
     for n in range(1000):
         path = stem.parent / (base if n == 0 else f"{base}.{n}")
         try:
-            return path, open(os.open(path, flags, 0o600), "w+b")
+            return path, open(os.open(path, flags, 0o600), "w+b", buffering=0)
         except FileExistsError:
             dfd = os.open(stem.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
@@ -844,7 +857,7 @@ def _new_mirror(stem: Path) -> tuple[Path, Any]:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path.name, dir_fd=dfd)
                     with contextlib.suppress(FileExistsError):
-                        return path, open(os.open(path, flags, 0o600), "w+b")
+                        return path, open(os.open(path, flags, 0o600), "w+b", buffering=0)
             finally:
                 os.close(dfd)
     raise FileExistsError(errno.EEXIST, "no free mirror name", str(stem.parent / base))
