@@ -369,9 +369,12 @@ def cmd_pivot(args: argparse.Namespace) -> int:
     if result.get("already"):
         line = f"{line} already (nothing trained since): nothing done"
     elif "resumed" in result:
-        pid = result["resumed"]["pid"]
-        line += f"; resumed at step {result['resumed']['first_step']}, trainer pid {pid}"
-        line += f" (output in {pivot.trainer_log_path(run)})"
+        resumed = result["resumed"]
+        line += f"; resumed at step {resumed['first_step']}, trainer pid {resumed['pid']}"
+        if "host" in resumed:  # started there, not by this pivot: its output is that host's
+            line += f" on {resumed['host']} (cannot be checked from here)"
+        else:
+            line += f" (output in {pivot.trainer_log_path(run)})"
     else:
         line += "; trainer left stopped"
     print(line)

@@ -427,3 +427,39 @@ def test_a_trainer_that_takes_the_run_after_the_stop_is_waited_for_not_a_trainer
                 p.kill()
                 p.wait()
         link.shutdown()
+
+
+def test_a_rerun_pivot_finds_the_new_phase_trained_on_another_host_and_starts_no_second_trainer(
+    tmp_path, tmp_path_factory
+):
+    """A pivot killed before its restart, and a trainer started on another host meanwhile (systemd
+    there) that trains the new phase: the rerun confirms that trainer's first step and starts none of
+    its own. It used to ask only whether a trainer was alive *here*, start a detached one, and leave it
+    waiting on the other host's lease, to take the run over once that one stopped."""
+    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
+    run = RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
+    pivot = ("pivot", run.url, "--policy", "tiny-mix", "--max-steps", "100000", "--timeout", "300")
+    killed = andrea_from([], _env() | {"ANDREA_TEST_PIVOT_KILL_AFTER": "installed"}, *pivot)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert _pivot_journal(run)["step"] == "installed" and _pivot_journal(run)["boundary"] == 20
+    prefix, host_b = elsewhere("another-host")
+    args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
+    other = start_trainer(*args, env=host_b, log=tmp_path / "host-b.log")
+    rerun = None
+    try:
+        wait_for(lambda: last_logged_step(run) > 20, 300, "host-b's first step of the new phase")
+        rerun = andrea_from([], _env() | FAST_LEASE, *pivot)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        assert "resumed trainer pid" not in rerun.stdout, rerun.stdout
+        assert f"resumed at step 21, trainer pid {other.pid} on host-b (cannot be checked from here)" in (
+            rerun.stdout
+        ), rerun.stdout
+        assert not run.exists("pivot.json") and not Path(run.log_path("trainer.log")).exists()
+        assert other.poll() is None  # still the run's one trainer
+    finally:
+        if rerun is not None and (started := re.search(r"resumed trainer pid (\d+)", rerun.stdout)):
+            subprocess.run(["kill", "-9", started[1]], check=False)  # the old code's second trainer
+        other.send_signal(signal.SIGTERM)
+        assert other.wait(120) == 0, (tmp_path / "host-b.log").read_text()
+    steps = [json.loads(x)["step"] for x in run.read_bytes(LOSS_LOG).splitlines() if x.strip()]
+    assert steps[:21] == list(range(1, 22)) and steps == sorted(set(steps)), steps

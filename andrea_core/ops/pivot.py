@@ -903,6 +903,8 @@ def confirm_resumed(
     trainer = live_trainer(run)
     if trainer is not None and trainer.pid == journal.stopped_pid:
         raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} is still the one running")
+    elsewhere = _holder(run) if trainer is None else None  # one on another host: reported, not judged
+    holder = trainer or elsewhere
     if not journal.reached("restarted"):
         journal.record(run, "restarted")
         _kill_point("restarted")
@@ -911,7 +913,8 @@ def confirm_resumed(
         "first_loss": entry["loss"],
         "segment": entry["segment"],
         "arm": entry.get("arm"),
-        "pid": trainer.pid if trainer else None,
+        "pid": holder.pid if holder else None,
+        **({"host": elsewhere.host} if elsewhere is not None else {}),
     }
 
 
@@ -995,7 +998,9 @@ def run_pivot(
         return result
     resumed = None
     if not journal.reached("restarted"):
-        if live_trainer(run) is None:  # a rerun may find the trainer it started before a crash
+        # A rerun may find the trainer it started before a crash, or one started on another host
+        # (systemd there): whoever holds the run trains the new phase; a second would wait on its lease.
+        if _holder(run) is None:
             options = dict(journal.train_options or checked.train or {})
             options["max_steps"] = journal.max_steps
             # The stopped job's verified WORLD_SIZE (stop_live_trainer), never the journal's number; the
