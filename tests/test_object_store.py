@@ -624,13 +624,14 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(
 
 def bigger_model_config(tmp_path: Path) -> str:
     """andrea-tiny widened to 1.7M parameters: a 21 MB checkpoint, uploaded in 5 MiB parts. Its steps
-    are small (2 rows of 32 tokens: an eighth of andrea-tiny's): the size of the checkpoint is what
-    the test needs, and a step of 8 x 64 tokens at this width took 2-3 s here, most of the test."""
+    are small (2 rows of 32 tokens: an eighth of andrea-tiny's) on one thread (tests/tiny.py): the
+    size of the checkpoint is what the test needs, and a step of 8 x 64 tokens at this width on two
+    threads took 2-3 s here, most of the test."""
     import yaml
 
     doc = yaml.safe_load(Path(TINY).read_text())
     doc["model"].update(n_embd=256, n_head=4, block_size=32)
-    doc["train"].update(checkpoint_every=10, log_every=10, batch_size=2)
+    doc["train"].update(checkpoint_every=10, log_every=10, batch_size=2, num_threads=1)
     path = tmp_path / "wide.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
