@@ -6,7 +6,7 @@ trainer's lock records the timings it ran under, and the test checks them. A fai
 lost lease: training goes on, nothing is published meanwhile, the first checkpoint boundary after the
 outage writes a valid checkpoint, and the trainer exits 0 at the end. README.md says the same.
 The two outages are ridden out at once, each by its own trainer (the module's `outages`), and each
-test takes its own's outcome: a minute of waiting, not two."""
+test claims its own ride's outcome: the module waits out one 36 s outage, not two."""
 
 from __future__ import annotations
 
