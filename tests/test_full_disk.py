@@ -8,11 +8,13 @@ the test is skipped, saying why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,10 @@ EVERY = 20
 ROOM_LEFT = {"room-for-sidecars": 256 * 1024, "not-a-byte": 0}
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    disk = tmp_path / "disk"
+@contextlib.contextmanager
+def tmpfs_disk(disk: Path) -> Iterator[Path]:
+    """A real 16 MiB tmpfs mounted at `disk` (made here) for the block; pytest.skip.Exception, saying
+    why, where it cannot be mounted (needs root; CI runs as root)."""
     disk.mkdir()
     proc = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(disk)],
@@ -46,6 +49,12 @@ def small_disk(tmp_path):
         yield disk
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with tmpfs_disk(tmp_path / "disk") as disk:
+        yield disk
 
 
 def test_the_filler_fills_the_disk_when_a_writer_took_space_after_it_measured(small_disk, monkeypatch):
@@ -196,9 +205,16 @@ ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action"
 
 @pytest.fixture
 def s3_with_iam(monkeypatch):
+    with store_with_iam(monkeypatch) as clients:
+        yield clients
+
+
+@contextlib.contextmanager
+def store_with_iam(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple]:
     """A moto server of its own that checks IAM policies (from its fourth request on), a user allowed
-    everything, its keys in this process and in the trainers it starts, and a bucket. A policy denying
-    s3:PutObject then makes the store refuse every put (single and multipart) for real, with 403."""
+    everything, its keys in this process and in the trainers it starts (set through `monkeypatch`), and
+    a bucket, `refusing`: its IAM and S3 clients, as that user. A policy denying s3:PutObject then makes
+    the store refuse every put (single and multipart) for real, with 403."""
     import boto3
     import fsspec.config
     from s3_server import CREDENTIALS, start_s3_server

@@ -4,12 +4,15 @@ ttl 30 s: lock.DEFAULT_LEASE_*) scaled by 0.3, so that the test takes minutes le
 9 s, a 36 s outage (120 s at the defaults; longer than the 20 s that ended training before). The
 trainer's lock records the timings it ran under, and the test checks them. A failed renewal is not a
 lost lease: training goes on, nothing is published meanwhile, the first checkpoint boundary after the
-outage writes a valid checkpoint, and the trainer exits 0 at the end. README.md says the same."""
+outage writes a valid checkpoint, and the trainer exits 0 at the end. README.md says the same.
+The two outages are ridden out at once, each by its own trainer (the module's `outages`), and each
+test claims its own ride's outcome: the module waits out one 36 s outage, not two."""
 
 from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import pytest
@@ -18,8 +21,8 @@ from test_full_disk import (
     fill,
     loss_lines_whole_but_last_of,
     progress_step,
-    s3_with_iam,  # noqa: F401
-    small_disk,  # noqa: F401
+    store_with_iam,
+    tmpfs_disk,
 )
 
 from andrea_core.checkpoint import CheckpointError
@@ -90,16 +93,18 @@ def ride_out_an_outage(run: RunDir, tmp_path, start_outage, end_outage) -> None:
     assert history == list(range(1, history[-1] + 1)), "the loss history has a gap"
 
 
-@pytest.mark.slow
-def test_a_full_disk_for_longer_than_a_lease_does_not_end_training(small_disk, tmp_path):  # noqa: F811
-    run = RunDir(str(small_disk / "run"))
-    filler = []
-    ride_out_an_outage(run, tmp_path, lambda: filler.append(fill(small_disk, 0)), lambda: filler[0].unlink())
+def _full_disk(tmp_path) -> None:
+    with tmpfs_disk(tmp_path / "disk") as disk:
+        filler = []
+        ride_out_an_outage(
+            RunDir(str(disk / "run")),
+            tmp_path,
+            lambda: filler.append(fill(disk, 0)),
+            lambda: filler[0].unlink(),
+        )
 
 
-@pytest.mark.slow
-def test_a_store_refusing_puts_for_longer_than_a_lease_does_not_end_training(s3_with_iam, tmp_path):  # noqa: F811
-    iam, _ = s3_with_iam
+def _store_refusing_puts(tmp_path, iam) -> None:
     policy = json.dumps(DENY_PUTS)
     ride_out_an_outage(
         RunDir("s3://refusing/run"),
@@ -107,3 +112,44 @@ def test_a_store_refusing_puts_for_longer_than_a_lease_does_not_end_training(s3_
         lambda: iam.put_user_policy(UserName="trainer", PolicyName="deny-puts", PolicyDocument=policy),
         lambda: iam.delete_user_policy(UserName="trainer", PolicyName="deny-puts"),
     )
+
+
+@pytest.fixture(scope="module")
+def outages(tmp_path_factory) -> dict[str, BaseException | None]:
+    """Both outages ridden out at the same time, each by its own trainer on its own thread: what each
+    ride raised (an assertion, a skip), or None. The store's keys are in this process's environment
+    (and so in both trainers') throughout; the full disk's trainer has no use for them."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def ride(name: str, how, *args) -> None:
+        try:
+            how(tmp_path_factory.mktemp(name), *args)
+            outcome[name] = None
+        except BaseException as e:  # noqa: BLE001 (handed to the test that claims it)
+            outcome[name] = e
+
+    with pytest.MonkeyPatch.context() as monkeypatch, store_with_iam(monkeypatch) as (iam, _):
+        rides = [
+            threading.Thread(target=ride, args=("full-disk", _full_disk)),
+            threading.Thread(target=ride, args=("refusing-puts", _store_refusing_puts, iam)),
+        ]
+        for thread in rides:
+            thread.start()
+        for thread in rides:
+            thread.join()
+    return outcome
+
+
+def _claim(outages: dict[str, BaseException | None], name: str) -> None:
+    if outages[name] is not None:
+        raise outages[name]
+
+
+@pytest.mark.slow
+def test_a_full_disk_for_longer_than_a_lease_does_not_end_training(outages):
+    _claim(outages, "full-disk")
+
+
+@pytest.mark.slow
+def test_a_store_refusing_puts_for_longer_than_a_lease_does_not_end_training(outages):
+    _claim(outages, "refusing-puts")

@@ -17,7 +17,7 @@ import fsspec
 import fsspec.config
 import numpy as np
 import pytest
-from conftest import TINY, andrea, flock_held_elsewhere, start_trainer, wait_for
+from conftest import TINY, andrea, flock_held_elsewhere, library_run, start_trainer, wait_for
 
 from andrea_core import cli
 from andrea_core.checkpoint import checkpoint_name, decode, step_from_name
@@ -562,24 +562,28 @@ def history_of(url: str) -> list[tuple]:
 
 @pytest.mark.slow
 def test_bit_exact_resume_with_the_run_directory_on_s3(
-    s3_bucket, s3_server, tmp_path, monkeypatch, tiny_reference
+    s3_bucket, s3_server, tmp_path, monkeypatch, tmp_path_factory
 ):
     """A ran uninterrupted; B is SIGTERM'd, restarted, SIGKILLed after a checkpoint, and finished on
     "another machine" (a fresh run cache, only the URL). Final checkpoints byte-identical, canonical
-    loss histories equal, and every version .loss.json ever had on the store a prefix of the next."""
+    loss histories equal, and every version .loss.json ever had on the store a prefix of the next.
+    Both on tests/tiny.py's one-thread andrea-tiny (A: the library's run of 300 steps, built once a
+    session): at andrea-tiny's own two threads, which spin-wait on each other on a loaded 2-core
+    machine, the test took 88 s and the session's tiny_reference 144 s here; now 23 s, A's build in it."""
     client = s3_server.client()
     client.call_s3(
         "put_bucket_versioning",
         Bucket=s3_bucket.removeprefix("s3://"),
         VersioningConfiguration={"Status": "Enabled"},
     )
-    a, b = str(tiny_reference), f"{s3_bucket}/b"  # A: the session's uninterrupted run, on local disk
+    a = str(library_run(tmp_path_factory, tmp_path / "a", 300, "--device", "cpu"))  # on local disk
+    b = f"{s3_bucket}/b"
 
     def steps_of_b() -> list[int]:
         return RunDir(b).checkpoint_steps()
 
     args = ("--run-dir", b, "--max-steps", "300", "--device", "cpu", "--pace", "0.02")
-    first = start_trainer("--config", TINY, *args, log=tmp_path / "b1.log")
+    first = start_trainer("--config", tiny_config_file(tmp_path), *args, log=tmp_path / "b1.log")
     wait_for_line(tmp_path / "b1.log", "step 150/300")
     first.send_signal(signal.SIGTERM)
     assert first.wait(120) == 0
@@ -619,12 +623,15 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(
 
 
 def bigger_model_config(tmp_path: Path) -> str:
-    """andrea-tiny widened to 1.7M parameters: a 21 MB checkpoint, uploaded in 5 MiB parts."""
+    """andrea-tiny widened to 1.7M parameters: a 21 MB checkpoint, uploaded in 5 MiB parts. Its steps
+    are small (2 rows of 32 tokens: an eighth of andrea-tiny's) on one thread (tests/tiny.py): the
+    size of the checkpoint is what the test needs, and a step of 8 x 64 tokens at this width on two
+    threads took 2-3 s here, most of the test."""
     import yaml
 
     doc = yaml.safe_load(Path(TINY).read_text())
-    doc["model"].update(n_embd=256, n_head=4)
-    doc["train"].update(checkpoint_every=10, log_every=10)
+    doc["model"].update(n_embd=256, n_head=4, block_size=32)
+    doc["train"].update(checkpoint_every=10, log_every=10, batch_size=2, num_threads=1)
     path = tmp_path / "wide.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
