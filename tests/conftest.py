@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import itertools
@@ -151,8 +152,36 @@ def warm_launcher():
     if _launcher is None:
         from warm_launcher import WarmLauncher
 
+        _sweep_dead_launcher_folders()
         _launcher = WarmLauncher(["andrea_core.cli", "andrea_core.train.trainer"], _env(), str(REPO))
+        atexit.register(_stop_launcher_at_exit, os.getpid())
     return _launcher
+
+
+def _stop_launcher_at_exit(owner: int) -> None:
+    """At this worker's exit, however it ends (no session teardown after an internal error or an
+    interrupt): its servers stop and their folders go. Not in a forked child that exits through
+    Python (its atexit runs too, and the servers are its parent's)."""
+    if os.getpid() == owner and _launcher is not None:
+        _launcher.stop()
+
+
+def _sweep_dead_launcher_folders() -> None:
+    """Remove the /tmp/warm-launcher-* folders of servers that are gone without their owner's stop
+    (a test process killed by a signal runs no atexit; the server dies with it, PR_SET_PDEATHSIG):
+    ours, holding a socket no process listens on (not bound in /proc/net/unix). A live server's
+    socket is bound from the moment its file exists, so only dead servers' folders match."""
+    import shutil
+    import tempfile
+
+    with contextlib.suppress(OSError):
+        with open("/proc/net/unix") as f:
+            bound = {line.split()[-1] for line in f.read().splitlines()[1:] if len(line.split()) > 7}
+        for folder in Path(tempfile.gettempdir()).glob("warm-launcher-*"):
+            sock = folder / "sock"
+            with contextlib.suppress(OSError):
+                if folder.stat().st_uid == os.getuid() and sock.is_socket() and str(sock) not in bound:
+                    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -107,7 +107,10 @@ def assert_held(run: Path, step: int, proc, seconds: float = 1.0) -> None:
 def tiny_config(tmp: Path, async_checkpoint: bool = True) -> str:
     raw = yaml.safe_load(Path(TINY).read_text())
     # No sample audit on the grid: not what these tests are about, and the slowest part of a tiny run.
-    raw["train"].update(checkpoint_every=EVERY, async_checkpoint=async_checkpoint, sample_every=10**6)
+    # One intra-op thread (tests/tiny.py): two spin-wait on each other on a small shared machine.
+    raw["train"].update(
+        checkpoint_every=EVERY, async_checkpoint=async_checkpoint, sample_every=10**6, num_threads=1
+    )
     path = tmp / f"andrea-tiny-every{EVERY}-{'async' if async_checkpoint else 'sync'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)

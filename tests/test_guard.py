@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, _env, andrea
+from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_systemd import read_unit
 from tiny import tiny_config
@@ -162,10 +163,11 @@ def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes
 
 
 @pytest.mark.slow
-def test_a_a_learning_rate_far_too_high_recovers_and_finishes_near_a_sane_run(tmp_path):
-    sane, high = tmp_path / "sane", tmp_path / "high"
+def test_a_a_learning_rate_far_too_high_recovers_and_finishes_near_a_sane_run(guard_parent, tmp_path):
+    """The sane run is the session's guard parent (tests/guard_parent.py: the same andrea-tiny on one
+    thread to step 300, at its own learning rate; checkpoints are not training), read, not retrained."""
+    sane, high = guard_parent, tmp_path / "high"
     common = {"train__checkpoint_every": 10, "train__max_steps": 300}
-    train(sane, "--config", tiny_config(tmp_path, "sane", **common))
     proc = train(high, "--config", tiny_config(tmp_path, "high", train__lr=1.0, **common))
     assert "guard: loss-spike at step" in proc.stdout + proc.stderr
 

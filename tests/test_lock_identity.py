@@ -62,9 +62,10 @@ def dead_pid() -> int:
     return p.pid
 
 
-def stale_identity(run: RunDir) -> TrainerIdentity:
+def stale_identity(run: RunDir, pid: int) -> TrainerIdentity:
+    """A lock of `run` naming a dead trainer: `pid`, a dead process's (dead_pid)."""
     me = TrainerIdentity.of_this_process(run.url)
-    return replace(me, pid=dead_pid(), proc_start=12345, nonce=None)
+    return replace(me, pid=pid, proc_start=12345, nonce=None)
 
 
 def race(base: str, tmp_path: Path, stale: bool, env: dict[str, str]) -> list[list[str]]:
@@ -72,10 +73,11 @@ def race(base: str, tmp_path: Path, stale: bool, env: dict[str, str]) -> list[li
     process stays alive until all rounds are over, so a winner's lock is never stale. Returns, per
     round, what each process got."""
     if stale:  # each round starts from the lock of a dead trainer: the takeover is raced
+        dead = dead_pid()  # one process gone for every round's lock (a start each cost ~0.1-1 s)
         for t in range(TRIALS):
             run = RunDir(f"{base}/trial{t}")
             run.makedirs()
-            run.write_atomic(LOCK, stale_identity(run).encode())
+            run.write_atomic(LOCK, stale_identity(run, dead).encode())
     sync = tmp_path / f"sync-{int(stale)}"
     sync.mkdir()
     procs = [

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 from tiny import tiny_config
 
 from andrea_core.run.loss_log import read_history
@@ -29,7 +30,8 @@ from andrea_core.run.samples import read_audits
 from andrea_core.train.mlflow_view import run_key
 
 VENV = Path(os.environ.get("ANDREA_MLFLOW_VENV", REPO / ".venv-mlflow"))
-PACE = "0.05"  # seconds per step at least: a SIGUSR1 and a SIGKILL land between checkpoints
+PACE = "0.1"  # seconds per step at least: a SIGUSR1 and a SIGKILL land between checkpoints, and the
+# checkpoint SIGUSR1 wrote reaches MLflow before checkpoint 400 (8 s or more on one thread)
 
 # Everything the test reads back, through MLflow's own client (not this product's REST calls): one
 # process of the server's venv for the module (importing mlflow takes seconds), answering each request
@@ -88,6 +90,12 @@ def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
 
     try:
         wait_for(up, timeout=180, what="the MLflow server")
+        # Its tracking API answers once before any trainer asks: the first call loads the store's
+        # handlers (seconds on a loaded machine), which a trainer's first send, at its product timeout
+        # (mlflow_view.TIMEOUT), would otherwise pay.
+        search = f"{uri}/api/2.0/mlflow/experiments/search"
+        searched = httpx.post(search, json={"max_results": 1}, timeout=180)
+        assert searched.status_code == 200, searched.text
         yield uri
     finally:
         server.send_signal(signal.SIGTERM)
@@ -100,8 +108,9 @@ def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """One real tracking server for the module, SQLite store, bound to 127.0.0.1."""
+def mlflow_server(mlflow_reader, tmp_path_factory):
+    """One real tracking server for the module, SQLite store, bound to 127.0.0.1. The reader is started
+    first: its import of mlflow goes on while the server starts (seconds each)."""
     with tracking_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
         yield uri
 
@@ -170,13 +179,14 @@ def unique_steps(mlflow_run: dict, key: str) -> list[tuple[int, float]]:
 
 
 def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonical_one(
-    mlflow_server, mlflow_reader, tiny_reference, tmp_path
+    mlflow_server, mlflow_reader, guard_parent, tmp_path
 ):
-    """A trained run (copied) trains on with MLflow on: its first start back-fills steps 1..300 from
+    """A trained run (copied: the session's andrea-tiny to step 300 on one thread, checkpoints 100, 200,
+    300, tests/guard_parent.py) trains on with MLflow on: its first start back-fills steps 1..300 from
     .loss.json; a SIGUSR1 checkpoint is sent; a SIGKILL after it loses the steps since (logged in
     .loss.json's segment, never sent); the resume trains them again and continues the same MLflow run."""
     run_dir = tmp_path / "run"
-    shutil.copytree(tiny_reference, run_dir)
+    shutil.copytree(guard_parent, run_dir)
     run = RunDir(str(run_dir))
     env = env_for(mlflow_server, "killed")
     proc = start_trainer("--run-dir", str(run_dir), "--max-steps", "400", "--pace", PACE, "--device", "cpu",

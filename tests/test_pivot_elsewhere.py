@@ -19,7 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, last_logged_step, library_run, start_trainer, wait_for
+from conftest import (
+    REPO,
+    _env,
+    andrea,
+    last_logged_step,
+    library_run,
+    start_trainer,
+    wait_for,
+    warm_launcher,
+)
 
 from andrea_core.run.lock import REQUEST
 from andrea_core.run.rundir import LOCK, LOSS_LOG, RunDir
@@ -53,6 +62,10 @@ def elsewhere(how: str) -> tuple[list[str], dict[str, str]]:
 
 
 def andrea_from(prefix: list[str], env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """`andrea ARGS` under `prefix` (another pid namespace: a cold start under unshare) or, with none,
+    as another host (its env: forked warm by the worker's launcher, conftest.andrea)."""
+    if not prefix:
+        return andrea(*args, env=env, check=False, timeout=300)
     return subprocess.run(
         [*prefix, sys.executable, "-m", "andrea_core", *args],
         capture_output=True,
@@ -219,7 +232,8 @@ def test_a_trainer_restarted_while_a_remote_pivot_waits_for_the_stop_is_stopped_
         generation = json.loads(run.read_bytes(LOCK))["generation"]
         loss_log = run.read_bytes(LOSS_LOG)
         loss_log = loss_log[: loss_log.rfind(b"\n") + 1]  # whole lines: one may be being appended
-        pivot = subprocess.Popen(
+        launcher = warm_launcher()  # a real process, forked warm (stopped and continued below)
+        pivot = (launcher.popen if launcher else subprocess.Popen)(
             [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

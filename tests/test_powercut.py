@@ -359,9 +359,14 @@ def test_an_audit_a_failed_write_kept_survives_a_rollbacks_new_segment(layer, ti
         resume_check=SimpleNamespace(finish=lambda: None), _conditions=lambda: {},
     )  # fmt: skip
     Trainer._open_segment(host, 300)
-    new = host.auditor
-    assert new is not old and read_audits(run) == [a for a in old.audits if a["step"] != 300]
-    assert new.unwritten == [300]  # before the fix: [] (the new Auditor read only the file)
-    new.flush()
-    written = {a["step"]: a for a in read_audits(run)}
-    assert set(written) == before | {300} and written[300] == kept
+    try:
+        new = host.auditor
+        assert new is not old and read_audits(run) == [a for a in old.audits if a["step"] != 300]
+        assert new.unwritten == [300]  # before the fix: [] (the new Auditor read only the file)
+        new.flush()
+        written = {a["step"]: a for a in read_audits(run)}
+        assert set(written) == before | {300} and written[300] == kept
+    finally:
+        # The segment's .loss.json handle, closed as the trainer closes it: held open, the mount's
+        # server outlives its lazy unmount and the layer's close waits 30 s for it.
+        host.loss_log.close()
