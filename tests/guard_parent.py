@@ -1,7 +1,7 @@
 """The parent run of the guard's tests (test_guard_rules, test_guard_continuity): andrea-tiny on one
 intra-op thread (tests/tiny.py) trained to step 300, checkpoints 100, 200, 300, built once per test
-session (conftest.built_once). The shape of conftest's tiny_reference, on one thread: on a 2-core machine
-shared with other suites, tiny_reference's two spin-waiting threads took over 900 s to train it."""
+session (conftest.built_once). The shape of conftest's tiny_reference on tests/tiny.py's config (500 kB
+a source, so its data and bytes are its own)."""
 
 from __future__ import annotations
 

@@ -567,9 +567,9 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(
     """A ran uninterrupted; B is SIGTERM'd, restarted, SIGKILLed after a checkpoint, and finished on
     "another machine" (a fresh run cache, only the URL). Final checkpoints byte-identical, canonical
     loss histories equal, and every version .loss.json ever had on the store a prefix of the next.
-    Both on tests/tiny.py's one-thread andrea-tiny (A: the library's run of 300 steps, built once a
-    session): at andrea-tiny's own two threads, which spin-wait on each other on a loaded 2-core
-    machine, the test took 88 s and the session's tiny_reference 144 s here; now 23 s, A's build in it."""
+    Both on one-thread andrea-tiny (A: the library's run of 300 steps, built once a session): at two
+    threads, which spin-wait on each other on a loaded 2-core machine, the test took 88 s and the
+    session's tiny_reference 144 s here; now 23 s, A's build in it."""
     client = s3_server.client()
     client.call_s3(
         "put_bucket_versioning",

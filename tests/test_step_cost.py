@@ -113,7 +113,7 @@ def test_a_trainer_start_and_resume_never_import_torch_dynamo(tmp_path):
 def test_a_cpu_resume_under_the_fused_adamw_is_bit_exact(tmp_path):
     """Its step count, m and v come back from the checkpoint into the fused kernel's state: 20 steps
     straight and 10 + a resume to 20 write the same checkpoint bytes (tests/test_resume.py does it
-    with signals at andrea-tiny's 2 threads)."""
+    with signals at andrea-tiny's one thread)."""
     cfg = load_run_config(tiny_config(tmp_path, train__checkpoint_every=10, train__sample_every=10**6))
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     Trainer(straight, cfg, max_steps=20, device="cpu", log=lambda m: None).train()

@@ -11,9 +11,9 @@ from tests.conftest import TINY
 
 
 def tiny_config(folder: Path, name: str = "andrea-tiny-1t", **overrides) -> str:
-    """One intra-op thread by default: on a small machine shared with a Prefect server and other tests,
-    two OpenMP threads spin-wait on each other (measured here: 37 ms/step with one, 264 with two). And
-    500 kB of text per arm: a pivot to a policy with new arms tokenizes them first, in the test's time."""
+    """500 kB of text per arm: a pivot to a policy with new arms tokenizes them first, in the test's
+    time. One intra-op thread, as the andrea-tiny configs now say themselves (two spin-wait on each other
+    on a small shared machine: 37 ms/step with one, 264 with two, measured here)."""
     defaults = {"train.num_threads": 1, "data.max_source_bytes": 500_000}
     overrides = {**defaults, **{k.replace("__", "."): v for k, v in overrides.items()}}
     cfg = load_run_config(TINY).with_overrides(overrides, "tests/tiny.py")
