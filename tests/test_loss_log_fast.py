@@ -54,7 +54,10 @@ def test_writer_lines_are_json_dumps_text(tmp_path):
     assert lines[-1] == b""
     for line, (step, loss, lr, arm, tokens, t) in zip(lines, cases, strict=False):
         entry = {"step": step, "loss": loss, "lr": lr, "arm": arm, "tokens": tokens, "segment": 1}
-        assert line == json.dumps({**entry, "time": round(t, 3)}, separators=(",", ":")).encode()
+        elapsed = json.loads(line)["elapsed"]  # the segment's age on the writer's clock, to the ms
+        assert elapsed == round(elapsed, 3) and 0.0 <= elapsed < 60.0
+        entry = {**entry, "time": round(t, 3), "elapsed": elapsed}
+        assert line == json.dumps(entry, separators=(",", ":")).encode()
 
 
 def test_fast_reader_agrees_with_json_on_every_kind_of_line(tmp_path):

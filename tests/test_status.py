@@ -193,6 +193,38 @@ def test_a_wall_clock_step_does_not_change_the_speed(tmp_path):
     assert throughput(before + [entry(101, 5100.0 - 30.0)]) is None  # one step since: no speed yet
 
 
+def test_a_wall_clock_step_forward_in_a_young_segment_does_not_change_the_speed(tmp_path):
+    """Issue 48 (the 1000-fault soak, seed 1, faults 90 and 153): a trainer restarted 2 s before its
+    clock stepped +30 s. Its segment's last minute of wall clock held 2 s of steps and the 30 s gap:
+    status said 0.61 steps/s where it trained 24. Each line now carries "elapsed", its segment's age on
+    the trainer's awake clock, and the speed is measured on it: a step of any size changes nothing."""
+    from andrea_core.run.loss_log import LossWriter, read_history
+
+    def timed(step: int, t: float, elapsed: float) -> LossEntry:
+        return entry(step, t)._replace(elapsed=elapsed)
+
+    young = [timed(s, 5000.0 + s, float(s)) for s in range(1, 11)]  # a step a second, 10 s old
+    for shift in (30.0, 50.0, 3600.0, -30.0):
+        after = [timed(10 + k, 5010.0 + shift + k, 10.0 + k) for k in range(1, 11)]
+        assert throughput(young + after) == pytest.approx((TOKENS_PER_STEP, 1.0)), shift
+    # A log from before "elapsed": the wall clock, as before.
+    assert throughput([entry(s, 5000.0 + s) for s in range(1, 11)]) == pytest.approx((TOKENS_PER_STEP, 1.0))
+    # The writer stamps each line with its segment's age, whatever wall time it is given.
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs()
+    writer = LossWriter(run)
+    for step, t in ((1, 5000.0), (2, 5030.0), (3, 1000.0), (4, 90000.0)):
+        writer.log(step, 2.0, 1e-3, "stdlib-code", TOKENS_PER_STEP, t, grad_norm=0.5)
+    writer.close()
+    got = read_history(run)
+    assert [(e.step, e.time, e.grad_norm) for e in got] == [
+        (1, 5000.0, 0.5), (2, 5030.0, 0.5), (3, 1000.0, 0.5), (4, 90000.0, 0.5)
+    ]  # fmt: skip
+    ages = [e.elapsed for e in got]
+    assert ages == sorted(ages) and 0.0 <= ages[0] and ages[-1] < 5.0, ages
+    assert b'"time":5030.0,"elapsed":' in run.read_bytes(".loss.json")
+
+
 def test_a_live_trainer_silent_for_a_minute_shows_no_speed(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     create_run(run, load_run_config(tiny_config(tmp_path)))

@@ -21,6 +21,7 @@ run file is shown, never lets a forged string start a line of its own or drive t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -88,9 +89,13 @@ def throughput(history: list[LossEntry], window_s: float = WINDOW_S) -> tuple[fl
     if not history:
         return None
     recent = recent_window(history, window_s)[0]
-    if len(recent) < 2 or recent[-1].time <= recent[0].time:
+    if len(recent) < 2:
         return None
-    span = recent[-1].time - recent[0].time
+    first, last = recent[0], recent[-1]
+    timed = math.isfinite(first.elapsed) and math.isfinite(last.elapsed)  # else a log from before it
+    span = last.elapsed - first.elapsed if timed else last.time - first.time
+    if span <= 0:
+        return None
     # The first entry's step ended at the window's start: only the steps after it ran inside it.
     return sum(e.tokens for e in recent[1:]) / span, (len(recent) - 1) / span
 

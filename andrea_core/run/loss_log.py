@@ -1,7 +1,10 @@
 """`.loss.json` (contract): the run's append-only audit trail, as JSON Lines.
 
-One object per line: {"step", "loss", "lr", "arm", "tokens", "segment", "time"} and, where the trainer
-measured it, "grad_norm" (the global gradient norm before clipping; the divergence guard reads it back).
+One object per line: {"step", "loss", "lr", "arm", "tokens", "segment", "time", "elapsed"} and, where the
+trainer measured it, "grad_norm" (the global gradient norm before clipping; the divergence guard reads it
+back). "time" is the trainer's wall clock (for people: it follows a clock step); "elapsed" the seconds
+since its segment opened on its awake clock (poll.awake_clock: a clock step does not move it), which
+speeds are measured on. Lines written before "elapsed" was logged lack it.
 Never rewritten, truncated, archived or moved. Each trainer start (and each rollback of the divergence
 guard) opens a new segment; after a resume from step S the steps above S are logged again under it.
 The canonical history is, for each step, the entry of the newest segment, with an abandoned timeline's
@@ -20,6 +23,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from andrea_core.config import check_limit, limit
+from andrea_core.poll import awake_clock
 from andrea_core.run.rundir import LOSS_LOG, RunDir
 
 
@@ -32,6 +36,7 @@ class LossEntry(NamedTuple):
     segment: int
     time: float
     grad_norm: float = math.nan  # absent from lines written before it was logged
+    elapsed: float = math.nan  # seconds since the segment opened, on the awake clock; absent: likewise
 
 
 # A malformed line of any kind (torn by a crash, junk, nested past the parser's recursion limit) is
@@ -100,6 +105,7 @@ def _entry(obj: dict) -> LossEntry:
         int(obj["segment"]),
         float(obj.get("time", 0.0)),
         float(obj.get("grad_norm", math.nan)),
+        float(obj.get("elapsed", math.nan)),
     )
 
 
@@ -139,10 +145,9 @@ def parse_entries(data: bytes) -> tuple[list[LossEntry], int]:
                     obj = json.loads(line)
                     step, segment, tokens = obj["step"], obj["segment"], obj.get("tokens", 0)
                 loss, lr, arm, t = obj["loss"], obj.get("lr", nan), obj.get("arm"), obj.get("time", 0.0)
-                g = float(obj.get("grad_norm", nan))
-                append(
-                    LossEntry(int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t), g)
-                )
+                g, e = float(obj.get("grad_norm", nan)), float(obj.get("elapsed", nan))
+                entry = (int(step), float(loss), float(lr), arm, int(tokens), int(segment), float(t), g, e)
+                append(LossEntry(*entry))
             except JSON_LINE_ERRORS:
                 skipped += 1  # a crash mid-append leaves a torn line; it never breaks a reader
     return entries, skipped
@@ -190,10 +195,18 @@ def recent_window(entries: list[LossEntry], window_s: float) -> tuple[list[LossE
     the window (an older segment's, or older than it): False when they may reach further back. Walked
     from the end, at the cost of the window, not of a history of millions of steps. The times are the
     trainer's wall clock: the window also ends at a time later than the next one's (the clock stepped
-    back), whose entries before it are of another timeline (they would count their steps twice)."""
+    back), whose entries before it are of another timeline (they would count their steps twice). Where
+    the newest entry has "elapsed", the window is measured on it instead (a clock step forward would
+    hold a gap of the step's size): back to an entry without it, or with a later one than the next's."""
     if not entries:
         return [], False
     last = entries[-1]
+    if math.isfinite(last.elapsed):
+        since, i, later = last.elapsed - window_s, len(entries) - 1, last.elapsed
+        while i >= 0 and entries[i].segment == last.segment and since <= entries[i].elapsed <= later:
+            later = entries[i].elapsed
+            i -= 1
+        return entries[i + 1 :], i >= 0
     since, i = last.time - window_s, len(entries) - 1
     while (
         i >= 0
@@ -266,6 +279,7 @@ class LossWriter:
         raw = self._file.read()
         entries, _ = parse_entries(raw)
         self.segment = max((e.segment for e in entries), default=0) + 1
+        self._opened = awake_clock()  # "elapsed" counts from here
         self._buffer: list[bytes] = []
         # The part of a line between "lr" and "time" changes only with the arm (and the batch shape).
         self._middles: dict[tuple[str | None, int], str] = {}
@@ -281,6 +295,7 @@ class LossWriter:
         grad_norm: float | None = None,
     ) -> None:
         loss, lr, t = float(loss), float(lr), round(t, 3)
+        elapsed = round(awake_clock() - self._opened, 3)
         # One check for all of them: a sum of finite floats is finite unless it overflows, and an
         # overflow only sends the line down the json.dumps path below, which writes the same text.
         g = 0.0 if grad_norm is None else float(grad_norm)
@@ -291,10 +306,11 @@ class LossWriter:
                 self._middles[(arm, tokens)] = middle
             # Exactly json.dumps' text (repr of finite floats), without building a dict and an encoder.
             tail = "" if grad_norm is None else f',"grad_norm":{g!r}'
-            line = f'{{"step":{step:d},"loss":{loss!r},"lr":{lr!r}{middle}{t!r}{tail}}}\n'
+            line = f'{{"step":{step:d},"loss":{loss!r},"lr":{lr!r}{middle}{t!r},"elapsed":{elapsed!r}{tail}}}'
+            line += "\n"
         else:
             entry = {"step": step, "loss": loss, "lr": lr, "arm": arm, "tokens": tokens}
-            entry = {**entry, "segment": self.segment, "time": t}
+            entry = {**entry, "segment": self.segment, "time": t, "elapsed": elapsed}
             if grad_norm is not None:
                 entry["grad_norm"] = g
             line = json.dumps(entry, separators=(",", ":")) + "\n"
