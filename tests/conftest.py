@@ -168,20 +168,24 @@ def _stop_launcher_at_exit(owner: int) -> None:
 
 def _sweep_dead_launcher_folders() -> None:
     """Remove the /tmp/warm-launcher-* folders of servers that are gone without their owner's stop
-    (a test process killed by a signal runs no atexit; the server dies with it, PR_SET_PDEATHSIG):
+    (a test process killed by a signal runs no atexit; the server exits when its lifeline closes):
     ours, holding a socket no process listens on (not bound in /proc/net/unix). A live server's
-    socket is bound from the moment its file exists, so only dead servers' folders match."""
+    socket is bound from the moment its file exists, and the sockets are listed after the folders:
+    a server that starts meanwhile is in the listing, so only dead servers' folders match."""
     import shutil
     import tempfile
 
     with contextlib.suppress(OSError):
+        candidates = []
+        for folder in Path(tempfile.gettempdir()).glob("warm-launcher-*"):
+            with contextlib.suppress(OSError):
+                if folder.stat().st_uid == os.getuid() and (folder / "sock").is_socket():
+                    candidates.append(folder)
         with open("/proc/net/unix") as f:
             bound = {line.split()[-1] for line in f.read().splitlines()[1:] if len(line.split()) > 7}
-        for folder in Path(tempfile.gettempdir()).glob("warm-launcher-*"):
-            sock = folder / "sock"
-            with contextlib.suppress(OSError):
-                if folder.stat().st_uid == os.getuid() and sock.is_socket() and str(sock) not in bound:
-                    shutil.rmtree(folder, ignore_errors=True)
+        for folder in candidates:
+            if str(folder / "sock") not in bound:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -429,3 +429,50 @@ def test_what_the_server_cannot_apply_runs_cold(probe):
         out = proc.communicate(timeout=120)[0]
         assert not proc.warm and proc.returncode == 0 and out in (b"True\n", b"unset\n"), launcher.cold[-1]
     os.close(extra)
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread_and_not_its_process(probe):
+    """A server started from a test's worker thread (test_lease_outage rides two outages on two
+    threads) serves on after that thread ends: PR_SET_PDEATHSIG, which it had, fires when the thread
+    that started it exits, and every later start found its socket refusing (CI, 2026-12-06). It still
+    ends with the process that started it, however that one dies (its lifeline: SIGKILL here)."""
+    import threading
+
+    _, env, root = probe
+    made: list[WarmLauncher] = []  # its first server is started by the thread that makes it
+    started = threading.Thread(target=lambda: made.append(WarmLauncher(["wprobe"], env, str(root))))
+    started.start()
+    started.join()
+    (fresh,) = made
+    try:
+        (server,) = fresh.servers
+        warm = fresh.run(
+            [sys.executable, "-m", "wprobe", "exit", "3"], env=env, cwd=root, capture_output=True
+        )
+        assert warm.returncode == 3 and server.proc.poll() is None and not fresh.cold
+    finally:
+        fresh.stop()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(root)], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    pid = int(owner.stdout.readline())
+    os.kill(owner.pid, signal.SIGKILL)
+    assert owner.wait(60) == -signal.SIGKILL
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", 60, "the server's exit")
+
+
+OWNER = """
+import sys, time
+sys.path.insert(0, "tests")
+from warm_launcher import WarmLauncher
+launcher = WarmLauncher(["wprobe"], dict(__import__("os").environ), sys.argv[1])
+launcher.run([sys.executable, "-m", "wprobe", "exit", "0"], capture_output=True)
+print(launcher.servers[0].proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    return "gone"

@@ -100,7 +100,8 @@ def blas_threads(env: dict[str, str]) -> int:
 class Server:
     """The fork server: `python tests/warm_launcher.py SOCKET PRELOAD,... ROOM` (see WarmLauncher)."""
 
-    def __init__(self, sock_path: str, preload: list[str]) -> None:
+    def __init__(self, sock_path: str, preload: list[str], lifeline: int = -1) -> None:
+        self.lifeline = lifeline  # EOF once every process holding its other end has exited
         self.dispositions = {}
         for sig in signal.valid_signals():
             with contextlib.suppress(OSError, ValueError, TypeError):
@@ -205,9 +206,13 @@ class Server:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ)
         sel.register(self.wake_r, selectors.EVENT_READ)
+        if self.lifeline >= 0:
+            sel.register(self.lifeline, selectors.EVENT_READ)
         while True:
             for key, _ in sel.select():
-                if key.fileobj is self.listener:
+                if key.fileobj == self.lifeline:  # the test process is gone: so are we
+                    os.kill(os.getpid(), signal.SIGTERM)
+                elif key.fileobj is self.listener:
                     conn, _ = self.listener.accept()
                     try:
                         self._request(conn)
@@ -269,7 +274,12 @@ class Server:
                     signal.signal(sig, handler)
             for obj in (conn, self.listener):
                 obj.close()
-            for fd in (self.wake_r, self.wake_w, *(c.fileno() for c in self.children.values())):
+            for fd in (
+                self.wake_r,
+                self.wake_w,
+                self.lifeline,
+                *(c.fileno() for c in self.children.values()),
+            ):
                 with contextlib.suppress(OSError):
                     os.close(fd)
             for target, fd in enumerate(fds):
@@ -484,12 +494,22 @@ class _Server:
         server_env = {**env, ROOM_VAR: "x" * ENV_ROOM, BLAS_VAR: env.get("OPENBLAS_NUM_THREADS", "")}
         server_env[LOAD_VAR] = ",".join(load_vars)
         server_env["OPENBLAS_NUM_THREADS"] = "1"  # no BLAS pool in the server; a child gets its own
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), self.sock_path, ",".join(preload), "#" * ARGV_ROOM],
-            env=server_env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-        )
+        # The server's lifeline: a pipe whose write end only this process holds (not inherited across
+        # exec). Not PR_SET_PDEATHSIG, which fires when the *thread* that started it exits: a server
+        # started from a test's worker thread (test_lease_outage's) died with that thread, and every
+        # later start of the worker found its socket refusing (CI, 2026-12-06).
+        lifeline, self._lifeline = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), self.sock_path, ",".join(preload), str(lifeline),
+                 "#" * ARGV_ROOM],
+                env=server_env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(lifeline,),
+            )  # fmt: skip
+        finally:
+            os.close(lifeline)
         deadline = time.monotonic() + 300
         while not os.path.exists(self.sock_path + ".ready"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -515,6 +535,8 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.close(self._lifeline)
         for name in ("sock", "sock.ready"):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.folder, name))
@@ -623,10 +645,8 @@ class WarmLauncher:
         self.servers = []
 
 
-def _server_main(sock_path: str, preload: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the test process
-    server = Server(sock_path, [m for m in preload.split(",") if m])
+def _server_main(sock_path: str, preload: str, lifeline: int) -> None:
+    server = Server(sock_path, [m for m in preload.split(",") if m], lifeline)
     if _threads() != 1:
         print(f"warm launcher: {_threads()} threads after the imports", file=sys.stderr)
     open(sock_path + ".ready", "w").close()
@@ -635,4 +655,4 @@ def _server_main(sock_path: str, preload: str) -> None:
 
 if __name__ == "__main__":
     sys.path.pop(0)  # this folder: a child's sys.path[0] is its cwd, as under `python -m`
-    _server_main(sys.argv[1], sys.argv[2])
+    _server_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
