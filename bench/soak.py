@@ -2182,6 +2182,15 @@ class Soak:
         d = self.did["pivot-remote"]
         m = re.search(r"resumed trainer pid (\d+)", pivot.text())
         lock = self.lock() or {}
+        # A rerun that finds the new phase trained by a trainer of the other host (the soak's restart,
+        # as systemd there would) starts none of its own and names that one (issue 48): it goes on.
+        kept = re.search(r"trainer pid (\d+) on (\S+) \(cannot be checked from here\)", pivot.text())
+        if m is None and kept is not None:
+            pid, on = int(kept.group(1)), kept.group(2)
+            mine = self.trainer.popen.poll() is None and self.trainer.pid == pid and self.host == on
+            if mine and lock.get("pid") == pid and lock.get("host") == on and on != host:
+                d["the new phase already trained elsewhere: no second trainer started"] += 1
+                return
         if not m or lock.get("pid") != int(m.group(1)) or lock.get("host") != host:
             self.violate(
                 "11",
