@@ -535,8 +535,9 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.wait()
-        with contextlib.suppress(OSError):
+        if self._lifeline >= 0:  # once: a number closed twice may be another thread's new pipe by then
             os.close(self._lifeline)
+            self._lifeline = -1
         for name in ("sock", "sock.ready"):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.folder, name))
