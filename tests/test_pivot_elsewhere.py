@@ -36,6 +36,9 @@ from tests.tiny import tiny_config
 
 EVERY = 20
 FAST_LEASE = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "3"}
+# A lease unrenewed for twice its ttl is a dead trainer's (a pivot then stops waiting): 60 s here, time
+# for a restart to take it over.
+SLOW_LEASE = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}
 
 
 def run_files(run: RunDir) -> dict[str, str]:
@@ -209,6 +212,19 @@ def past(log: Path, boundary: int) -> list[int]:
     return [s for s in map(int, re.findall(r"checkpoint step_(\d+)\.bin \(", text)) if s > boundary]
 
 
+def _run_at_20(tmp_path: Path, tmp_path_factory) -> RunDir:
+    """The library's andrea-tiny at step 20 (a checkpoint every 10, no sample audit), a copy of its own."""
+    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
+    return RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
+
+
+def _trainer_of_host_a(run: RunDir, tmp_path: Path) -> tuple[subprocess.Popen, tuple[str, ...], dict]:
+    """A trainer of host-a training `run` on SLOW_LEASE (log: tmp_path/first.log), its args and env."""
+    host_a = _env() | SLOW_LEASE | {"ANDREA_TEST_HOST": "host-a"}
+    args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
+    return start_trainer(*args, env=host_a, log=tmp_path / "first.log"), args, host_a
+
+
 def test_a_trainer_restarted_while_a_remote_pivot_waits_for_the_stop_is_stopped_too(
     tmp_path, tmp_path_factory
 ):
@@ -218,14 +234,8 @@ def test_a_trainer_restarted_while_a_remote_pivot_waits_for_the_stop_is_stopped_
     fail ("appended unexpectedly"), a half-done pivot every later trainer refused. Now it asks the new
     holder to stop as well, then completes: that trainer's steps are the closed phase's tail, archived,
     and the next trainer trains the new phase from boundary + 1."""
-    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
-    run = RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
-    # A lease unrenewed for twice its ttl is a dead trainer's (the pivot then stops waiting): 60 s here,
-    # time for the restart to take it over.
-    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}
-    host_a = _env() | lease | {"ANDREA_TEST_HOST": "host-a"}
-    args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
-    first = start_trainer(*args, env=host_a, log=tmp_path / "first.log")
+    run = _run_at_20(tmp_path, tmp_path_factory)
+    first, args, host_a = _trainer_of_host_a(run, tmp_path)
     second = pivot = None
     try:
         wait_for(lambda: last_logged_step(run) > 20, 300, "the first trainer's step 21")
@@ -238,7 +248,7 @@ def test_a_trainer_restarted_while_a_remote_pivot_waits_for_the_stop_is_stopped_
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env() | lease | {"ANDREA_TEST_HOST": "host-b"},
+            env=_env() | SLOW_LEASE | {"ANDREA_TEST_HOST": "host-b"},
             cwd=REPO,
         )
         boundary = wait_for(
@@ -308,12 +318,8 @@ def test_a_trainer_killed_before_the_stop_request_and_restarted_is_pivoted_not_a
     "exited before writing step_N.bin" / "before checkpointing"); now it decides again against the new
     holder, takes its pivot checkpoint, stops it and completes: one phase folder, the boundary the
     newest checkpoint, written by the restarted trainer, .loss.json's bytes before it a prefix."""
-    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
-    run = RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
-    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}  # a dead lease: 60 s, time to restart
-    host_a = _env() | lease | {"ANDREA_TEST_HOST": "host-a"}
-    args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
-    first = start_trainer(*args, env=host_a, log=tmp_path / "first.log")
+    run = _run_at_20(tmp_path, tmp_path_factory)
+    first, args, host_a = _trainer_of_host_a(run, tmp_path)
     second = pivot = None
     try:
         wait_for(lambda: last_logged_step(run) > 20, 300, "the first trainer's step 21")
@@ -325,7 +331,7 @@ def test_a_trainer_killed_before_the_stop_request_and_restarted_is_pivoted_not_a
             [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart",
              "--at", at],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=_env() | lease | {"ANDREA_TEST_HOST": "host-b"}, cwd=REPO,
+            env=_env() | SLOW_LEASE | {"ANDREA_TEST_HOST": "host-b"}, cwd=REPO,
         )  # fmt: skip
         # The pivot waits on the first trainer: its intent is on disk (at "now" its checkpoint request).
         wait_for(lambda: _pivot_journal(run).get("step") == "intent", 300, "the pivot's intent")
@@ -379,7 +385,7 @@ def test_a_trainer_that_takes_the_run_after_the_stop_is_waited_for_not_a_trainer
     url = f"{s3_bucket}/run"
     run = RunDir(url)
     cfg = tiny_config(tmp_path, train__checkpoint_every=10, train__sample_every=10**6)
-    lease = {"ANDREA_LEASE_RENEW_S": "1", "ANDREA_LEASE_TTL_S": "30"}
+    lease = SLOW_LEASE
     faults = RelayFaults()
     link = Relay(s3_server.port, faults, host="host-c")
     args = ("--run-dir", url, "--device", "cpu", "--max-steps", "100000", "--pace", "0.05")
@@ -450,8 +456,7 @@ def test_a_rerun_pivot_finds_the_new_phase_trained_on_another_host_and_starts_no
     there) that trains the new phase: the rerun confirms that trainer's first step and starts none of
     its own. It used to ask only whether a trainer was alive *here*, start a detached one, and leave it
     waiting on the other host's lease, to take the run over once that one stopped."""
-    every = dict(train__checkpoint_every=10, train__sample_every=10**6)
-    run = RunDir(str(library_run(tmp_path_factory, tmp_path / "run", 20, "--device", "cpu", **every)))
+    run = _run_at_20(tmp_path, tmp_path_factory)
     pivot = ("pivot", run.url, "--policy", "tiny-mix", "--max-steps", "100000", "--timeout", "300")
     killed = andrea_from([], _env() | {"ANDREA_TEST_PIVOT_KILL_AFTER": "installed"}, *pivot)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
