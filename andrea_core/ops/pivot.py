@@ -900,11 +900,11 @@ def confirm_resumed(
             f"(a resume from {checkpoint_name(boundary)})"
         )
     snapshot.check_prefix_of(run)
-    trainer = live_trainer(run)
-    if trainer is not None and trainer.pid == journal.stopped_pid:
-        raise SupervisionError(f"{run.url}: trainer pid {trainer.pid} is still the one running")
-    elsewhere = _holder(run) if trainer is None else None  # one on another host: reported, not judged
-    holder = trainer or elsewhere
+    verdict = trainer_liveness(run)  # one look: a holder alive here is judged, one elsewhere reported
+    holder = verdict.holder if verdict.state in (ALIVE, UNKNOWN) else None
+    elsewhere = holder if verdict.state == UNKNOWN else None
+    if holder is not None and elsewhere is None and holder.pid == journal.stopped_pid:
+        raise SupervisionError(f"{run.url}: trainer pid {holder.pid} is still the one running")
     if not journal.reached("restarted"):
         journal.record(run, "restarted")
         _kill_point("restarted")
