@@ -201,18 +201,10 @@ def recent_window(entries: list[LossEntry], window_s: float) -> tuple[list[LossE
     if not entries:
         return [], False
     last = entries[-1]
-    if math.isfinite(last.elapsed):
-        since, i, later = last.elapsed - window_s, len(entries) - 1, last.elapsed
-        while i >= 0 and entries[i].segment == last.segment and since <= entries[i].elapsed <= later:
-            later = entries[i].elapsed
-            i -= 1
-        return entries[i + 1 :], i >= 0
-    since, i = last.time - window_s, len(entries) - 1
-    while (
-        i >= 0
-        and entries[i].segment == last.segment
-        and since <= entries[i].time <= (entries[i + 1].time if i + 1 < len(entries) else last.time)
-    ):
+    clock = (lambda e: e.elapsed) if math.isfinite(last.elapsed) else (lambda e: e.time)
+    since, i, later = clock(last) - window_s, len(entries) - 1, clock(last)
+    while i >= 0 and entries[i].segment == last.segment and since <= clock(entries[i]) <= later:
+        later = clock(entries[i])
         i -= 1
     return entries[i + 1 :], i >= 0
 
