@@ -14,8 +14,11 @@ loses at most the events since the last checkpoint, as it loses the steps).
 A run's first event file (none in RUN/tensorboard/ yet: a fork's branch, whose .loss.json holds its
 parent's history up to the fork, or a run whose folder was removed) opens with train/loss and train/lr
 of the canonical history before its first step, from .loss.json: TensorBoard shows the whole history.
-A view never stops training: whatever fails writing it (a full disk, a symlink or a file at
-RUN/tensorboard) is one warning, and training goes on (the events of that flush are dropped).
+A view never stops training: whatever fails writing it (a full disk, EIO, a symlink or a file at
+RUN/tensorboard) is one warning, and training goes on. The events a failed flush did not land are kept
+(up to UNWRITTEN_MAX bytes) and written first at the next flush, from the byte where the file ends: a
+record torn by a short write is finished, never followed by a new one (TensorBoard's reader stops at a
+torn record, losing every later event of the file).
 Text from the audits (prompts are held-out documents: anyone's text) goes through untrusted.markdown_code
 and markdown_text: TensorBoard's text plugin renders markdown, links and images included.
 ANDREA_TENSORBOARD=0 turns them off.
@@ -38,6 +41,7 @@ from andrea_core.untrusted import markdown_code, markdown_text
 TENSORBOARD_DIR = "tensorboard"
 EVENT_FILE_RE = re.compile(r"events\.out\.tfevents\.(\d{1,12})\..*")
 ENV = "ANDREA_TENSORBOARD"
+UNWRITTEN_MAX = 64 << 20  # events kept through a long outage (~600,000 steps of train/loss and lr)
 
 
 class TensorBoardLog:
@@ -48,6 +52,10 @@ class TensorBoardLog:
         )
         self._pending: list[tuple] = []
         self._mutex = threading.Lock()  # a background audit adds its events from its own thread
+        # What a failed flush did not land: the rest of a record a short write tore, whole records after it.
+        self._torn, self._records = b"", []
+        self._size = 0  # bytes of this segment's file known to be on the store
+        self._failed = False  # the last flush failed: how much of it landed is read before the next
         self._warned: set[str] = set()  # the causes of failed flushes already told
         self.enabled = os.environ.get(ENV, "1") != "0"
         if not self.enabled:
@@ -123,20 +131,57 @@ class TensorBoardLog:
     # --- at checkpoints and exit ----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Encode what was added since the last flush and append it to this segment's file."""
+        """Encode what was added since the last flush and append it to this segment's file, after what
+        an earlier failed flush left unwritten."""
         with self._mutex:
             pending, self._pending = self._pending, []
-        if not self.enabled or not pending:
+        if not self.enabled:
+            return
+        self._records.extend(_record(_event(p)) for p in pending)
+        if not self._records and not self._torn:
             return
         try:
-            data = b"".join(_record(_event(p)) for p in pending)
+            if self._failed:
+                self._settle()
+            data = self._torn + b"".join(self._records)
             self.run.makedirs(TENSORBOARD_DIR)
             # Durable at every flush (each checkpoint, and exit): one fsync per checkpoint keeps the view
             # as far as the checkpoints on a power cut (its audits and bandit probabilities are not
             # rebuilt from .loss.json); between checkpoints the events are only in memory anyway.
             self.run.append(self.name, data, durable=True, lines=False)  # binary records
-        except Exception as e:  # noqa: BLE001 (a view: a full disk or a symlink loses these events, never the run)
-            self._warn(f"{len(pending)} TensorBoard event(s) not written", e)
+        except Exception as e:  # noqa: BLE001 (a view: a full disk or a symlink never ends the run)
+            self._failed = True
+            dropped = self._bound()
+            self._warn("TensorBoard event(s) not written yet, kept for the next checkpoint's flush", e)
+            if dropped:
+                self._warn(f"{dropped} TensorBoard event(s) dropped: over {UNWRITTEN_MAX} bytes waited", e)
+            return
+        self._size += len(data)
+        self._torn, self._records, self._failed = b"", [], False
+
+    def _settle(self) -> None:
+        """After a failed append: drop from what is kept the bytes of it that landed (a short write on a
+        full disk lands a prefix), read from the file's size, so the next append goes on from there."""
+        on_store = self.run.size(self.name) if self.run.exists(self.name) else 0
+        landed, self._size = max(0, on_store - self._size), on_store
+        if landed < len(self._torn):
+            self._torn = self._torn[landed:]
+            return
+        landed -= len(self._torn)
+        self._torn = b""
+        while self._records and landed >= len(self._records[0]):
+            landed -= len(self._records.pop(0))
+        if landed and self._records:
+            self._torn = self._records.pop(0)[landed:]
+
+    def _bound(self) -> int:
+        """Keep what waits within UNWRITTEN_MAX: the newest events go first (the oldest, the segment's
+        START among them, keep their place). How many were dropped."""
+        size, dropped = len(self._torn) + sum(len(r) for r in self._records), 0
+        while size > UNWRITTEN_MAX and self._records:
+            size -= len(self._records.pop())
+            dropped += 1
+        return dropped
 
     def _warn(self, what: str, e: Exception) -> None:
         """Once per cause: a view that fails at every checkpoint of a weeks-long run says so once."""

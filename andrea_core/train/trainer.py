@@ -418,15 +418,17 @@ class Trainer:
             if audit:
                 self._audit(step)
             return checkpoint_name(step)
+        for arm, state in (self.data.mixer.state_dict().get("arms") or {}).items():
+            self.tensorboard.scalar(step, f"bandit/p/{arm}", state["p"])
+        # The view durable up to this step before the checkpoint can be published: a resume from it
+        # (after a kill or a power cut right after the publish) never re-logs these steps.
+        self.tensorboard.flush()
         name = self.checkpointer.save(
             step,
             before_write=lambda _: self.loss_log.sync(),
             # Retention deletes only once this newer checkpoint is published (and re-validated).
             after_publish=self._published,
         )
-        for arm, state in (self.data.mixer.state_dict().get("arms") or {}).items():
-            self.tensorboard.scalar(step, f"bandit/p/{arm}", state["p"])
-        self.tensorboard.flush()
         self.mlflow.flush(step)  # MLflow's view, if configured: sent up to this checkpoint, off this thread
         if audit:
             self._audit(step)
