@@ -367,7 +367,11 @@ def cmd_pivot(args: argparse.Namespace) -> int:
         return 1
     line = f"pivoted {run.url} at step {result['boundary']} to policy {result['policy']!r}"
     if result.get("already"):
-        line = f"{line} already (nothing trained since): nothing done"
+        since = result["trained_since"]
+        trained = f"{since} steps trained since" if since else "nothing trained since"
+        line += f" already ({trained}): nothing done"
+        if "trainer" in result:
+            line += f"; trainer pid {result['trainer']['pid']} on {result['trainer']['host']} holds the run"
     elif "resumed" in result:
         resumed = result["resumed"]
         line += f"; resumed at step {resumed['first_step']}, trainer pid {resumed['pid']}"

@@ -445,25 +445,31 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
 
 
 def already_pivoted(run: RunDir, checked: PivotCheck, restart: bool, log: Log = print) -> dict | None:
-    """A completed pivot to this same policy that nothing has trained after (no journal, the policy in
-    force is this one, the newest closed phase's boundary is still the newest checkpoint and no sidecar
-    of a new phase exists): the result it had, else None. A pivot killed after it completed but before
-    it exited, or a flow run rerun, is run again as it was; pivoting again would close an empty phase,
-    a second phase folder for one pivot (the same weights, policy and fresh bandit): the chaos soak's
-    fault 121 (seed 1, 2026-12-04). Asked to restart with no trainer holding the run, it refuses
-    (ConfigError) saying how to start one, rather than pivot again."""
+    """A completed pivot to this same policy (no journal, the policy in force is this one and a pivot
+    closed a phase): the result it had, else None. A pivot killed after it completed but before it
+    exited, or a flow run rerun, is that pivot again, however far the new phase has trained since:
+    pivoting again would close a second phase folder for one request (the chaos soak's fault 121,
+    seed 1, 2026-12-04, with nothing trained since; fault 363, 2026-12-06, with the new phase 15
+    steps on). A pivot to the policy in force is therefore never a new phase (docs/design.md "Pivot
+    sequence": to close one under the same arms, pivot to a copy of another name). Asked to restart
+    with no trainer holding the run, it refuses (ConfigError) saying how to start one, rather than
+    pivot again."""
     done = _completed_pivot(run, checked)
     if done is None:
         return None
-    if restart and _holder(run) is None:
+    holder = _holder(run)
+    if holder is not None:
+        done["trainer"] = {"pid": holder.pid, "host": holder.host}
+    if restart and holder is None:
         raise ConfigError(
             f"{run.url}: policy {checked.policy.name!r} is already in force (the pivot at step "
             f"{done['boundary']} closed {done['archive']['folder']}) and no trainer is running: start one "
             f"(andrea train --run-dir {run.url}); not pivoting again"
         )
+    since = f"; its phase has trained {done['trained_since']} steps since" if done["trained_since"] else ""
     log(
         f"policy {checked.policy.name!r} is already in force: the pivot to it at step {done['boundary']} "
-        f"closed {done['archive']['folder']} and nothing has trained since; nothing to do"
+        f"closed {done['archive']['folder']}{since}; nothing to do"
     )
     return done
 
@@ -472,21 +478,21 @@ def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
     from andrea_core.data.policy import read_policy
 
     closed = phases(run)
-    if not closed or read_pivot(run) is not None or run.checkpoint_steps()[-1:] != [closed[-1][1]]:
+    if not closed or read_pivot(run) is not None:
         return None
-    if any(run.exists(name) for name in (SAMPLES, STATE)):
-        return None  # a trainer of the new phase has written its state or an audit
     try:
         if read_policy(run).hash != checked.policy.hash:
             return None
     except (ConfigError, OSError, ValueError):
         return None  # no readable policy in force: not this one
     folder = run.path(phase_folder(*closed[-1]))
+    newest = (run.checkpoint_steps() or [closed[-1][1]])[-1]
     return {
         "boundary": closed[-1][1],
         "policy": checked.policy.name,
         "archive": {"folder": folder},
         "already": True,
+        "trained_since": max(0, newest - closed[-1][1]),
     }
 
 
@@ -1017,6 +1023,7 @@ def run_pivot(
     else:
         result["resumed"] = {"first_step": boundary + 1, "pid": getattr(live_trainer(run), "pid", None)}
     step("finish-pivot", lambda: finish_pivot(run))
+    _kill_point("finished")  # the resumed trainer trains on: a rerun finds the pivot done all the same
     if resumed is not None and resumed.outcome is not None:
         result["resumed_outcome"] = resumed.outcome()
     return result
