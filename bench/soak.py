@@ -2113,7 +2113,9 @@ class Soak:
         of the pivoting host training past the boundary (stopped, SIGTERM, by its pid, checked)."""
         d, other = self.did["pivot-remote"], HOSTS[1 - HOSTS.index(self.host)]
         policy = POLICIES[1 - POLICIES.index(self.policy)]
-        argv = [*self._pivot_cmd(policy), "--at", f["at"]]
+        # A request id of its own (the `pivot` kind gives none): its rerun is known exactly, not inferred
+        # from the policy in force (design.md "A completed pivot, rerun").
+        argv = [*self._pivot_cmd(policy), "--at", f["at"], "--request-id", f"soak-{self.fault_i}"]
         if f["restart"]:
             argv[argv.index("--no-restart")] = "--restart"
         before, loss = self._phases(), self.store.read("run/.loss.json") or b""
