@@ -342,15 +342,21 @@ def cmd_pivot(args: argparse.Namespace) -> int:
     log = lambda msg: print(f"andrea: {msg}", flush=True)  # noqa: E731
     try:
         if args.abandon:
-            if args.policy:
-                raise ValueError("--abandon takes no --policy")
+            if args.policy or args.request_id:
+                raise ValueError("--abandon takes no --policy or --request-id")
             pivot.abandon(run, log)
             return 0
         if not args.policy:
             raise ValueError("--policy is required (the policy to pivot to), or --abandon")
         # Every check before anything is touched: a bad policy never half-pivots a run.
         checked = check_pivot(
-            run, args.policy, max_steps=args.max_steps, device=args.device, restart=args.restart, warn=_warn
+            run,
+            args.policy,
+            max_steps=args.max_steps,
+            device=args.device,
+            restart=args.restart,
+            warn=_warn,
+            request_id=args.request_id,
         )
         result = pivot.run_pivot(
             run,
@@ -367,7 +373,11 @@ def cmd_pivot(args: argparse.Namespace) -> int:
         return 1
     line = f"pivoted {run.url} at step {result['boundary']} to policy {result['policy']!r}"
     if result.get("already"):
-        line = f"{line} already (nothing trained since): nothing done"
+        since = result["trained_since"]
+        trained = f"{since} steps trained since" if since else "nothing trained since"
+        line += f" already ({trained}): nothing done"
+        if "trainer" in result:
+            line += f"; trainer pid {result['trainer']['pid']} on {result['trainer']['host']} holds the run"
     elif "resumed" in result:
         resumed = result["resumed"]
         line += f"; resumed at step {resumed['first_step']}, trainer pid {resumed['pid']}"
@@ -577,6 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument(
         "--device",
         help="the resumed trainer's device (default: the stopped trainer's, as its lock recorded it)",
+    )
+    pv.add_argument(
+        "--request-id",
+        help="this request's id (A-Z a-z 0-9 . _ : -, up to 64): a rerun with it finds the pivot done; "
+        "another id pivots again, to the policy in force too (default: none; a pivot to the policy in "
+        "force is then done already)",
     )
     pv.add_argument(
         "--abandon", action="store_true", help="undo a pivot that stopped part-way: restore the old phase"

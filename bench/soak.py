@@ -2003,6 +2003,12 @@ class Soak:
         t = self.trainer
         deadline = time.monotonic() + TOOL_BOUND
         while time.monotonic() < deadline and t.popen.poll() is None and t.step() <= D + 1:
+            # Killed before the event was recorded (at set-aside), the rollback is decided again by the
+            # replay, against what it wrote retraining from the first decision's target: with a gap in
+            # the first timeline (a full disk's unwritten checkpoints) a newer one, the fault-free run's
+            # (fault 332, 2026-12-06: 10285 first, then 10650, written by the replay, unseen here).
+            if len(self._guard_events()) == len(before):
+                seen.update(self.checkpoints())
             time.sleep(0.05)
         self._checkpoint_after(t, f"a divergence at step {D}")
         new = self._guard_events()[len(before) :]
@@ -2010,7 +2016,7 @@ class Soak:
             self.violate("11", f"a non-finite step at {D}: guard.jsonl's new events {new}, not one rollback")
             return
         e, floor = new[0], self._phase_start()
-        listed = sorted(seen)
+        listed = sorted(seen)  # every checkpoint listed until the event was recorded
         far = [s for s in listed if floor <= s <= D - margin]
         kept = [
             s for s in far if s % (10 * self.every) == 0 or s in {x[1] for x in self.events if x[0] != "data"}
@@ -2107,7 +2113,9 @@ class Soak:
         of the pivoting host training past the boundary (stopped, SIGTERM, by its pid, checked)."""
         d, other = self.did["pivot-remote"], HOSTS[1 - HOSTS.index(self.host)]
         policy = POLICIES[1 - POLICIES.index(self.policy)]
-        argv = [*self._pivot_cmd(policy), "--at", f["at"]]
+        # A request id of its own (the `pivot` kind gives none): its rerun is known exactly, not inferred
+        # from the policy in force (design.md "A completed pivot, rerun").
+        argv = [*self._pivot_cmd(policy), "--at", f["at"], "--request-id", f"soak-{self.fault_i}"]
         if f["restart"]:
             argv[argv.index("--no-restart")] = "--restart"
         before, loss = self._phases(), self.store.read("run/.loss.json") or b""
@@ -2185,6 +2193,11 @@ class Soak:
         # A rerun that finds the new phase trained by a trainer of the other host (the soak's restart,
         # as systemd there would) starts none of its own and names that one (issue 48): it goes on.
         kept = re.search(r"trainer pid (\d+) on (\S+) \(cannot be checked from here\)", pivot.text())
+        # A rerun of a pivot that completed (killed before it exited) finds it done and names the trainer
+        # holding the run: the one the first run resumed on `host` (fault 363, 2026-12-06).
+        done = re.search(r"already \(.*\): nothing done; trainer pid (\d+) on (\S+) holds the", pivot.text())
+        if m is None and done is not None and done.group(2) == host:
+            m = done
         if m is None and kept is not None:
             pid, on = int(kept.group(1)), kept.group(2)
             mine = self.trainer.popen.poll() is None and self.trainer.pid == pid and self.host == on

@@ -86,6 +86,7 @@ def pivot(
     gpu_slot: str | None = "auto",
     train_deployment: str = "train/train",
     timeout_s: float = 1800.0,
+    request_id: str | None = None,
 ) -> State:
     """Pivot `run_dir` to `policy` (a name under configs/policies/ or a YAML path).
 
@@ -94,10 +95,12 @@ def pivot(
         "none" leaves the run stopped under its new policy.
     max_steps: the new phase's target (default: the run's newest target); device, pace, gpu_slot:
         passed to the resumed `train` run.
+    request_id: this request's id: a rerun with it finds the pivot done; another id pivots again, to the
+        policy in force too (none: a pivot to the policy in force is done already).
     """
     run = RunDir(run_dir)
     # Every parameter, the policy and its data are checked here, before anything is touched.
-    checked = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment)
+    checked = check_new_policy(run.url, policy, restart, max_steps, device, train_deployment, request_id)
     result = driver.run_pivot(
         run,
         checked,
@@ -110,6 +113,8 @@ def pivot(
     if result.get("already"):
         message = (
             f"{run.url}: policy {checked.policy.name!r} already in force since step {result['boundary']}"
+            if request_id is None
+            else f"{run.url}: {result['what']}"
         )
         return Completed(message=message + "; nothing to do", data=result)
     message = (

@@ -35,19 +35,29 @@ def check_new_policy(
     max_steps: int | None = None,
     device: str = "auto",
     train_deployment: str | None = None,
+    request_id: str | None = None,
 ) -> pivot.PivotCheck:
     """Refuse a pivot before anything is touched (pivot.check_pivot) and, with restart="deployment",
     one whose `train_deployment` does not exist."""
     logger = get_run_logger()
     run = RunDir(run_dir)
     checked = pivot.check_pivot(
-        run, policy, max_steps=max_steps, device=device, restart=restart != "none", warn=logger.warning
+        run,
+        policy,
+        max_steps=max_steps,
+        device=device,
+        restart=restart != "none",
+        warn=logger.warning,
+        request_id=request_id,
     )
     if restart == "deployment":
         _require_deployment(train_deployment)
     parsed = checked.policy
     if parsed.hash == read_policy(run).hash:
-        logger.warning(f"policy {parsed.name!r} is the one in force: the pivot only starts a fresh bandit")
+        logger.warning(
+            f"policy {parsed.name!r} is the one in force: a pivot to it only starts a fresh bandit, and "
+            "where a pivot installed it is done already unless given a request id of its own"
+        )
     logger.info(
         f"new policy {parsed.name!r} (hash {parsed.hash}): arms {', '.join(a.name for a in parsed.arms)}"
     )

@@ -34,7 +34,7 @@ from andrea_core import faults
 from andrea_core.checkpoint import CheckpointError, checkpoint_name
 from andrea_core.config import REPO_ROOT, ConfigError, load_yaml
 from andrea_core.data.policy import Policy, load_policy, parse_policy
-from andrea_core.document import DocumentError, Field, check
+from andrea_core.document import DocumentError, Field, check, check_field
 from andrea_core.ops import supervise
 from andrea_core.ops.supervise import LossLogSnapshot, SupervisionError
 from andrea_core.run.lineage import PHASE_FOLDER_RE, phase_folder, phases
@@ -51,6 +51,7 @@ from andrea_core.run.lock import (
     trainer_liveness,
 )
 from andrea_core.run.pivot_journal import (
+    JOURNAL_SCHEMA,
     PIVOT_JSON,
     PIVOT_STEPS,
     clear_pivot,
@@ -95,6 +96,7 @@ class PivotJournal:
     stopped_pid: int | None = None
     stopped_step: int | None = None
     owner: dict | None = None  # the pivot's own process (pid, host, boot, start): abandon waits for it
+    request_id: str | None = None  # the request's id, if it was given one (PivotCheck.request_id)
 
     def reached(self, step: str) -> bool:
         """Whether the last step reached is `step` or a later one."""
@@ -230,6 +232,9 @@ class PivotCheck:
     # The resumed trainer's options (command.train_options): the stopped trainer's, as its lock
     # recorded them, with --device replaced where the pivot was given one and --max-steps the target.
     train: dict | None = None
+    # The request's id (`--request-id`): a rerun with it finds its pivot done, however much happened
+    # since; a pivot with another id is a new request, to the policy in force too (already_pivoted).
+    request_id: str | None = None
 
 
 def check_pivot(
@@ -240,6 +245,7 @@ def check_pivot(
     device: str | None = None,
     restart: bool = True,
     warn: Callable[[str], None] = print,
+    request_id: str | None = None,
 ) -> PivotCheck:
     """Every check of a pivot made before anything is touched: the run exists; the new policy parses,
     is feasible and passes the trainer's own data check on this machine (pipeline.prepare_data: arms
@@ -250,6 +256,10 @@ def check_pivot(
     from andrea_core.data.pipeline import prepare_data, require_available  # data imports this module
     from andrea_core.data.tokens import run_tokenizer
 
+    try:
+        check_field("--request-id", request_id, JOURNAL_SCHEMA["request_id"])
+    except DocumentError as e:
+        raise ConfigError(f"{e} (1 to 64 of A-Z a-z 0-9 . _ : -, starting with a letter or digit)") from None
     if not run.exists(RUN_YAML):
         raise ConfigError(f"{run.url}: no run here (no {RUN_YAML}): nothing to pivot")
     cfg = read_run(run).config
@@ -277,7 +287,7 @@ def check_pivot(
             require_steps_after(target, steps[-1] if steps else 0, "the run's newest checkpoint")
     _, unavailable, _ = prepare_data(parsed, cfg, run_tokenizer(run, cfg), warn)
     require_available(parsed, unavailable, "a pivot")
-    return PivotCheck(parsed, text, policy, target, resolved, train)
+    return PivotCheck(parsed, text, policy, target, resolved, train, request_id)
 
 
 def recorded_train_options(run: RunDir) -> dict:
@@ -326,13 +336,15 @@ def archive_phase(
     boundary: int,
     folder: str | None = None,
     after_move: Callable[[str], None] | None = None,
+    closed_by: dict | None = None,
 ) -> ArchivedPhase:
     """Close the phase that ended at `boundary`: move its policy-scoped sidecars, its policy and any
     checkpoint newer than the boundary into archive/phase_NNN_step_SSSSSS/. `.loss.json` stays put.
 
     Idempotent for one `folder` (the pivot journal records it before the first move): a rerun after a
     crash between two moves moves what is left into the same folder, never into a second one.
-    `after_move(name)` is called after each move (the journal's test hook)."""
+    `after_move(name)` is called after each move (the journal's test hook). `closed_by`: what
+    phase.json records of the pivot that closes the phase (the policy it installs, its request id)."""
     verdict = require_not_elsewhere(run, "archiving the phase")
     holder = verdict.holder
     if verdict.state == ALIVE:
@@ -369,9 +381,8 @@ def archive_phase(
         if step > boundary:
             move(checkpoint_name(step))
     if not run.exists(f"{folder}/phase.json"):
-        run.write_json(
-            f"{folder}/phase.json", {"phase": number, "boundary": boundary, "closed_at": time.time()}
-        )
+        closed = {"phase": number, "boundary": boundary, "closed_at": time.time(), **(closed_by or {})}
+        run.write_json(f"{folder}/phase.json", closed)
     return ArchivedPhase(folder, moved)
 
 
@@ -416,6 +427,7 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
             train_options=checked.train,
             loss_before=LossLogSnapshot.take(run),
             owner=_this_process(),
+            request_id=checked.request_id,
         )
     if doc.get("policy_hash") != checked.policy.hash:
         raise ConfigError(
@@ -425,6 +437,13 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
             f"(andrea pivot {run.url} --abandon) first"
         )
     journal = PivotJournal.from_doc(run, doc)
+    if checked.request_id not in (None, journal.request_id):  # without one: a rerun of the journal's
+        again = f"--request-id {journal.request_id}" if journal.request_id else "no --request-id"
+        raise ConfigError(
+            f"{run.path(PIVOT_JSON)}: the pivot under way is request {journal.request_id!r}, not "
+            f"{checked.request_id!r}: finish it (rerun it with {again}) or abandon it "
+            f"(andrea pivot {run.url} --abandon) first; not pivoting"
+        )
     if (pid := owner_alive(journal)) is not None:
         raise LockError(
             f"{run.path(PIVOT_JSON)}: the pivot to {journal.policy!r} is being run by process {pid}, which "
@@ -445,26 +464,27 @@ def begin_pivot(run: RunDir, checked: PivotCheck, at: str, restart: str, log: Lo
 
 
 def already_pivoted(run: RunDir, checked: PivotCheck, restart: bool, log: Log = print) -> dict | None:
-    """A completed pivot to this same policy that nothing has trained after (no journal, the policy in
-    force is this one, the newest closed phase's boundary is still the newest checkpoint and no sidecar
-    of a new phase exists): the result it had, else None. A pivot killed after it completed but before
-    it exited, or a flow run rerun, is run again as it was; pivoting again would close an empty phase,
-    a second phase folder for one pivot (the same weights, policy and fresh bandit): the chaos soak's
-    fault 121 (seed 1, 2026-12-04). Asked to restart with no trainer holding the run, it refuses
-    (ConfigError) saying how to start one, rather than pivot again."""
+    """A completed pivot that this request is (no journal): the result it had, else None. With a request
+    id, the closed phase whose phase.json records that id (another policy than its: ConfigError), and
+    none: a new request, to the policy in force too. Without one, a pivot to the policy in force in a run
+    where a pivot closed a phase. A pivot killed after it completed but before it exited, or a flow run
+    rerun, is that pivot again, however far the new phase has trained since: pivoting again would close
+    a second phase folder for one request (the chaos soak's fault 121, seed 1, 2026-12-04, with nothing
+    trained since; fault 363, 2026-12-06, 15 steps into the new phase). Asked to restart with no
+    trainer holding the run, it refuses (ConfigError) saying how to start one, rather than pivot again."""
     done = _completed_pivot(run, checked)
     if done is None:
         return None
-    if restart and _holder(run) is None:
+    holder = _holder(run)
+    if holder is not None:
+        done["trainer"] = {"pid": holder.pid, "host": holder.host}
+    if restart and holder is None:
         raise ConfigError(
-            f"{run.url}: policy {checked.policy.name!r} is already in force (the pivot at step "
-            f"{done['boundary']} closed {done['archive']['folder']}) and no trainer is running: start one "
+            f"{run.url}: {done['what']} and no trainer is running: start one "
             f"(andrea train --run-dir {run.url}); not pivoting again"
         )
-    log(
-        f"policy {checked.policy.name!r} is already in force: the pivot to it at step {done['boundary']} "
-        f"closed {done['archive']['folder']} and nothing has trained since; nothing to do"
-    )
+    since = f"; its phase has trained {done['trained_since']} steps since" if done["trained_since"] else ""
+    log(f"{done['what']}{since}; nothing to do")
     return done
 
 
@@ -472,22 +492,48 @@ def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
     from andrea_core.data.policy import read_policy
 
     closed = phases(run)
-    if not closed or read_pivot(run) is not None or run.checkpoint_steps()[-1:] != [closed[-1][1]]:
+    if not closed or read_pivot(run) is not None:
         return None
-    if any(run.exists(name) for name in (SAMPLES, STATE)):
-        return None  # a trainer of the new phase has written its state or an audit
-    try:
-        if read_policy(run).hash != checked.policy.hash:
-            return None
-    except (ConfigError, OSError, ValueError):
-        return None  # no readable policy in force: not this one
-    folder = run.path(phase_folder(*closed[-1]))
+    name, request = checked.policy.name, checked.request_id
+    if request is not None:
+        found = [(p, doc) for p in closed if (doc := _phase_doc(run, p)).get("request_id") == request]
+        if not found:
+            return None  # a new request
+        (number, boundary), doc = found[-1]
+        if doc.get("policy_hash") != checked.policy.hash:
+            raise ConfigError(
+                f"{run.path(phase_folder(number, boundary))}/phase.json: request {request!r} was a pivot to "
+                f"the policy of hash {doc.get('policy_hash')}, not to {name!r} ({checked.policy.hash}): "
+                "not pivoting; give this pivot a request id of its own"
+            )
+        what = f"request {request!r} is done: the pivot to policy {name!r} at step {boundary}"
+    else:
+        try:
+            if read_policy(run).hash != checked.policy.hash:
+                return None
+        except (ConfigError, OSError, ValueError):
+            return None  # no readable policy in force: not this one
+        number, boundary = closed[-1]
+        what = f"policy {name!r} is already in force: the pivot to it at step {boundary}"
+    folder = run.path(phase_folder(number, boundary))
+    newest = (run.checkpoint_steps() or [boundary])[-1]
     return {
-        "boundary": closed[-1][1],
-        "policy": checked.policy.name,
+        "boundary": boundary,
+        "policy": name,
         "archive": {"folder": folder},
         "already": True,
+        "trained_since": max(0, newest - boundary),
+        "what": f"{what} closed {folder}",
     }
+
+
+def _phase_doc(run: RunDir, phase: tuple[int, int]) -> dict:
+    """A closed phase's phase.json ({} where it is missing or unreadable: it names no request)."""
+    try:
+        doc = run.read_json(f"{phase_folder(*phase)}/phase.json")
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 # --- step 1 ------------------------------------------------------------------------------------
@@ -816,7 +862,8 @@ def _archive_when_free(
             )
             stop_live_trainer(run, max(0.0, deadline - time.monotonic()), log)
         try:
-            return archive_phase(run, journal.boundary, journal.archive, after_move=after_move)
+            by = {"policy_hash": journal.policy_hash, "request_id": journal.request_id}
+            return archive_phase(run, journal.boundary, journal.archive, after_move=after_move, closed_by=by)
         except LockError:  # taken again between the look and the archive's own check (before any move)
             if time.monotonic() >= deadline:
                 raise
@@ -1017,6 +1064,7 @@ def run_pivot(
     else:
         result["resumed"] = {"first_step": boundary + 1, "pid": getattr(live_trainer(run), "pid", None)}
     step("finish-pivot", lambda: finish_pivot(run))
+    _kill_point("finished")  # the resumed trainer trains on: a rerun finds the pivot done all the same
     if resumed is not None and resumed.outcome is not None:
         result["resumed_outcome"] = resumed.outcome()
     return result

@@ -4,6 +4,7 @@ was left half done. Takes a RunDir; the pivot's steps that write it are in ops/p
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Protocol
 
@@ -28,6 +29,9 @@ PIVOT_STEPS = (
 # Between these the trainer is stopped and the run directory is neither the old phase nor the new one:
 # a trainer refuses to start (require_no_half_pivot) until the pivot is rerun or abandoned.
 HALF_DONE_STEPS = ("stopped", "archiving", "archived", "loss-kept")
+# A pivot request's id (`andrea pivot --request-id`, the flow's request_id): the journal and the phase
+# folder it closes record it, so that a rerun of the request finds it done (ops/pivot.already_pivoted).
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 
 
 class PolicyId(Protocol):
@@ -112,6 +116,9 @@ JOURNAL_SCHEMA: dict[str, Field] = {
         says="is not a phase folder of this run (archive/phase_NNN_step_NNNNNN)",
     ),
     **dict.fromkeys(("policy", "policy_hash", "policy_text", "source", "at", "restart"), _TEXT),
+    "request_id": Field(
+        (str,), null=True, required=False, pattern=REQUEST_ID_RE, says="is not a pivot request id"
+    ),
 }
 
 

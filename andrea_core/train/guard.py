@@ -440,8 +440,11 @@ def roll_back(trainer: Any, d: Divergence) -> int:
 
     Crash-safe by order. The checkpoints past the target (a timeline now abandoned) are moved aside
     into refused/ before the event is appended: a crash between the two resumes from the target without
-    the event, trains into the same divergence (resume is bit-exact) and records the same event; a
-    crash after the append resumes from the target with the event, exactly as this process goes on."""
+    the event, trains into the same divergence (resume is bit-exact) and decides again, against the
+    checkpoints then on disk: the same event, or where this timeline lacked one that the replay writes
+    (a full disk's unwritten checkpoint) the newer one, as the run without that fault decides (docs/
+    design.md "A crash inside a rollback"); a crash after the append resumes from the target with the
+    event, exactly as this process goes on."""
     from andrea_core.model.gpt import GPT
 
     g, run, main = trainer.guard, trainer.run, trainer.world.is_main
