@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_for
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
@@ -208,6 +208,48 @@ def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
     assert set(bench_soak.KINDS["s3"]) == set(KINDS["s3"]) | set(S3_IN_THE_LOCAL_ROUND)
     assert set(S3_IN_THE_LOCAL_ROUND) <= set(KINDS["local"])
     assert set(SYSTEM_CLAIMS) == set(SYSTEM), "each machine kind's claim is checked"
+
+
+def test_a_status_read_is_judged_on_its_own_output_while_another_thread_spawns(tiny_reference, tmp_path):
+    """bench/soak.py's reader (invariant (10)) judges the `andrea status` it started, even when the
+    reference thread starts a command of its own while that status runs: the soak once judged
+    self.procs[-1], the last process any thread started, and a CI round (2026-12-06, moto) reported
+    the reference's `andrea pivot` output as the reader's status. Here the sigkill fault's reader asks
+    about a run that has stopped while a second thread starts an `andrea status` of a folder that
+    holds no run (no state line) as soon as the reader's process is started. Real processes, cold."""
+    import argparse
+    import shutil
+    import threading
+    import types
+    from collections import Counter
+
+    from soak import Soak
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_reference, run)
+    (tmp_path / "empty").mkdir()
+    soak = Soak.__new__(Soak)  # the plumbing spawn/tool/f_sigkill read, without a store's mounts
+    soak.args = argparse.Namespace(nice=0, warm=False)
+    soak.store = types.SimpleNamespace(run_url=str(run), env=lambda host: {})
+    soak.host, soak.cache, soak.fault_i = "soak-a", tmp_path / "cache", 0
+    soak.poisoned, soak.trainer = [], None
+    soak.procs, soak.violations, soak.readers, soak.launcher = [], [], Counter(), None
+    other = []
+
+    def beside() -> None:  # the reference thread's start, while the reader's status runs
+        wait_for(lambda: soak.procs, 60, "the reader's status started", every=0.001)
+        other.append(soak.spawn("ref-status", ["status", str(tmp_path / "empty")], host="soak-ref"))
+
+    thread = threading.Thread(target=beside)
+    thread.start()
+    soak.f_sigkill({"after_s": 0})
+    thread.join(120)
+    assert other and other[0].wait(120) is not None and soak.procs == [soak.procs[0], other[0]]
+    said = re.search(r": (STOPPED|COMPLETED): ", soak.procs[0].text())  # a run trained to its end
+    assert said, soak.procs[0].text()
+    state = said.group(1)
+    assert soak.readers == Counter({f"dead -> {state}": 1}), (soak.readers, other[0].text())
+    assert soak.violations == []
 
 
 def test_a_seeded_fault_of_every_kind_on_a_tmpfs_breaks_no_invariant(tmp_path):
