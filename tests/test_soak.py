@@ -8,9 +8,8 @@ relay's 5 storage faults (issue 48 item 3), cache-full (an S3 run's cache holds 
 mirrors) and the 3 features; the other machine kinds, drawn on S3 by bench/soak.py too, are the
 trainer's machine's and thrown here by the local round. One round a store: each round trains its
 run and its reference from zero, prepares its data and checks its end once, so a kind costs its fault
-alone; its trainers and commands start cold, as a user's (ANDREA_SOAK_WARM=1: `bench/soak.py --warm`,
-tests/warm_launcher.py's fork servers, ~2 s of CPU less a start; not by default while one round's
-status read another process's output, bench/README.md). Its purpose is that
+alone; its trainers and commands start warm (`bench/soak.py --warm`: tests/warm_launcher.py's fork
+servers, ~2 s of CPU less a start; ANDREA_SOAK_WARM=0 starts them cold, as a user's). Its purpose is that
 the harness works and a fault of every kind passes; the long rounds (`--faults 40` and `--faults 1000`)
 and their figures stay in bench/README.md. Each store in a module of its own, so that the two go to
 the suite's two workers side by side."""
@@ -56,10 +55,10 @@ def run_soak(
     """bench/soak.py --faults each*len(kinds) --seed 1 --kinds KINDS on `store`: its exit status, its
     output (also in WORK.out, beside its folder, for the post-mortem), and its table (kind -> (injected,
     survived, violations), every kind of the store: 0 for those not drawn)."""
-    # ANDREA_SOAK_WARM=1: --warm, the trainers and commands forked by a fork server with torch imported
-    # (tests/warm_launcher.py). Off by default: in one CI round (2026-12-06, moto) a reader's `andrea
-    # status` returned the output of the reference thread's `andrea pivot`, cause not yet found.
-    warm = ["--warm"] if os.environ.get("ANDREA_SOAK_WARM") == "1" else []
+    # --warm: the trainers and commands forked by a fork server with torch imported (tests/warm_launcher.py);
+    # ANDREA_SOAK_WARM=0: cold. (The crossed status of 2026-12-06 was the soak's own: it judged
+    # self.procs[-1], the reference thread's pivot; test_a_status_read_is_judged_on_its_own_output...)
+    warm = [] if os.environ.get("ANDREA_SOAK_WARM") == "0" else ["--warm"]
     proc = subprocess.run(
         [
             sys.executable,
@@ -105,7 +104,7 @@ def soak(store: str, kinds: list[str], work: Path) -> str:
         assert row == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
     assert returncode == 0, out[-6000:]
-    if os.environ.get("ANDREA_SOAK_WARM") == "1":  # --warm was given, and its starts were forked
+    if os.environ.get("ANDREA_SOAK_WARM") != "0":  # --warm was given, and its starts were forked
         launched = re.search(r"^warm launcher: (\d+) starts warm, (\d+) cold", out, re.M)
         assert launched and int(launched.group(1)) > 0, out[-6000:]
     features_did_what_they_claim(out)
