@@ -2362,14 +2362,17 @@ class Soak:
         """The same run with no fault, made on a thread beside the soak (a core the soak's one-thread
         trainer leaves idle, at nice 19): stopped at each event's step (`--max-steps`), the event replayed
         there with the same command (pivot offline at the newest checkpoint, fork --step), trained on.
-        Between events it trains ahead, but only to a grid step at or below `self.settled`, the newest
-        checkpoint of the run when the fault in progress began: every later pivot's boundary is at or
-        above it, and a later fork's step is a keep_every multiple, which the reference keeps too."""
+        Between events it trains ahead once `--ref-ahead` steps behind (fewer starts in a long round,
+        less lag for a data change to wait on in a short one), but only to a grid step at or below
+        `self.settled`, the newest checkpoint of the run when the fault in progress began: every later
+        pivot's boundary is at or above it, and a later fork's step is a keep_every multiple, which
+        the reference keeps too. Each stop is on the audit and keep_every grids, as an event's is."""
         ref_root = self.work / "ref"
         ref_root.mkdir()
         ref, host, grid = ref_root / "run", "soak-ref", 20 * self.every  # a multiple of both grids
         self.ref_work = Counter()  # the reference's processes and the seconds they ran (phases' line)
-        at, done, ahead = 0, 0, 10 * grid  # the reference's step; events replayed; the least step ahead
+        at, done = 0, 0  # the reference's step; events replayed
+        ahead = self.args.ref_ahead  # the least step ahead it trains to between events
         while not self.stopping:
             settled = self.settled // grid * grid  # read before the events: earlier faults' are all in
             if done < len(self.events):
@@ -2816,6 +2819,13 @@ def main() -> int:
         "(tests/warm_launcher.py; the CI rounds do): seconds less a start, not a user's start",
     )
     ap.add_argument(
+        "--ref-ahead",
+        type=int,
+        default=0,
+        help="the reference trains ahead once this many steps behind the run's settled checkpoint "
+        "(a multiple of 20 x --every; default 200 x --every: few starts in a long round)",
+    )
+    ap.add_argument(
         "--no-layer",
         dest="layer",
         action="store_false",
@@ -2826,6 +2836,11 @@ def main() -> int:
     # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
     # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
     args.disk_mb = args.disk_mb or 48 + 8 * args.faults
+    args.ref_ahead = args.ref_ahead or 200 * args.every
+    if args.ref_ahead <= 0 or args.ref_ahead % (20 * args.every):
+        ap.error(
+            f"--ref-ahead: {args.ref_ahead} is not a positive multiple of 20 x --every ({20 * args.every})"
+        )
     kinds = args.kinds.split(",") if args.kinds else None
     if args.store == "local" and args.layer:
         from powercut import fuse_unavailable

@@ -74,6 +74,8 @@ def run_soak(
             ",".join(kinds),
             "--work",
             str(work),
+            "--ref-ahead",  # the reference keeps up a grid step at a time (100): a data change waits less
+            "100",
         ],  # fmt: skip
         cwd=REPO,
         capture_output=True,
