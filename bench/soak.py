@@ -678,15 +678,25 @@ class Soak:
             return self.launcher
 
     def tool(self, what: str, argv: list[str], timeout: float = TOOL_BOUND, **extra: str) -> tuple[int, str]:
+        """`andrea ARGV` run to its end: its exit status and its output."""
+        rc, p = self.tool_proc(what, argv, timeout, **extra)
+        return rc, p.text()
+
+    def tool_proc(
+        self, what: str, argv: list[str], timeout: float = TOOL_BOUND, **extra: str
+    ) -> tuple[int, Proc]:
+        """`andrea ARGV` run to its end: its exit status and its own Proc. Never self.procs[-1]: the
+        reference thread spawns into that list too, and a status read from it once judged the
+        reference's `andrea pivot` (CI, 2026-12-06, invariant (10))."""
         p = self.spawn(what, argv, **extra)
         rc = p.wait(timeout)
         if rc is None:
             p.signal(signal.SIGKILL)
             p.wait(30)
             self.violate("7", f"`andrea {' '.join(argv)}` did not end within {timeout:g}s:\n{p.tail()}")
-            return -9999, p.text()
+            return -9999, p
         time.sleep(0.05)  # the reader thread's last lines
-        return rc, p.text()
+        return rc, p
 
     def violate(self, invariant: str, what: str) -> None:
         self.violations.append((self.fault_i, invariant, what))
@@ -797,9 +807,9 @@ class Soak:
         time.sleep(f["after_s"])
         self.stop_trainer(signal.SIGKILL)
         # (10) a reader asked while nothing trains (the killed trainer dead, not yet restarted)
-        rc, _ = self.tool("status", ["status", self.store.run_url])
+        rc, p = self.tool_proc("status", ["status", self.store.run_url])
         if rc == 0:
-            self._status_truth(self.procs[-1], alive=False)
+            self._status_truth(p, alive=False)
 
     def _status_truth(self, p: Proc, alive: bool | None) -> None:
         """(10) `andrea status`'s state against the truth: a trainer of this host alive throughout is
@@ -1916,9 +1926,9 @@ class Soak:
             self.violate("7", f"the supervisor exited {rc}:\n{sup.tail()}")
         else:
             d["supervisor survived"] += 1
-        st, _ = self.tool("status", ["status", self.store.run_url])
+        st, p = self.tool_proc("status", ["status", self.store.run_url])
         if st == 0:
-            self._status_truth(self.procs[-1], alive=False)
+            self._status_truth(p, alive=False)
         return True
 
     def f_cache_full(self, f: dict) -> None:
@@ -1949,11 +1959,11 @@ class Soak:
             else:
                 self.violate("7", f"a trainer did not start with the cache full:\n{self.trainer.tail()}")
                 self.trainer.expect_exit = True
-            rc, out = self.tool("status", ["status", self.store.run_url])
+            rc, p = self.tool_proc("status", ["status", self.store.run_url])
             if rc == 0:
-                self._status_truth(self.procs[-1], alive=self.trainer.popen.poll() is None or None)
+                self._status_truth(p, alive=self.trainer.popen.poll() is None or None)
             else:
-                self.violate("7", f"andrea status on a full cache exited {rc}:\n{out[-2000:]}")
+                self.violate("7", f"andrea status on a full cache exited {rc}:\n{p.text()[-2000:]}")
         finally:
             filler.unlink(missing_ok=True)
 
@@ -1977,6 +1987,7 @@ class Soak:
         d, margin = self.did["guard-rollback"], 50  # train.guard.rollback_margin's default
         self.stop_trainer(signal.SIGTERM)  # the trainer to come has the poisoned position in its env
         before = self._guard_events()
+        first = len(self.procs)  # this fault's trainers are spawned from here on (the reference's too)
         step = max(self.checkpoints(), default=0)
         # A checkpoint that both runs keep for good (the phase's boundary, or step 50: keep_every) at
         # least rollback_margin before D: else the guard takes the oldest kept before the spike, which
@@ -2029,7 +2040,8 @@ class Soak:
             self.violate("11", f"the rollback at {D} went to {e.rolled_back_to}, {max(kept)} was kept")
         else:
             d["rolled back to a checkpoint kept before the spike"] += 1
-        if any("guard: replaying" in line for p in self.procs[-3:] for _, line in p.lines):
+        mine = [p for p in self.procs[first:] if p.what == "trainer"]  # not the reference's, spawned beside
+        if any("guard: replaying" in line for p in mine for _, line in p.lines):
             d["replayed by a restart"] += 1
         self.divergences.append({"step": D, "to": e.rolled_back_to})
 
@@ -2363,14 +2375,17 @@ class Soak:
         """The same run with no fault, made on a thread beside the soak (a core the soak's one-thread
         trainer leaves idle, at nice 19): stopped at each event's step (`--max-steps`), the event replayed
         there with the same command (pivot offline at the newest checkpoint, fork --step), trained on.
-        Between events it trains ahead, but only to a grid step at or below `self.settled`, the newest
-        checkpoint of the run when the fault in progress began: every later pivot's boundary is at or
-        above it, and a later fork's step is a keep_every multiple, which the reference keeps too."""
+        Between events it trains ahead once `--ref-ahead` steps behind (fewer starts in a long round,
+        less lag for a data change to wait on in a short one), but only to a grid step at or below
+        `self.settled`, the newest checkpoint of the run when the fault in progress began: every later
+        pivot's boundary is at or above it, and a later fork's step is a keep_every multiple, which
+        the reference keeps too. Each stop is on the audit and keep_every grids, as an event's is."""
         ref_root = self.work / "ref"
         ref_root.mkdir()
         ref, host, grid = ref_root / "run", "soak-ref", 20 * self.every  # a multiple of both grids
         self.ref_work = Counter()  # the reference's processes and the seconds they ran (phases' line)
-        at, done, ahead = 0, 0, 10 * grid  # the reference's step; events replayed; the least step ahead
+        at, done = 0, 0  # the reference's step; events replayed
+        ahead = self.args.ref_ahead  # the least step ahead it trains to between events
         while not self.stopping:
             settled = self.settled // grid * grid  # read before the events: earlier faults' are all in
             if done < len(self.events):
@@ -2836,6 +2851,13 @@ def main() -> int:
         "(tests/warm_launcher.py; the CI rounds do): seconds less a start, not a user's start",
     )
     ap.add_argument(
+        "--ref-ahead",
+        type=int,
+        default=0,
+        help="the reference trains ahead once this many steps behind the run's settled checkpoint "
+        "(a multiple of 20 x --every; default 200 x --every: few starts in a long round)",
+    )
+    ap.add_argument(
         "--no-layer",
         dest="layer",
         action="store_false",
@@ -2846,6 +2868,11 @@ def main() -> int:
     # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
     # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
     args.disk_mb = args.disk_mb or 48 + 8 * args.faults
+    args.ref_ahead = args.ref_ahead or 200 * args.every
+    if args.ref_ahead <= 0 or args.ref_ahead % (20 * args.every):
+        ap.error(
+            f"--ref-ahead: {args.ref_ahead} is not a positive multiple of 20 x --every ({20 * args.every})"
+        )
     kinds = args.kinds.split(",") if args.kinds else None
     if args.store == "local" and args.layer:
         from powercut import fuse_unavailable

@@ -8,9 +8,8 @@ relay's 5 storage faults (issue 48 item 3), cache-full (an S3 run's cache holds 
 mirrors) and the 3 features; the other machine kinds, drawn on S3 by bench/soak.py too, are the
 trainer's machine's and thrown here by the local round. One round a store: each round trains its
 run and its reference from zero, prepares its data and checks its end once, so a kind costs its fault
-alone; its trainers and commands start cold, as a user's (ANDREA_SOAK_WARM=1: `bench/soak.py --warm`,
-tests/warm_launcher.py's fork servers, ~2 s of CPU less a start; not by default while one round's
-status read another process's output, bench/README.md). Its purpose is that
+alone; its trainers and commands start warm (`bench/soak.py --warm`: tests/warm_launcher.py's fork
+servers, ~2 s of CPU less a start; ANDREA_SOAK_WARM=0 starts them cold, as a user's). Its purpose is that
 the harness works and a fault of every kind passes; the long rounds (`--faults 40` and `--faults 1000`)
 and their figures stay in bench/README.md. Each store in a module of its own, so that the two go to
 the suite's two workers side by side."""
@@ -24,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_for
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
@@ -56,10 +55,10 @@ def run_soak(
     """bench/soak.py --faults each*len(kinds) --seed 1 --kinds KINDS on `store`: its exit status, its
     output (also in WORK.out, beside its folder, for the post-mortem), and its table (kind -> (injected,
     survived, violations), every kind of the store: 0 for those not drawn)."""
-    # ANDREA_SOAK_WARM=1: --warm, the trainers and commands forked by a fork server with torch imported
-    # (tests/warm_launcher.py). Off by default: in one CI round (2026-12-06, moto) a reader's `andrea
-    # status` returned the output of the reference thread's `andrea pivot`, cause not yet found.
-    warm = ["--warm"] if os.environ.get("ANDREA_SOAK_WARM") == "1" else []
+    # --warm: the trainers and commands forked by a fork server with torch imported (tests/warm_launcher.py);
+    # ANDREA_SOAK_WARM=0: cold. (The crossed status of 2026-12-06 was the soak's own: it judged
+    # self.procs[-1], the reference thread's pivot; test_a_status_read_is_judged_on_its_own_output...)
+    warm = [] if os.environ.get("ANDREA_SOAK_WARM") == "0" else ["--warm"]
     proc = subprocess.run(
         [
             sys.executable,
@@ -75,6 +74,8 @@ def run_soak(
             ",".join(kinds),
             "--work",
             str(work),
+            "--ref-ahead",  # the reference keeps up a grid step at a time (100): a data change waits less
+            "100",
         ],  # fmt: skip
         cwd=REPO,
         capture_output=True,
@@ -105,7 +106,7 @@ def soak(store: str, kinds: list[str], work: Path) -> str:
         assert row == ("1", "1", "-"), (kind, out[-6000:])
     assert re.search(r"^violations: 0;", out, re.M), out[-6000:]
     assert returncode == 0, out[-6000:]
-    if os.environ.get("ANDREA_SOAK_WARM") == "1":  # --warm was given, and its starts were forked
+    if os.environ.get("ANDREA_SOAK_WARM") != "0":  # --warm was given, and its starts were forked
         launched = re.search(r"^warm launcher: (\d+) starts warm, (\d+) cold", out, re.M)
         assert launched and int(launched.group(1)) > 0, out[-6000:]
     features_did_what_they_claim(out)
@@ -208,6 +209,48 @@ def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
     assert set(bench_soak.KINDS["s3"]) == set(KINDS["s3"]) | set(S3_IN_THE_LOCAL_ROUND)
     assert set(S3_IN_THE_LOCAL_ROUND) <= set(KINDS["local"])
     assert set(SYSTEM_CLAIMS) == set(SYSTEM), "each machine kind's claim is checked"
+
+
+def test_a_status_read_is_judged_on_its_own_output_while_another_thread_spawns(tiny_reference, tmp_path):
+    """bench/soak.py's reader (invariant (10)) judges the `andrea status` it started, even when the
+    reference thread starts a command of its own while that status runs: the soak once judged
+    self.procs[-1], the last process any thread started, and a CI round (2026-12-06, moto) reported
+    the reference's `andrea pivot` output as the reader's status. Here the sigkill fault's reader asks
+    about a run that has stopped while a second thread starts an `andrea status` of a folder that
+    holds no run (no state line) as soon as the reader's process is started. Real processes, cold."""
+    import argparse
+    import shutil
+    import threading
+    import types
+    from collections import Counter
+
+    from soak import Soak
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_reference, run)
+    (tmp_path / "empty").mkdir()
+    soak = Soak.__new__(Soak)  # the plumbing spawn/tool/f_sigkill read, without a store's mounts
+    soak.args = argparse.Namespace(nice=0, warm=False)
+    soak.store = types.SimpleNamespace(run_url=str(run), env=lambda host: {})
+    soak.host, soak.cache, soak.fault_i = "soak-a", tmp_path / "cache", 0
+    soak.poisoned, soak.trainer = [], None
+    soak.procs, soak.violations, soak.readers, soak.launcher = [], [], Counter(), None
+    other = []
+
+    def beside() -> None:  # the reference thread's start, while the reader's status runs
+        wait_for(lambda: soak.procs, 60, "the reader's status started", every=0.001)
+        other.append(soak.spawn("ref-status", ["status", str(tmp_path / "empty")], host="soak-ref"))
+
+    thread = threading.Thread(target=beside)
+    thread.start()
+    soak.f_sigkill({"after_s": 0})
+    thread.join(120)
+    assert other and other[0].wait(120) is not None and soak.procs == [soak.procs[0], other[0]]
+    said = re.search(r": (STOPPED|COMPLETED): ", soak.procs[0].text())  # a run trained to its end
+    assert said, soak.procs[0].text()
+    state = said.group(1)
+    assert soak.readers == Counter({f"dead -> {state}": 1}), (soak.readers, other[0].text())
+    assert soak.violations == []
 
 
 def test_a_seeded_fault_of_every_kind_on_a_tmpfs_breaks_no_invariant(tmp_path):

@@ -40,6 +40,10 @@ elif action == "interrupt":
     raise KeyboardInterrupt
 elif action == "at-import":
     print(wprobe.AT_IMPORT)
+elif action == "echo":  # its token on both streams, what its server imported under, its own exit status
+    print(sys.argv[2], wprobe.AT_IMPORT, flush=True)
+    print(sys.argv[2], file=sys.stderr)
+    sys.exit(int(sys.argv[3]))
 elif action == "sleep":
     print("ready", flush=True)
     time.sleep(600)
@@ -476,3 +480,49 @@ def _state(pid: int) -> str:
     with contextlib.suppress(OSError):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     return "gone"
+
+
+def test_starts_from_many_threads_at_once_each_get_their_own_output_and_exit_status(probe):
+    """Many threads start commands through one launcher at once (as bench/soak.py's main and
+    reference threads do), each with its own token, exit status and import-read env, over two servers
+    for three envs, so that a start also stops an idle server (polling the others' children) or runs
+    cold: every caller reads exactly its own child's stdout and stderr and gets its own exit status,
+    and every start is counted once, warm or cold. The interpreter switches threads every 10 us
+    here, so that starts interleave mid-way."""
+    import threading
+
+    _, env, root = probe
+    launcher = WarmLauncher(["wprobe"], env, str(root), max_servers=2)
+    results, errors = [], []
+
+    def starts(thread: int) -> None:
+        for i in range(6):
+            token, code = f"t{thread}-{i}", 1 + (thread * 6 + i) % 250
+            value = "abc"[(thread + i) % 3]
+            try:
+                out = launcher.run(
+                    [sys.executable, "-m", "wprobe", "echo", token, str(code)],
+                    env={**env, "WPROBE_AT_IMPORT": value}, cwd=root, capture_output=True, timeout=120,
+                )  # fmt: skip
+                results.append((token, code, value, out.returncode, out.stdout, out.stderr))
+            except Exception as e:  # noqa: BLE001 - reported with its start below
+                errors.append((token, repr(e)))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=starts, args=(n,)) for n in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        sys.setswitchinterval(interval)
+        launcher.stop()
+    assert not errors, errors
+    assert len(results) == 72
+    wrong = [
+        r for r in results if (r[3], r[4], r[5]) != (r[1], f"{r[0]} {r[2]}\n".encode(), f"{r[0]}\n".encode())
+    ]
+    assert not wrong, (wrong, launcher.cold)
+    assert launcher.warm > 0 and launcher.warm + len(launcher.cold) == 72, (launcher.warm, launcher.cold)

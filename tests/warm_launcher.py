@@ -434,7 +434,7 @@ class WarmPopen(subprocess.Popen):
                 "session": bool(start_new_session),
                 "nice": self._nice,
             }
-            reply, self._conn = self._launcher.request(req, fds, self)
+            reply = self._launcher.request(req, fds, self)  # a pid: adopted (_adopt) there
         if "cold" in reply:
             self._launcher.cold.append(reply["cold"])
             if self._nice:
@@ -446,9 +446,13 @@ class WarmPopen(subprocess.Popen):
         if "refused" in reply:
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
             raise RuntimeError(f"warm launcher refused to fork: {reply['refused']}")
-        self.pid, self.warm, self._child_created = reply["pid"], True, True
-        self._launcher.warm += 1
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _adopt(self, pid: int, conn: socket.socket) -> None:
+        """The forked child's pid and the connection its exit status comes back on: set by the
+        launcher, under its lock, before the server lists this Popen among its children (another
+        thread's start may poll them)."""
+        self.pid, self._conn, self.warm, self._child_created = pid, conn, True, True
 
     def _try_wait(self, wait_flags):
         if self._conn is None:
@@ -574,9 +578,11 @@ class WarmLauncher:
         self._unstartable: set[frozenset] = set()  # envs under which a server did not start
         self._lock = threading.Lock()  # one request at a time: the servers' order, a new server
 
-    def request(self, req: dict, fds: list[int], popen: WarmPopen) -> tuple[dict, socket.socket | None]:
+    def request(self, req: dict, fds: list[int], popen: WarmPopen) -> dict:
         """Ask the servers, the most recently used first, to fork `req`; the server's reply (a pid, or
-        why it runs cold) and the connection its exit status comes back on."""
+        why it runs cold). A forked child's pid and the connection its exit status comes back on are
+        `popen`'s (WarmPopen._adopt) before it is counted among its server's children: a start on
+        another thread polls those (busy()), and must not find one without its pid."""
         with self._lock:
             for server in self.servers:
                 reply, conn = server.request(req, fds)
@@ -585,13 +591,15 @@ class WarmLauncher:
             else:
                 server = self._server_for(req["env"], reply["cold"])
                 if server is None:
-                    return reply, None
+                    return reply
                 reply, conn = server.request(req, fds)
             self.servers.remove(server)
             self.servers.insert(0, server)
             if conn is not None:
+                popen._adopt(reply["pid"], conn)
                 server.children.add(popen)
-            return reply, conn
+                self.warm += 1
+            return reply
 
     def _server_for(self, env: dict[str, str], why: str) -> _Server | None:
         """A new server whose imports read `env`, room made for it; None if it cannot be had."""
