@@ -10,9 +10,11 @@ durable tree reaches (an inode whose only name was never synced is gone, as on e
 and recomputes the link counts. The model is the strict POSIX one (LazyFS's): fsync of a file does
 not make its name durable, and nothing reaches the disk unasked.
 
-Disk errors are armed through the same layer: the next write, fsync or read of a path matching a
-pattern (a regular expression, searched) fails with EIO, or a write is short; a file is torn or
-bit-flipped in place.
+Disk errors are armed through the same layer: the next write, fsync, read or stat (a lookup or
+getattr: what exists() and open() ask first) of a path matching a pattern (a regular expression,
+searched) fails with EIO, or a write is short; a file is torn or bit-flipped in place. (The kernel
+answers a failed revalidation of a cached name with a fresh lookup: a stat error reaches its caller
+when armed twice.)
 
     python bench/powercut.py BACKING MOUNTPOINT CONTROL_SOCKET    # serves until unmounted
 
@@ -246,6 +248,8 @@ class PowerCutFS:
 
     def getattr(self, path, fh=None):
         n = self._node_of(path, fh)
+        if self._fault("stat", path, n):
+            raise _err(errno.EIO)
         nlink = n.nlink
         if n.kind == stat.S_IFDIR:
             nlink = (1 if n.ino == ROOT else n.nlink) + 1

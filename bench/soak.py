@@ -2845,6 +2845,13 @@ def main() -> int:
     ap.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: every kind)")
     ap.add_argument("--verbose", action="store_true", help="one line per fault")
     ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        help="inject only the first N faults of the --faults schedule (a replay of a prefix: the same "
+        "faults and disk as the whole round), then the end checks",
+    )
+    ap.add_argument(
         "--warm",
         action="store_true",
         help="start the trainers and commands from a fork server with torch imported "
@@ -2892,6 +2899,8 @@ def main() -> int:
             f"--kinds: {unknown} are not fault kinds of --store {args.store} ({', '.join(KINDS[args.store])})"
         )
     schedule = draw_schedule(args.seed, args.faults, args.store, args.every, kinds)
+    if args.stop_after:
+        schedule = schedule[: args.stop_after]
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="andrea-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

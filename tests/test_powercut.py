@@ -370,3 +370,38 @@ def test_an_audit_a_failed_write_kept_survives_a_rollbacks_new_segment(layer, ti
         # The segment's .loss.json handle, closed as the trainer closes it: held open, the mount's
         # server outlives its lazy unmount and the layer's close waits 30 s for it.
         host.loss_log.close()
+
+
+def test_a_stat_error_on_the_bandit_state_is_not_a_fresh_bandit(layer, tmp_path_factory):
+    """The disk-error soak's class of defect (issue 48): fsspec's exists() answers False for any error
+    of its stat, so an EIO on .state.json at a start read as "no .state.json" and the trainer resumed
+    with a fresh bandit: other arms drawn from the resume point + 1 on, exit 0, the run diverged from its
+    uninterrupted self (as the 1000-fault round's history did, at a resume point + 1). Now the error
+    stops the start (one line, exit 1), and the next start resumes the bandit, bit-exact."""
+    import shutil
+
+    from conftest import andrea
+    from data_runs import STEPS, mix_runs
+
+    reference = Path(mix_runs(tmp_path_factory).uninterrupted.url)
+    run = layer.mount / "run"
+    shutil.copytree(reference, run)
+    (run / f"step_{STEPS:06d}.bin").unlink()  # resumed from the one before: its state is a "previous"
+    argv = ("train", "--run-dir", str(run), "--max-steps", str(STEPS), "--device", "cpu")
+    # Twice: the kernel answers a failed revalidation of its cached entry with a fresh lookup, which
+    # fails too: the caller's stat gets the EIO.
+    layer.arm("stat", r"^/run/\.state\.json$", count=2)
+    first = andrea(*argv, check=False, timeout=600)
+    said = first.stdout + first.stderr
+    assert [h["path"] for h in layer.call("fired")["fired"]] == ["/run/.state.json"] * 2
+    assert "fresh bandit" not in said, said  # before the fix: "bandit: no .state.json: a fresh bandit"
+    assert first.returncode == 1, said
+    assert first.stderr.strip().splitlines()[-1] == (
+        f"andrea: error: [Errno 5] Input/output error: '{run / '.state.json'}': the disk failed; check it, "
+        "then run the command again"
+    )
+    assert not (run / f"step_{STEPS:06d}.bin").exists()  # nothing trained on a bandit it could not read
+    second = andrea(*argv, timeout=600)
+    assert "fresh bandit" not in second.stdout + second.stderr
+    final = f"step_{STEPS:06d}.bin"
+    assert (run / final).read_bytes() == (reference / final).read_bytes()

@@ -177,6 +177,12 @@ class LocalStore(_Named):
     def __init__(self, fs: Any, root: str):
         self.fs, self.root, self.url = fs, root, root
 
+    def exists(self, name: str) -> bool:
+        return _local_exists(self.path(name))
+
+    def root_exists(self) -> bool:
+        return _local_exists(self.root)
+
     # --- the path layer: from the root down, never through a symlink ---------------------------
 
     def _parent_fd(self, name: str, create: bool = False) -> tuple[int, str]:
@@ -672,6 +678,25 @@ class MemoryStore(_ObjectStore):
 
 
 # --- appending ---------------------------------------------------------------------------------------
+
+
+# What a stat answers when the name is not there (or cannot name a file): "absent". Any other error
+# (EIO, EACCES) is the disk's or the system's failure, never an absence (below).
+_ABSENT_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG)
+
+
+def _local_exists(path: str) -> bool:
+    """Whether `path` exists (a symlink followed, as fsspec's exists follows it). fsspec's
+    LocalFileSystem.exists answers False for any exception of its stat: an I/O error on .state.json
+    started a fresh bandit, on guard.jsonl dropped the guard's remedies, each as if the file were
+    absent (issue 48, the disk-error soak). Here only "not there" is False; any other error raises."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno in _ABSENT_ERRNOS:
+            return False
+        raise
+    return True
 
 
 class AppendFile:
