@@ -107,6 +107,7 @@ class Stack:
         return proc
 
     def start_worker(self) -> None:
+        """Start the worker's process; wait_for_worker waits for it to come online."""
         log = open(OUT / "worker.log", "ab")
         self.worker = subprocess.Popen(
             [PREFECT, "worker", "start", "--pool", "andrea", "--type", "process", "--name", self.worker_name],
@@ -115,6 +116,8 @@ class Stack:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+    def wait_for_worker(self) -> None:
         with client() as c:
             wait_for(
                 lambda: any(
@@ -166,12 +169,13 @@ def stack(request, prefect_server, tmp_path_factory, token_cache_dir):
             assert setup.returncode == 0, setup.stdout + setup.stderr
             s.setup_output = setup.stdout
             _timed("scripts/prefect_setup.py (s)", time.monotonic() - t0)
-            t0 = time.monotonic()
-            s.deploy_output = s.cli("deploy", "--all").stdout
-            _timed("prefect deploy --all (s)", time.monotonic() - t0)
+            # The worker's start (a cold `prefect` process) overlaps the deploy's: the pool exists.
             t0 = time.monotonic()
             s.start_worker()
-            _timed("worker start to online (s)", time.monotonic() - t0)
+            s.deploy_output = s.cli("deploy", "--all").stdout
+            _timed("prefect deploy --all (s)", time.monotonic() - t0)
+            s.wait_for_worker()
+            _timed("worker start to online, from before the deploy (s)", time.monotonic() - t0)
             yield s
             from prefect.logging.handlers import APILogWorker
 
@@ -300,10 +304,6 @@ def artifact(key: str):
     return max(found, key=lambda a: a.created)
 
 
-def run_id_in(output: str) -> UUID:
-    return UUID(re.search(r"UUID: ([0-9a-f-]{36})|'([0-9a-f-]{36})'", output).group(1) or "")
-
-
 def files_of(run: RunDir) -> dict[str, str]:
     root = Path(run.url)
     return {
@@ -362,15 +362,21 @@ def test_prefect_deploy_all_creates_the_deployments(stack):
         assert f"No heartbeat for {CRASH_AFTER_S} s" in automation.actions[0].message
 
 
-def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack):
+def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack, monkeypatch):
+    """The script's main, twice in this process (its run as a script, in its own process, is the stack
+    fixture's, whose output test_prefect_deploy_all_creates_the_deployments reads): each a cold Python
+    start with Prefect's import saved."""
+    import contextlib
+    import io
+    import runpy
+
+    monkeypatch.setenv("ANDREA_CRASH_AFTER_S", stack.env["ANDREA_CRASH_AFTER_S"])  # as stack.env has it
+    setup = runpy.run_path(str(REPO / "scripts" / "prefect_setup.py"))  # not run as __main__
     outputs = []
     for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "scripts/prefect_setup.py", "--gpus", "1"],
-            env=stack.env, cwd=REPO, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        outputs.append(proc.stdout)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert setup["main"](["--gpus", "1"]) == 0
+        outputs.append(out.getvalue())
     assert "concurrency limit 'gpu-0': created (1 slot: one trainer per GPU)" in outputs[0]
     assert "concurrency limit 'gpu-0': exists (1 slot(s))" in outputs[1]
     for out in outputs:
@@ -461,23 +467,26 @@ def test_audit_fork_of_a_live_run(stack, live_run):
 
 def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
     """The live trainer holds the "test-gpu" slot: an audit fork on that GPU waits, then fails clearly
-    (it never shares the GPU), before it has written anything."""
+    (it never shares the GPU), before it has written anything. The flow is called in this process
+    against the server that holds the slot (the slot is the server's; a deployment run's start, a
+    flow-run process, is test_audit_fork_of_a_live_run's)."""
+    from flows.audit_fork import audit_fork
+
     ensure_live_train(stack, live_run)
     with client() as c:
         limit = c.read_global_concurrency_limit_by_name("test-gpu")
         assert limit.limit == 1 and limit.active_slots == 1
     forks_before = live_run.read_bytes(FORKS)
-    flow_run_id = start_deployment(
-        "audit-fork/audit-fork",
-        run_dir=live_run.url,
+    state = audit_fork(
+        live_run.url,
         branches=[{"name": "a"}, {"name": "b", "overrides": {"train.lr": 1e-3}}],
         steps=10,
         gpu_slot="test-gpu",
         slot_timeout_s=1,
+        return_state=True,
     )
-    run = wait_for_final(flow_run_id)
-    assert run.state.type.value == "FAILED"
-    assert "GpuBusy: concurrency slot 'test-gpu' stayed taken for 1s" in run.state.message
+    assert state.type.value == "FAILED"
+    assert "GpuBusy: concurrency slot 'test-gpu' stayed taken for 1s" in state.message
     assert live_run.read_bytes(FORKS) == forks_before
     assert not list(Path(live_run.url).parent.glob("live-fork*-a"))
 
@@ -495,18 +504,15 @@ def test_pivot_of_a_live_run(stack, live_run):
     new_policy, new_policy_text = load_policy("polish")
 
     t0 = time.monotonic()
-    out = stack.cli(
-        "deployment", "run", "pivot/pivot",
-        "--param", f"run_dir={live_run.url}",
-        "--param", "policy=polish",
-        "--param", "max_steps=100000",
-        "--param", f"pace={LIVE_PACE}",
-        "--param", "gpu_slot=test-gpu",
-    ).stdout  # fmt: skip
-    pivot_id = run_id_in(out)
+    # Through the API (`prefect deployment run`, a cold process, is the refusal test's and the dashboard's).
+    pivot_id = start_deployment(
+        "pivot/pivot", run_dir=live_run.url, policy="polish", max_steps=100000, pace=LIVE_PACE,
+        gpu_slot="test-gpu",
+    )  # fmt: skip
     run = wait_for_final(pivot_id)
     _timed(
-        "pivot flow run (CLI to completed, incl. the resumed trainer's first step) (s)", time.monotonic() - t0
+        "pivot flow run (created to completed, incl. the resumed trainer's first step) (s)",
+        time.monotonic() - t0,
     )
     assert run.state.type.value == "COMPLETED", run.state.message
     boundary = int(re.search(r"at step_(\d+)\.bin", run.state.message).group(1))
@@ -787,14 +793,32 @@ def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tm
         ),
     }
     before = {name: runs_of(name.split("/")[1]) for name in ("audit-fork/audit-fork", "pivot/pivot")}
-    for (deployment, param, value), error in refused.items():
-        extra = ["--param", "policy=polish"] if deployment == "pivot/pivot" else []
-        proc = stack.cli(
-            "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *extra,
-            "--param", f"{param}={value}", check=False,
-        )  # fmt: skip
-        output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
-        assert proc.returncode == 1, output
+    # The first as an operator submits it, `prefect deployment run` (a cold process: its exit status and
+    # the server's refusal in its output); the others through the API, whose reply the CLI prints.
+    for i, ((deployment, param, value), error) in enumerate(refused.items()):
+        extra = {"policy": "polish"} if deployment == "pivot/pivot" else {}
+        if i == 0:
+            options = [a for k, v in extra.items() for a in ("--param", f"{k}={v}")]
+            proc = stack.cli(
+                "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *options,
+                "--param", f"{param}={value}", check=False,
+            )  # fmt: skip
+            output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
+            assert proc.returncode == 1, output
+        else:
+            from prefect.exceptions import PrefectHTTPStatusError
+
+            parameters = {
+                "run_dir": run_dir,
+                **extra,
+                param: json.loads(value) if param == "branches" else value,
+            }
+            with client() as c, pytest.raises(PrefectHTTPStatusError) as refusal:
+                c.create_flow_run_from_deployment(
+                    c.read_deployment_by_name(deployment).id, parameters=parameters
+                )
+            assert refusal.value.response.status_code == 409, refusal.value.response.text
+            output = " ".join(refusal.value.response.json()["detail"].split())
         assert f"Error creating flow run: {error}" in output
     assert {name: runs_of(name.split("/")[1]) for name in before} == before
     assert not (tmp_path / "never-written").exists()
