@@ -89,6 +89,7 @@ class Stack:
         self.live: dict = {}  # run dir and flow run of the trainer the tests share
         self.cancelled: list[UUID] = []  # flow runs cancelled: the crash automation must leave them alone
         self.crashed: dict = {}  # the train flow run whose process was killed, its trainer's last step
+        self.doomed: dict = {}  # run dir and flow run of the train run whose process will be killed
         self.setup_output = self.deploy_output = ""
 
     def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
@@ -334,6 +335,27 @@ def live_run(stack, tmp_path_factory) -> RunDir:
     """andrea-tiny at step 100, copied from the library (conftest.library_run): the train deployment
     resumes it. Creating a run through the deployment is test_prefect_dashboard's."""
     return RunDir(library_run(tmp_path_factory, tmp_path_factory.mktemp("runs") / "live", 100))
+
+
+DOOMED_SLOT = "test-gpu-doomed"  # its own GPU slot: its lease runs out while test-gpu's is asserted free
+
+
+@pytest.fixture(scope="module")
+def doomed_run(stack, tmp_path_factory) -> RunDir:
+    """Another copy of andrea-tiny at step 100: the run whose train flow-run process
+    test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint kills."""
+    return RunDir(library_run(tmp_path_factory, tmp_path_factory.mktemp("runs") / "doomed", 100))
+
+
+def start_doomed_train(stack: Stack, run: RunDir) -> dict:
+    """The `train` deployment run of `run` (on DOOMED_SLOT) whose process the kill test kills, created
+    once. The cancel test creates it as soon as its cancelled run is Cancelled (no heartbeat of that
+    run comes after: the crash test's premise), so that its flow-run process and trainer (cold starts:
+    half a minute on a loaded machine) start while the cancel test reads the API, not in the kill test."""
+    if not stack.doomed:
+        params = {"run_dir": run.url, "max_steps": 100_000, "pace": LIVE_PACE, "gpu_slot": DOOMED_SLOT}
+        stack.doomed = {"run": run, "flow_run_id": start_deployment("train/train", **params)}
+    return stack.doomed
 
 
 # --- the tests -----------------------------------------------------------------------------------
@@ -625,7 +647,7 @@ def progress_artifact(flow_run_id: UUID):
     return found[0] if len(found) == 1 else None
 
 
-def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack, live_run):
+def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack, live_run, doomed_run):
     live = ensure_live_train(stack, live_run)
     trainer = live_trainer(live_run)
     # The run's progress bar: one progress artifact, step of total, following the trainer.
@@ -660,6 +682,7 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
     run = wait_for_final(live["flow_run_id"], timeout=120)
     _timed("cancel: API call to Cancelled state (s)", time.monotonic() - t0)
     assert run.state.type.value == "CANCELLED"
+    start_doomed_train(stack, doomed_run)  # the kill test's run starts while this test reads the API
 
     # Cancelled, its trainer task Cancelled naming the checkpoint, no Crashed task, no "Crash detected".
     logs = assert_a_clean_cancel(live["flow_run_id"], live_run)
@@ -698,15 +721,18 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
     stack.live = {}
 
 
-def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(stack, live_run):
+def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(stack, doomed_run):
     """Worker and flow-run process killed outright: the trainer stops itself with a checkpoint
     (parent-death SIGTERM). What the server makes of the silent run (the lease of its GPU slot runs
     out, the automation marks it Crashed: a minute at least) is checked by
     test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes, last in the module: the tests
     between it and this one need no worker, and run in that minute instead of a wait. This one leaves
-    no worker behind."""
-    live = ensure_live_train(stack, live_run)
-    trainer = live_trainer(live_run)
+    no worker behind. Its train flow run is doomed_run's, created by an earlier test (start_doomed_train)."""
+    live = start_doomed_train(stack, doomed_run)
+    trainer = wait_for(
+        lambda: live_trainer(doomed_run), timeout=300, what="the trainer of the train flow run"
+    )
+    wait_for(lambda: doomed_run.checkpoint_steps(), timeout=300, what="a first checkpoint")
     flow_process = int(Path(f"/proc/{trainer.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     # A train flow run's process never loads torch (its trainer does): tasks/artifacts.py's lazy import.
     maps = Path(f"/proc/{flow_process}/maps").read_text()
@@ -722,9 +748,9 @@ def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(
     os.kill(flow_process, signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: not trainer.is_alive(), timeout=60, what="the orphaned trainer to stop")
-    stopped_at = read_history(live_run)[-1].step
-    assert live_run.checkpoint_steps()[-1] == stopped_at
-    live_run.read_checkpoint(stopped_at)
+    stopped_at = read_history(doomed_run)[-1].step
+    assert doomed_run.checkpoint_steps()[-1] == stopped_at
+    doomed_run.read_checkpoint(stopped_at)
     stack.crashed = {"flow_run_id": live["flow_run_id"], "stopped_at": stopped_at, "killed": killed}
 
 
@@ -876,7 +902,7 @@ def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
     assert all(s > boundary for s in archived.checkpoint_steps())
 
 
-def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, live_run):
+def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, doomed_run):
     """The flow run whose process test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint
     killed: its GPU slot's lease runs out, the automation marks the silent run Crashed (and no cancelled
     one), a new run resumes from the trainer's last checkpoint. Last in the module."""
@@ -885,11 +911,11 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     )
     live = {"flow_run_id": stack.crashed["flow_run_id"]}
     stopped_at, t0 = stack.crashed["stopped_at"], stack.crashed["killed"]
-    assert read_history(live_run)[-1].step == stopped_at == live_run.checkpoint_steps()[-1]
+    assert read_history(doomed_run)[-1].step == stopped_at == doomed_run.checkpoint_steps()[-1]
     # Nobody renews the dead process's lease on the GPU slot: it runs out (60 s) and frees the slot.
     with client() as c:
         wait_for(
-            lambda: c.read_global_concurrency_limit_by_name("test-gpu").active_slots == 0,
+            lambda: c.read_global_concurrency_limit_by_name(DOOMED_SLOT).active_slots == 0,
             timeout=240,
             what="the dead flow run's GPU slot lease to run out",
             every=API_POLL_S,
@@ -918,10 +944,10 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     # A later `train` run resumes from that checkpoint (called in this process: the worker is gone).
     from flows.train import train
 
-    at_stop = LossLogSnapshot.take(live_run)
-    outcome = train(live_run.url, max_steps=stopped_at + 3, gpu_slot="test-gpu", slot_timeout_s=120)
+    at_stop = LossLogSnapshot.take(doomed_run)
+    outcome = train(doomed_run.url, max_steps=stopped_at + 3, gpu_slot=DOOMED_SLOT, slot_timeout_s=120)
     assert outcome["reason"] == "completed" and outcome["step"] == stopped_at + 3
-    first = wait_for_first_entry_after(live_run, at_stop, timeout=1)
+    first = wait_for_first_entry_after(doomed_run, at_stop, timeout=1)
     assert first["step"] == stopped_at + 1, "the new run resumed from the dead run's last checkpoint"
 
 
