@@ -151,6 +151,10 @@ def client():
 
 @pytest.fixture(scope="module")
 def stack(request, prefect_server, tmp_path_factory, token_cache_dir):
+    """The server, set up (scripts/prefect_setup.py) and deployed (`prefect deploy --all`), and a worker
+    of this module's own. A module whose REUSE_DEPLOYMENTS is true takes the setup and deployments an
+    earlier module made on this worker's server, where one did (the same prefect.yaml and automations,
+    the same ANDREA_CRASH_AFTER_S); this module always makes its own: its first test is about them."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -158,25 +162,32 @@ def stack(request, prefect_server, tmp_path_factory, token_cache_dir):
     _timed("server start to healthy (s)", prefect_server.start_s)
     try:
         with temporary_settings(updates={PREFECT_API_URL: s.api, PREFECT_HOME: str(s.home)}):
-            t0 = time.monotonic()
-            setup = subprocess.run(
-                [sys.executable, "scripts/prefect_setup.py", "--gpus", "0"],
-                env=s.env,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            assert setup.returncode == 0, setup.stdout + setup.stderr
-            s.setup_output = setup.stdout
-            _timed("scripts/prefect_setup.py (s)", time.monotonic() - t0)
-            # The worker's start (a cold `prefect` process) overlaps the deploy's: the pool exists.
-            t0 = time.monotonic()
-            s.start_worker()
-            s.deploy_output = s.cli("deploy", "--all").stdout
-            _timed("prefect deploy --all (s)", time.monotonic() - t0)
-            s.wait_for_worker()
-            _timed("worker start to online, from before the deploy (s)", time.monotonic() - t0)
+            if getattr(request.module, "REUSE_DEPLOYMENTS", False) and prefect_server.deployed:
+                s.setup_output = prefect_server.deployed["setup"]
+                s.deploy_output = prefect_server.deployed["deploy"]
+                s.start_worker()
+                s.wait_for_worker()
+            else:
+                t0 = time.monotonic()
+                setup = subprocess.run(
+                    [sys.executable, "scripts/prefect_setup.py", "--gpus", "0"],
+                    env=s.env,
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    timeout=180,
+                )
+                assert setup.returncode == 0, setup.stdout + setup.stderr
+                s.setup_output = setup.stdout
+                _timed("scripts/prefect_setup.py (s)", time.monotonic() - t0)
+                # The worker's start (a cold `prefect` process) overlaps the deploy's: the pool exists.
+                t0 = time.monotonic()
+                s.start_worker()
+                s.deploy_output = s.cli("deploy", "--all").stdout
+                _timed("prefect deploy --all (s)", time.monotonic() - t0)
+                s.wait_for_worker()
+                _timed("worker start to online, from before the deploy (s)", time.monotonic() - t0)
+                prefect_server.deployed.update(setup=s.setup_output, deploy=s.deploy_output)
             yield s
             from prefect.logging.handlers import APILogWorker
 
