@@ -261,7 +261,14 @@ def assert_a_clean_cancel(flow_run_id: UUID, run: RunDir) -> str:
     stopped_at = read_history(run)[-1].step
     name = checkpoint_name(stopped_at)
     assert run.checkpoint_steps()[-1] == stopped_at and run.read_checkpoint(stopped_at).step == stopped_at
-    tasks = task_runs_of(flow_run_id)
+    # A task run's states reach the server as events (its task run recorder records them), and may land
+    # after the flow run's final state, which the flow-run process sets through the API: waited for.
+    tasks = wait_for(
+        lambda: (t := task_runs_of(flow_run_id)) and all(x.state.type.value in FINAL for x in t) and t,
+        timeout=60,
+        what="the flow run's task runs to be final",
+        every=API_POLL_S,
+    )
     assert [t.state.type.value for t in tasks if t.state.type.value != "COMPLETED"] == ["CANCELLED"], [
         (t.name, t.state) for t in tasks
     ]
