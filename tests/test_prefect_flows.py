@@ -544,7 +544,7 @@ def test_pivot_of_a_live_run(stack, live_run):
     new_policy, new_policy_text = load_policy("polish")
 
     t0 = time.monotonic()
-    # Through the API (`prefect deployment run`, a cold process, is the refusal test's and the dashboard's).
+    # Through the API: `prefect deployment run` (a cold process) is the refusal test's.
     pivot_id = start_deployment(
         "pivot/pivot", run_dir=live_run.url, policy="polish", max_steps=100000, pace=LIVE_PACE,
         gpu_slot="test-gpu",
