@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,9 @@ class PrefectServer:
     port: int
     process: subprocess.Popen
     start_s: float  # start to healthy
+    # What a module's Stack set up on it (tests/test_prefect_flows.py): prefect_setup.py's and
+    # `prefect deploy --all`'s output, for a later module of this worker to reuse.
+    deployed: dict[str, str] = field(default_factory=dict)
 
     @property
     def api(self) -> str:

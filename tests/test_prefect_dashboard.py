@@ -2,8 +2,8 @@
 `run-<name>` updated at every checkpoint, read back through the Prefect API and looked at in headless
 Chromium; the progress artifact's loss, tokens/s and ETA; the trainer table's loss; a clean cancel from the
 CLI that reads as one (issue 46.3); the audit-fork schedule shipped inactive and enabled by one
-command; the flow run's name after a pivot. A server and worker of this module's own (test_prefect_flows'
-Stack)."""
+command; the flow run's name after a pivot. This test worker's server (its deployments, where
+test_prefect_flows made them first) and a worker of this module's own (test_prefect_flows' Stack)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ from tests.tiny import tiny_config
 
 OUT = REPO / "test-output" / "prefect-dashboard"
 EVERY = 20
+# The stack's setup and deployments, taken from test_prefect_flows where it ran first on this test
+# worker's server (it asserts them as prefect.yaml makes them and changes none): a cold
+# `prefect deploy --all` and a setup process saved. Run alone, this module makes its own.
+REUSE_DEPLOYMENTS = True
 
 
 def artifact_versions(key: str) -> list:

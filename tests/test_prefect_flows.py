@@ -89,6 +89,7 @@ class Stack:
         self.live: dict = {}  # run dir and flow run of the trainer the tests share
         self.cancelled: list[UUID] = []  # flow runs cancelled: the crash automation must leave them alone
         self.crashed: dict = {}  # the train flow run whose process was killed, its trainer's last step
+        self.doomed: dict = {}  # run dir and flow run of the train run whose process will be killed
         self.setup_output = self.deploy_output = ""
 
     def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
@@ -107,6 +108,7 @@ class Stack:
         return proc
 
     def start_worker(self) -> None:
+        """Start the worker's process; wait_for_worker waits for it to come online."""
         log = open(OUT / "worker.log", "ab")
         self.worker = subprocess.Popen(
             [PREFECT, "worker", "start", "--pool", "andrea", "--type", "process", "--name", self.worker_name],
@@ -115,6 +117,8 @@ class Stack:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+    def wait_for_worker(self) -> None:
         with client() as c:
             wait_for(
                 lambda: any(
@@ -147,6 +151,10 @@ def client():
 
 @pytest.fixture(scope="module")
 def stack(request, prefect_server, tmp_path_factory, token_cache_dir):
+    """The server, set up (scripts/prefect_setup.py) and deployed (`prefect deploy --all`), and a worker
+    of this module's own. A module whose REUSE_DEPLOYMENTS is true takes the setup and deployments an
+    earlier module made on this worker's server, where one did (the same prefect.yaml and automations,
+    the same ANDREA_CRASH_AFTER_S); this module always makes its own: its first test is about them."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -154,24 +162,32 @@ def stack(request, prefect_server, tmp_path_factory, token_cache_dir):
     _timed("server start to healthy (s)", prefect_server.start_s)
     try:
         with temporary_settings(updates={PREFECT_API_URL: s.api, PREFECT_HOME: str(s.home)}):
-            t0 = time.monotonic()
-            setup = subprocess.run(
-                [sys.executable, "scripts/prefect_setup.py", "--gpus", "0"],
-                env=s.env,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            assert setup.returncode == 0, setup.stdout + setup.stderr
-            s.setup_output = setup.stdout
-            _timed("scripts/prefect_setup.py (s)", time.monotonic() - t0)
-            t0 = time.monotonic()
-            s.deploy_output = s.cli("deploy", "--all").stdout
-            _timed("prefect deploy --all (s)", time.monotonic() - t0)
-            t0 = time.monotonic()
-            s.start_worker()
-            _timed("worker start to online (s)", time.monotonic() - t0)
+            if getattr(request.module, "REUSE_DEPLOYMENTS", False) and prefect_server.deployed:
+                s.setup_output = prefect_server.deployed["setup"]
+                s.deploy_output = prefect_server.deployed["deploy"]
+                s.start_worker()
+                s.wait_for_worker()
+            else:
+                t0 = time.monotonic()
+                setup = subprocess.run(
+                    [sys.executable, "scripts/prefect_setup.py", "--gpus", "0"],
+                    env=s.env,
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    timeout=180,
+                )
+                assert setup.returncode == 0, setup.stdout + setup.stderr
+                s.setup_output = setup.stdout
+                _timed("scripts/prefect_setup.py (s)", time.monotonic() - t0)
+                # The worker's start (a cold `prefect` process) overlaps the deploy's: the pool exists.
+                t0 = time.monotonic()
+                s.start_worker()
+                s.deploy_output = s.cli("deploy", "--all").stdout
+                _timed("prefect deploy --all (s)", time.monotonic() - t0)
+                s.wait_for_worker()
+                _timed("worker start to online, from before the deploy (s)", time.monotonic() - t0)
+                prefect_server.deployed.update(setup=s.setup_output, deploy=s.deploy_output)
             yield s
             from prefect.logging.handlers import APILogWorker
 
@@ -245,7 +261,14 @@ def assert_a_clean_cancel(flow_run_id: UUID, run: RunDir) -> str:
     stopped_at = read_history(run)[-1].step
     name = checkpoint_name(stopped_at)
     assert run.checkpoint_steps()[-1] == stopped_at and run.read_checkpoint(stopped_at).step == stopped_at
-    tasks = task_runs_of(flow_run_id)
+    # A task run's states reach the server as events (its task run recorder records them), and may land
+    # after the flow run's final state, which the flow-run process sets through the API: waited for.
+    tasks = wait_for(
+        lambda: (t := task_runs_of(flow_run_id)) and all(x.state.type.value in FINAL for x in t) and t,
+        timeout=60,
+        what="the flow run's task runs to be final",
+        every=API_POLL_S,
+    )
     assert [t.state.type.value for t in tasks if t.state.type.value != "COMPLETED"] == ["CANCELLED"], [
         (t.name, t.state) for t in tasks
     ]
@@ -300,10 +323,6 @@ def artifact(key: str):
     return max(found, key=lambda a: a.created)
 
 
-def run_id_in(output: str) -> UUID:
-    return UUID(re.search(r"UUID: ([0-9a-f-]{36})|'([0-9a-f-]{36})'", output).group(1) or "")
-
-
 def files_of(run: RunDir) -> dict[str, str]:
     root = Path(run.url)
     return {
@@ -336,6 +355,27 @@ def live_run(stack, tmp_path_factory) -> RunDir:
     return RunDir(library_run(tmp_path_factory, tmp_path_factory.mktemp("runs") / "live", 100))
 
 
+DOOMED_SLOT = "test-gpu-doomed"  # its own GPU slot: its lease runs out while test-gpu's is asserted free
+
+
+@pytest.fixture(scope="module")
+def doomed_run(stack, tmp_path_factory) -> RunDir:
+    """Another copy of andrea-tiny at step 100: the run whose train flow-run process
+    test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint kills."""
+    return RunDir(library_run(tmp_path_factory, tmp_path_factory.mktemp("runs") / "doomed", 100))
+
+
+def start_doomed_train(stack: Stack, run: RunDir) -> dict:
+    """The `train` deployment run of `run` (on DOOMED_SLOT) whose process the kill test kills, created
+    once. The cancel test creates it as soon as its cancelled run is Cancelled (no heartbeat of that
+    run comes after: the crash test's premise), so that its flow-run process and trainer (cold starts:
+    half a minute on a loaded machine) start while the cancel test reads the API, not in the kill test."""
+    if not stack.doomed:
+        params = {"run_dir": run.url, "max_steps": 100_000, "pace": LIVE_PACE, "gpu_slot": DOOMED_SLOT}
+        stack.doomed = {"run": run, "flow_run_id": start_deployment("train/train", **params)}
+    return stack.doomed
+
+
 # --- the tests -----------------------------------------------------------------------------------
 
 
@@ -362,15 +402,21 @@ def test_prefect_deploy_all_creates_the_deployments(stack):
         assert f"No heartbeat for {CRASH_AFTER_S} s" in automation.actions[0].message
 
 
-def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack):
+def test_prefect_setup_creates_gpu_limits_and_is_safe_to_run_twice(stack, monkeypatch):
+    """The script's main, twice in this process (its run as a script, in its own process, is the stack
+    fixture's, whose output test_prefect_deploy_all_creates_the_deployments reads): each a cold Python
+    start with Prefect's import saved."""
+    import contextlib
+    import io
+    import runpy
+
+    monkeypatch.setenv("ANDREA_CRASH_AFTER_S", stack.env["ANDREA_CRASH_AFTER_S"])  # as stack.env has it
+    setup = runpy.run_path(str(REPO / "scripts" / "prefect_setup.py"))  # not run as __main__
     outputs = []
     for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "scripts/prefect_setup.py", "--gpus", "1"],
-            env=stack.env, cwd=REPO, capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        outputs.append(proc.stdout)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert setup["main"](["--gpus", "1"]) == 0
+        outputs.append(out.getvalue())
     assert "concurrency limit 'gpu-0': created (1 slot: one trainer per GPU)" in outputs[0]
     assert "concurrency limit 'gpu-0': exists (1 slot(s))" in outputs[1]
     for out in outputs:
@@ -461,23 +507,26 @@ def test_audit_fork_of_a_live_run(stack, live_run):
 
 def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
     """The live trainer holds the "test-gpu" slot: an audit fork on that GPU waits, then fails clearly
-    (it never shares the GPU), before it has written anything."""
+    (it never shares the GPU), before it has written anything. The flow is called in this process
+    against the server that holds the slot (the slot is the server's; a deployment run's start, a
+    flow-run process, is test_audit_fork_of_a_live_run's)."""
+    from flows.audit_fork import audit_fork
+
     ensure_live_train(stack, live_run)
     with client() as c:
         limit = c.read_global_concurrency_limit_by_name("test-gpu")
         assert limit.limit == 1 and limit.active_slots == 1
     forks_before = live_run.read_bytes(FORKS)
-    flow_run_id = start_deployment(
-        "audit-fork/audit-fork",
-        run_dir=live_run.url,
+    state = audit_fork(
+        live_run.url,
         branches=[{"name": "a"}, {"name": "b", "overrides": {"train.lr": 1e-3}}],
         steps=10,
         gpu_slot="test-gpu",
         slot_timeout_s=1,
+        return_state=True,
     )
-    run = wait_for_final(flow_run_id)
-    assert run.state.type.value == "FAILED"
-    assert "GpuBusy: concurrency slot 'test-gpu' stayed taken for 1s" in run.state.message
+    assert state.type.value == "FAILED"
+    assert "GpuBusy: concurrency slot 'test-gpu' stayed taken for 1s" in state.message
     assert live_run.read_bytes(FORKS) == forks_before
     assert not list(Path(live_run.url).parent.glob("live-fork*-a"))
 
@@ -495,18 +544,15 @@ def test_pivot_of_a_live_run(stack, live_run):
     new_policy, new_policy_text = load_policy("polish")
 
     t0 = time.monotonic()
-    out = stack.cli(
-        "deployment", "run", "pivot/pivot",
-        "--param", f"run_dir={live_run.url}",
-        "--param", "policy=polish",
-        "--param", "max_steps=100000",
-        "--param", f"pace={LIVE_PACE}",
-        "--param", "gpu_slot=test-gpu",
-    ).stdout  # fmt: skip
-    pivot_id = run_id_in(out)
+    # Through the API: `prefect deployment run` (a cold process) is the refusal test's.
+    pivot_id = start_deployment(
+        "pivot/pivot", run_dir=live_run.url, policy="polish", max_steps=100000, pace=LIVE_PACE,
+        gpu_slot="test-gpu",
+    )  # fmt: skip
     run = wait_for_final(pivot_id)
     _timed(
-        "pivot flow run (CLI to completed, incl. the resumed trainer's first step) (s)", time.monotonic() - t0
+        "pivot flow run (created to completed, incl. the resumed trainer's first step) (s)",
+        time.monotonic() - t0,
     )
     assert run.state.type.value == "COMPLETED", run.state.message
     boundary = int(re.search(r"at step_(\d+)\.bin", run.state.message).group(1))
@@ -619,7 +665,7 @@ def progress_artifact(flow_run_id: UUID):
     return found[0] if len(found) == 1 else None
 
 
-def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack, live_run):
+def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack, live_run, doomed_run):
     live = ensure_live_train(stack, live_run)
     trainer = live_trainer(live_run)
     # The run's progress bar: one progress artifact, step of total, following the trainer.
@@ -654,6 +700,7 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
     run = wait_for_final(live["flow_run_id"], timeout=120)
     _timed("cancel: API call to Cancelled state (s)", time.monotonic() - t0)
     assert run.state.type.value == "CANCELLED"
+    start_doomed_train(stack, doomed_run)  # the kill test's run starts while this test reads the API
 
     # Cancelled, its trainer task Cancelled naming the checkpoint, no Crashed task, no "Crash detected".
     logs = assert_a_clean_cancel(live["flow_run_id"], live_run)
@@ -692,15 +739,18 @@ def test_cancelling_a_train_run_leaves_a_checkpoint_of_the_step_in_flight(stack,
     stack.live = {}
 
 
-def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(stack, live_run):
+def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(stack, doomed_run):
     """Worker and flow-run process killed outright: the trainer stops itself with a checkpoint
     (parent-death SIGTERM). What the server makes of the silent run (the lease of its GPU slot runs
     out, the automation marks it Crashed: a minute at least) is checked by
     test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes, last in the module: the tests
     between it and this one need no worker, and run in that minute instead of a wait. This one leaves
-    no worker behind."""
-    live = ensure_live_train(stack, live_run)
-    trainer = live_trainer(live_run)
+    no worker behind. Its train flow run is doomed_run's, created by an earlier test (start_doomed_train)."""
+    live = start_doomed_train(stack, doomed_run)
+    trainer = wait_for(
+        lambda: live_trainer(doomed_run), timeout=300, what="the trainer of the train flow run"
+    )
+    wait_for(lambda: doomed_run.checkpoint_steps(), timeout=300, what="a first checkpoint")
     flow_process = int(Path(f"/proc/{trainer.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     # A train flow run's process never loads torch (its trainer does): tasks/artifacts.py's lazy import.
     maps = Path(f"/proc/{flow_process}/maps").read_text()
@@ -716,9 +766,9 @@ def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(
     os.kill(flow_process, signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: not trainer.is_alive(), timeout=60, what="the orphaned trainer to stop")
-    stopped_at = read_history(live_run)[-1].step
-    assert live_run.checkpoint_steps()[-1] == stopped_at
-    live_run.read_checkpoint(stopped_at)
+    stopped_at = read_history(doomed_run)[-1].step
+    assert doomed_run.checkpoint_steps()[-1] == stopped_at
+    doomed_run.read_checkpoint(stopped_at)
     stack.crashed = {"flow_run_id": live["flow_run_id"], "stopped_at": stopped_at, "killed": killed}
 
 
@@ -787,14 +837,32 @@ def test_audit_fork_bad_branches_are_refused_when_the_run_is_submitted(stack, tm
         ),
     }
     before = {name: runs_of(name.split("/")[1]) for name in ("audit-fork/audit-fork", "pivot/pivot")}
-    for (deployment, param, value), error in refused.items():
-        extra = ["--param", "policy=polish"] if deployment == "pivot/pivot" else []
-        proc = stack.cli(
-            "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *extra,
-            "--param", f"{param}={value}", check=False,
-        )  # fmt: skip
-        output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
-        assert proc.returncode == 1, output
+    # The first as an operator submits it, `prefect deployment run` (a cold process: its exit status and
+    # the server's refusal in its output); the others through the API, whose reply the CLI prints.
+    for i, ((deployment, param, value), error) in enumerate(refused.items()):
+        extra = {"policy": "polish"} if deployment == "pivot/pivot" else {}
+        if i == 0:
+            options = [a for k, v in extra.items() for a in ("--param", f"{k}={v}")]
+            proc = stack.cli(
+                "deployment", "run", deployment, "--param", f"run_dir={run_dir}", *options,
+                "--param", f"{param}={value}", check=False,
+            )  # fmt: skip
+            output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
+            assert proc.returncode == 1, output
+        else:
+            from prefect.exceptions import PrefectHTTPStatusError
+
+            parameters = {
+                "run_dir": run_dir,
+                **extra,
+                param: json.loads(value) if param == "branches" else value,
+            }
+            with client() as c, pytest.raises(PrefectHTTPStatusError) as refusal:
+                c.create_flow_run_from_deployment(
+                    c.read_deployment_by_name(deployment).id, parameters=parameters
+                )
+            assert refusal.value.response.status_code == 409, refusal.value.response.text
+            output = " ".join(refusal.value.response.json()["detail"].split())
         assert f"Error creating flow run: {error}" in output
     assert {name: runs_of(name.split("/")[1]) for name in before} == before
     assert not (tmp_path / "never-written").exists()
@@ -852,7 +920,7 @@ def test_pivot_in_process_refuses_a_bad_policy_then_pivots_now(stack, tmp_path):
     assert all(s > boundary for s in archived.checkpoint_steps())
 
 
-def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, live_run):
+def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, doomed_run):
     """The flow run whose process test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint
     killed: its GPU slot's lease runs out, the automation marks the silent run Crashed (and no cancelled
     one), a new run resumes from the trainer's last checkpoint. Last in the module."""
@@ -861,11 +929,11 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     )
     live = {"flow_run_id": stack.crashed["flow_run_id"]}
     stopped_at, t0 = stack.crashed["stopped_at"], stack.crashed["killed"]
-    assert read_history(live_run)[-1].step == stopped_at == live_run.checkpoint_steps()[-1]
+    assert read_history(doomed_run)[-1].step == stopped_at == doomed_run.checkpoint_steps()[-1]
     # Nobody renews the dead process's lease on the GPU slot: it runs out (60 s) and frees the slot.
     with client() as c:
         wait_for(
-            lambda: c.read_global_concurrency_limit_by_name("test-gpu").active_slots == 0,
+            lambda: c.read_global_concurrency_limit_by_name(DOOMED_SLOT).active_slots == 0,
             timeout=240,
             what="the dead flow run's GPU slot lease to run out",
             every=API_POLL_S,
@@ -894,10 +962,10 @@ def test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes(stack, li
     # A later `train` run resumes from that checkpoint (called in this process: the worker is gone).
     from flows.train import train
 
-    at_stop = LossLogSnapshot.take(live_run)
-    outcome = train(live_run.url, max_steps=stopped_at + 3, gpu_slot="test-gpu", slot_timeout_s=120)
+    at_stop = LossLogSnapshot.take(doomed_run)
+    outcome = train(doomed_run.url, max_steps=stopped_at + 3, gpu_slot=DOOMED_SLOT, slot_timeout_s=120)
     assert outcome["reason"] == "completed" and outcome["step"] == stopped_at + 3
-    first = wait_for_first_entry_after(live_run, at_stop, timeout=1)
+    first = wait_for_first_entry_after(doomed_run, at_stop, timeout=1)
     assert first["step"] == stopped_at + 1, "the new run resumed from the dead run's last checkpoint"
 
 
