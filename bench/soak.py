@@ -558,7 +558,8 @@ class Soak:
         self.stats: dict[str, Counter] = defaultdict(Counter)
         self.wall: dict[str, float] = defaultdict(float)
         self.phases: dict[str, float] = {}  # seconds of wall time each phase of the soak took, in order
-        self.events: list[tuple] = []  # ("pivot", boundary, policy) / ("fork", step, branches), in order
+        # ("pivot", boundary, policy) / ("fork", step, branches, through) / ("data", step, what), in order
+        self.events: list[tuple] = []
         self.policy = "tiny-mix"
         self.generations: list[tuple[float, int]] = []
         # A trainer taken over, when, and the run's checkpoints in the store before the takeover (its
@@ -1321,7 +1322,7 @@ class Soak:
             if rc != 0:
                 self.violate("4", f"andrea fork --step {step} after a power cut exited {rc}:\n{out[-2000:]}")
                 return
-            self.events.append(("fork", step, names))
+            self.events.append(self._fork_event(step, names))
         else:
             time.sleep(f["after_s"])
             self._power_cut()
@@ -1552,7 +1553,19 @@ class Soak:
         if rc != 0:
             self.violate("4", f"andrea fork --step {step} exited {rc}:\n{out[-2000:]}")
             return
-        self.events.append(("fork", step, names))
+        self.events.append(self._fork_event(step, names))
+
+    def _fork_event(self, step: int, names: list[str]) -> tuple:
+        """("fork", step, names, through): the reference forks once trained through `through`. A fork
+        copies the parent's checkpoint `step` as it is at that moment; a guard rollback that went back
+        past `step` set the first one aside and its remedied replay wrote another (skip, lr factor).
+        The reference meets each poisoned step only when it trains through it, so a fork the soak made
+        after such a rollback is made there after the reference's own: it trains through D first
+        (seed 3, fault 9: fork at 150 after the rollback at 155 to 100; the reference forked at 150
+        before reaching 155, its branches held the set-aside first 150, refused/ in both parents)."""
+        past = [d["step"] for d in self.divergences if d["to"] < step <= d["step"]]
+        through = (max(past) // self.every + 1) * self.every if past else step  # a grid step past D
+        return ("fork", step, names, through)
 
     def f_readers(self, f: dict) -> None:
         run = self.store.run_url
@@ -2384,17 +2397,19 @@ class Soak:
                 continue
             if event[1] < at and event[0] != "fork":
                 raise SystemExit(f"soak: the reference passed {event} (at step {at}): the soak's order broke")
-            if event[1] > at:
-                argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(event[1])]
+            # A fork made after a rollback past its step: the reference's own rollback first.
+            to = max(event[1], event[3]) if event[0] == "fork" else event[1]
+            if to > at:
+                argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(to)]
                 if at == 0:
                     argv[1:1] = ["--config", self.config]
                 p, t0 = self.spawn("ref", argv, host, nice=19, FSSPEC_S3_ENDPOINT_URL=""), time.time()
                 rc = p.wait(1800)
-                self.ref_work.update({"trainers": 1, f"steps to {event[0]}": event[1] - at})
+                self.ref_work.update({"trainers": 1, f"steps to {event[0]}": to - at})
                 self.ref_work["seconds"] += round(time.time() - t0, 1)
                 if rc != 0:
                     raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
-                at = event[1]
+                at = to
             if event[0] == "pivot":
                 argv = ["pivot", str(ref), "--policy", self.policies[event[2]], "--no-restart"]
                 p = self.spawn("ref-pivot", [*argv, "--max-steps", str(self.big)], host, nice=19)
@@ -2513,7 +2528,7 @@ class Soak:
             else []
         )
         keyed = Counter((int(x["step"]), tuple(x.get("names", []))) for x in lines)
-        for _, step, names in (e for e in self.events if e[0] == "fork"):
+        for _, step, names, _ in (e for e in self.events if e[0] == "fork"):
             if keyed.get((step, tuple(names)), 0) != 1:
                 self.violate(
                     "4",
