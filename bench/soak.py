@@ -1561,8 +1561,8 @@ class Soak:
         past `step` set the first one aside and its remedied replay wrote another (skip, lr factor).
         The reference meets each poisoned step only when it trains through it, so a fork the soak made
         after such a rollback is made there after the reference's own: it trains through D first
-        (seed 3, fault 9: fork at 150 after the rollback at 155 to 100; the reference forked at 150
-        before reaching 155, its branches held the set-aside first 150, refused/ in both parents)."""
+        (`--kinds guard-rollback,fork --faults 2 --seed 25`: the rollback at 107 to 50, the fork at 100;
+        forked before 107, the reference's branches held the first 100, refused/ in both parents)."""
         past = [d["step"] for d in self.divergences if d["to"] < step <= d["step"]]
         through = (max(past) // self.every + 1) * self.every if past else step  # a grid step past D
         return ("fork", step, names, through)
