@@ -1564,7 +1564,7 @@ class Soak:
         (`--kinds guard-rollback,fork --faults 2 --seed 25`: the rollback at 107 to 50, the fork at 100;
         forked before 107, the reference's branches held the first 100, refused/ in both parents)."""
         past = [d["step"] for d in self.divergences if d["to"] < step <= d["step"]]
-        through = (max(past) // self.every + 1) * self.every if past else step  # a grid step past D
+        through = (max(past) // self.every + 1) * self.every if past else step  # the checkpoint after D
         return ("fork", step, names, through)
 
     def f_readers(self, f: dict) -> None:
