@@ -558,7 +558,8 @@ class Soak:
         self.stats: dict[str, Counter] = defaultdict(Counter)
         self.wall: dict[str, float] = defaultdict(float)
         self.phases: dict[str, float] = {}  # seconds of wall time each phase of the soak took, in order
-        self.events: list[tuple] = []  # ("pivot", boundary, policy) / ("fork", step, branches), in order
+        # ("pivot", boundary, policy) / ("fork", step, branches, through) / ("data", step, what), in order
+        self.events: list[tuple] = []
         self.policy = "tiny-mix"
         self.generations: list[tuple[float, int]] = []
         # A trainer taken over, when, and the run's checkpoints in the store before the takeover (its
@@ -1331,7 +1332,7 @@ class Soak:
             if rc != 0:
                 self.violate("4", f"andrea fork --step {step} after a power cut exited {rc}:\n{out[-2000:]}")
                 return
-            self.events.append(("fork", step, names))
+            self.events.append(self._fork_event(step, names))
         else:
             time.sleep(f["after_s"])
             self._power_cut()
@@ -1562,7 +1563,19 @@ class Soak:
         if rc != 0:
             self.violate("4", f"andrea fork --step {step} exited {rc}:\n{out[-2000:]}")
             return
-        self.events.append(("fork", step, names))
+        self.events.append(self._fork_event(step, names))
+
+    def _fork_event(self, step: int, names: list[str]) -> tuple:
+        """("fork", step, names, through): the reference forks once trained through `through`. A fork
+        copies the parent's checkpoint `step` as it is at that moment; a guard rollback that went back
+        past `step` set the first one aside and its remedied replay wrote another (skip, lr factor).
+        The reference meets each poisoned step only when it trains through it, so a fork the soak made
+        after such a rollback is made there after the reference's own: it trains through D first
+        (`--kinds guard-rollback,fork --faults 2 --seed 25`: the rollback at 107 to 50, the fork at 100;
+        forked before 107, the reference's branches held the first 100, refused/ in both parents)."""
+        past = [d["step"] for d in self.divergences if d["to"] < step <= d["step"]]
+        through = (max(past) // self.every + 1) * self.every if past else step  # the checkpoint after D
+        return ("fork", step, names, through)
 
     def f_readers(self, f: dict) -> None:
         run = self.store.run_url
@@ -1993,6 +2006,13 @@ class Soak:
         # least rollback_margin before D: else the guard takes the oldest kept before the spike, which
         # is the soak's faults' (an off-grid SIGTERM or SIGUSR1 checkpoint), not the reference's.
         D = max(step + f["ahead"], (self._phase_start() or 10 * self.every) + margin + f["ahead"])
+        # The reference's target is the newest grid checkpoint at least rollback_margin before D. One
+        # this run never wrote (a full disk's) sends its rollback further back, to another remedy and
+        # another timeline (seed 3: D = 211, 150 unwritten; 100 here, 150 in the reference): D moves on
+        # a grid until this run holds that checkpoint, or will write it on its way to D.
+        grid, listed = 10 * self.every, set(self.checkpoints())
+        while (g := (D - margin) // grid * grid) > self._phase_start() and g <= step and g not in listed:
+            D += grid
         self.poisoned.append(Remedies(before).data_step(D))
         listed = self.checkpoints()
         extra = {"ANDREA_TEST_GUARD_SIGNAL": f"{f['kill']}:SIGKILL"} if f["kill"] != "after" else {}
@@ -2399,17 +2419,19 @@ class Soak:
                 continue
             if event[1] < at and event[0] != "fork":
                 raise SystemExit(f"soak: the reference passed {event} (at step {at}): the soak's order broke")
-            if event[1] > at:
-                argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(event[1])]
+            # A fork made after a rollback past its step: the reference's own rollback first.
+            to = max(event[1], event[3]) if event[0] == "fork" else event[1]
+            if to > at:
+                argv = ["train", "--run-dir", str(ref), "--device", "cpu", "--max-steps", str(to)]
                 if at == 0:
                     argv[1:1] = ["--config", self.config]
                 p, t0 = self.spawn("ref", argv, host, nice=19, FSSPEC_S3_ENDPOINT_URL=""), time.time()
                 rc = p.wait(1800)
-                self.ref_work.update({"trainers": 1, f"steps to {event[0]}": event[1] - at})
+                self.ref_work.update({"trainers": 1, f"steps to {event[0]}": to - at})
                 self.ref_work["seconds"] += round(time.time() - t0, 1)
                 if rc != 0:
                     raise SystemExit(f"soak: the reference trainer failed:\n{p.tail(30)}")
-                at = event[1]
+                at = to
             if event[0] == "pivot":
                 argv = ["pivot", str(ref), "--policy", self.policies[event[2]], "--no-restart"]
                 p = self.spawn("ref-pivot", [*argv, "--max-steps", str(self.big)], host, nice=19)
@@ -2528,7 +2550,7 @@ class Soak:
             else []
         )
         keyed = Counter((int(x["step"]), tuple(x.get("names", []))) for x in lines)
-        for _, step, names in (e for e in self.events if e[0] == "fork"):
+        for _, step, names, _ in (e for e in self.events if e[0] == "fork"):
             if keyed.get((step, tuple(names)), 0) != 1:
                 self.violate(
                     "4",
