@@ -1,29 +1,52 @@
 """Every benchmark that runs on a CPU still runs, at its smallest size (the least steps, repeats and
 data that still take each code path), and prints the figures its issue asks for. Not a timed test:
 nothing here compares a speed. It exists because a benchmark that broke unnoticed (bench/audit.py
-did, when the trainer gained `world`) wastes the rare GPU session that was lent to run it."""
+did, when the trainer gained `world`) wastes the rare GPU session that was lent to run it.
+
+None of these is about start-up: each script is run as `python -m bench.NAME` forked warm by a launcher
+of this module's (tests/warm_launcher.py, torch and the trainer imported once), a real process with its
+own pid and exit status; the processes a script starts itself (trainers, torchrun, its children) are
+its own, cold as on an operator's machine."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, _env
 
 pytestmark = pytest.mark.slow
 NUMBER = r"[\d,]+(?:\.\d+)?"
+_launcher = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bench_launcher():
+    """This module's fork server (the bench package among its preloads, so `-m bench.NAME` runs warm),
+    stopped when the module ends; none under ANDREA_WARM_LAUNCHER=0 (every script cold)."""
+    global _launcher
+    if os.environ.get("ANDREA_WARM_LAUNCHER", "1") == "0":
+        yield None
+        return
+    from warm_launcher import WarmLauncher
+
+    _launcher = WarmLauncher(["andrea_core.cli", "andrea_core.train.trainer", "bench"], _env(), str(REPO))
+    try:
+        yield _launcher
+    finally:
+        _launcher.stop()
+        _launcher = None
 
 
 def bench(*args: str, timeout: float = 600) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / args[0]), *args[1:]],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    """`python -m bench.NAME ARGS` for bench/NAME.py (args[0]), warm where the launcher can fork it."""
+    argv = [sys.executable, "-m", f"bench.{args[0].removesuffix('.py')}", *args[1:]]
+    proc = (_launcher.run if _launcher else subprocess.run)(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env()
     )
     assert proc.returncode == 0, (
         f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -136,12 +136,17 @@ def test_batch_that_does_not_split_evenly_is_refused_naming_the_fields():
 # --- slow: real torchrun jobs ----------------------------------------------------------------------
 
 
+STEPS, EVERY = 60, 20  # the shared pair's length and checkpoint grid
+
+
 @pytest.fixture(scope="module")
-def runs_30(tmp_path_factory) -> tuple[str, Path, Path]:
-    """The module's shared pair: andrea-tiny, 30 steps, checkpoint_every 10, trained once by one process
-    and once by two ranks. Its config and the two run directories; read them, never train them on."""
-    folder = tmp_path_factory.mktemp("distributed-30")
-    config = _config(folder, 30, 10)
+def runs_60(tmp_path_factory) -> tuple[str, Path, Path]:
+    """The module's shared pair: andrea-tiny, 60 steps, checkpoint_every 20, trained once by one process
+    and once by two ranks (the uninterrupted 2-rank run the signal test's resumes must equal, byte for
+    byte). A progress line (and event) every step: TrainerProcess follows that test's first start by
+    them. Its config and the two run directories; read them, never train them on."""
+    folder = tmp_path_factory.mktemp("distributed-60")
+    config = _config(folder, STEPS, EVERY, train__log_every=1)
     one, two = folder / "one", folder / "two"
     _train(config, one)
     _train(config, two, 2)
@@ -150,53 +155,61 @@ def runs_30(tmp_path_factory) -> tuple[str, Path, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
-def test_two_ranks_compute_what_one_process_does(tmp_path, accum, runs_30):
+def test_two_ranks_compute_what_one_process_does(tmp_path, accum, runs_60):
     """Same global batch, same maths: the same arm at every step, losses and the final weights, m and v
     equal to float32 rounding (measured: loss within 1 ulp, 4.8e-7; weights within 1.2e-7)."""
     if accum == 1:
-        _, one, two = runs_30
+        (_, one, two), steps, every = runs_60, STEPS, EVERY
     else:
-        config = _config(tmp_path, 30, 10, train__grad_accum_steps=accum)
+        steps, every = 30, 10
+        config = _config(tmp_path, steps, every, train__grad_accum_steps=accum)
         one, two = tmp_path / "one", tmp_path / "two"
         _train(config, one)
         _train(config, two, 2)
     a, b = _losses(one), _losses(two)
-    assert sorted(a) == sorted(b) == list(range(1, 31))
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     assert [a[s][1] for s in a] == [b[s][1] for s in a]  # one mixer decision per step, on every rank
     assert max(abs(a[s][0] - b[s][0]) for s in a) < 2e-6
-    wa, wb = _regions(one / checkpoint_name(30)), _regions(two / checkpoint_name(30))
+    wa, wb = _regions(one / checkpoint_name(steps)), _regions(two / checkpoint_name(steps))
     for region in range(3):
         assert np.abs(wa[region] - wb[region]).max() < 1e-5, f"region {region}"
     # Rank 0 alone wrote: one checkpoint per grid step, one segment of losses, no stray files.
-    assert sorted(p.name for p in two.glob("step_*.bin")) == [checkpoint_name(s) for s in (10, 20, 30)]
-    assert len((two / ".loss.json").read_text().splitlines()) == 30
+    grid = [checkpoint_name(s) for s in range(every, steps + 1, every)]
+    assert sorted(p.name for p in two.glob("step_*.bin")) == grid
+    assert len((two / ".loss.json").read_text().splitlines()) == steps
     assert lock_released(two)
 
 
 @pytest.mark.slow
-def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path):
+def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path, runs_60):
     """SIGTERM to the agent; resume; SIGUSR1, then SIGTERM, to rank 0 only; resume; SIGKILL of rank 1;
-    resume: the final checkpoint is byte-identical to that of an uninterrupted 2-rank run."""
-    steps = 60
-    config = _config(tmp_path, steps, 20)
-    reference = tmp_path / "reference"
-    _train(config, reference, 2)
+    resume: the final checkpoint is byte-identical to that of an uninterrupted 2-rank run (the module's
+    shared one, same config).
 
+    The first start is the run-trainer task's view of a 2-rank job (TrainerProcess, as Prefect's train
+    flow runs it): one process (the agent), rank 0's lines, and a SIGTERM to it (a Prefect cancellation)
+    that ends in a checkpoint of the step in flight and exit 0."""
+    from andrea_core.ops.supervise import TrainerProcess
+
+    config, _, reference = runs_60
     run = tmp_path / "run"
     rd = RunDir(str(run))
     train = ["--run-dir", str(run), *CPU, "--pace", "0.15", "--nproc-per-node", "2"]
 
-    # 1. SIGTERM to the torchrun agent (the pid `andrea train` execs into): every rank stops after the
-    #    same step, one checkpoint of it, exit 0.
-    agent = start_trainer("--config", config, *train, log=tmp_path / "first.log")
-    wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
+    # 1. SIGTERM to the torchrun agent (the pid `andrea train` execs into), through TrainerProcess.stop:
+    #    every rank stops after the same step, one checkpoint of it, exit 0.
+    trainer = TrainerProcess(rd.url, config=config, device="cpu", pace=0.15, nproc_per_node=2).start()
+    for _ in trainer.lines():
+        if trainer.step is not None and trainer.step >= 5:
+            break
     held = read_lock(rd)
-    ranks = _ranks_of(agent.pid)
-    assert (held.world_size, held.agent_pid, held.pid) == (2, agent.pid, ranks[0])
-    agent.send_signal(signal.SIGTERM)
-    assert agent.wait(120) == 0, (tmp_path / "first.log").read_text()
+    ranks = _ranks_of(trainer.pid)
+    assert (held.world_size, held.agent_pid, held.pid) == (2, trainer.pid, ranks[0])
+    outcome = trainer.stop(timeout=120)
+    assert (outcome.reason, outcome.returncode, outcome.ok) == ("SIGTERM", 0, True), outcome.describe()
     stopped = last_logged_step(rd)
-    assert stopped < 20 and rd.checkpoint_steps() == [stopped]
+    assert outcome.step == stopped >= 5
+    assert stopped < EVERY and rd.checkpoint_steps() == [stopped]
 
     # 2. SIGUSR1 to rank 0 only: every rank checkpoints the same step and trains on.
     agent = start_trainer(*train, log=tmp_path / "second.log")
@@ -205,7 +218,7 @@ def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path):
     os.kill(rank0, signal.SIGUSR1)
     wait_for(lambda: len(rd.checkpoint_steps()) == 2, 120, "the SIGUSR1 checkpoint")
     usr1 = rd.checkpoint_steps()[-1]
-    assert usr1 % 20 != 0
+    assert usr1 % EVERY != 0
     # 3. SIGTERM to rank 0 only (as the pivot sends it): rank 1 hears of it through the flag
     #    all-reduce, both stop after the same step, one checkpoint, the agent exits 0.
     wait_for(lambda: last_logged_step(rd) >= usr1 + 3, 120, "training past the SIGUSR1 checkpoint")
@@ -226,17 +239,17 @@ def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path):
 
     # 5. Resume once more, to the end.
     andrea("train", "--run-dir", str(run), *CPU, "--nproc-per-node", "2", timeout=300)
-    final = checkpoint_name(steps)
+    final = checkpoint_name(STEPS)
     assert (run / final).read_bytes() == (reference / final).read_bytes()
     a, b = _losses(reference), _losses(run)
     assert all(a[s] == b[s] for s in a)  # the canonical history too, bit for bit
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_at_another_world_size(tmp_path, runs_30):
+def test_checkpoint_resumes_at_another_world_size(tmp_path, runs_60):
     """2 ranks -> 1 and 1 -> 2: the file holds the full weights, m and v; the loss runs on as in an
     uninterrupted run (to float32 rounding: the world size changes how a gradient is summed)."""
-    config, straight, _ = runs_30
+    config, straight, _ = runs_60  # 60 steps; the legs here stop at 20 and 30
     ref = _losses(straight)
     for first, then in ((2, 1), (1, 2)):
         run = tmp_path / f"from{first}to{then}"
@@ -249,10 +262,10 @@ def test_checkpoint_resumes_at_another_world_size(tmp_path, runs_30):
 
 
 @pytest.mark.slow
-def test_two_node_stand_in(tmp_path, runs_30):
+def test_two_node_stand_in(tmp_path, runs_60):
     """Two torchrun agents with --nnodes 2 on 127.0.0.1 (c10d rendezvous, gloo), one rank each: the
     same checkpoint, byte for byte, as one agent with two ranks."""
-    config, _, single = runs_30
+    config, _, single = runs_60
     run = tmp_path / "two-nodes"
     port = _free_port()
     agents = []
@@ -264,9 +277,10 @@ def test_two_node_stand_in(tmp_path, runs_30):
         agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO))
     for node, agent in enumerate(agents):
         assert agent.wait(300) == 0, (tmp_path / f"node{node}.log").read_text()
-    final = checkpoint_name(30)
+    final = checkpoint_name(STEPS)
     assert (run / final).read_bytes() == (single / final).read_bytes()
-    assert sorted(p.name for p in run.glob("step_*.bin")) == [checkpoint_name(s) for s in (10, 20, 30)]
+    grid = [checkpoint_name(s) for s in range(EVERY, STEPS + 1, EVERY)]
+    assert sorted(p.name for p in run.glob("step_*.bin")) == grid
 
 
 # --- what Prefect's train flow runs: TrainerProcess over an agent of 2 ranks -------------------------
@@ -283,25 +297,6 @@ def test_train_flow_and_trainer_command_take_nproc_per_node():
     assert "nproc_per_node" in train.parameters.properties  # so the deployment takes it too
     assert gpu_slot_names("auto", "cpu", 2) == []  # no GPU, no slot
     assert gpu_slot_names("gpu-7", "cpu", 2) == ["gpu-7"]  # an explicit slot is held as named
-
-
-@pytest.mark.slow
-def test_trainer_process_of_two_ranks_follows_and_stops_like_one(tmp_path):
-    """The run-trainer task's view: one process (the agent), rank 0's lines, and a SIGTERM to it (a
-    Prefect cancellation) that ends in a checkpoint of the step in flight and exit 0."""
-    from andrea_core.ops.supervise import TrainerProcess
-
-    run = RunDir(str(tmp_path / "run"))
-    config = _config(tmp_path, 100_000, 1000)
-    trainer = TrainerProcess(run.url, config=config, device="cpu", pace=0.05, nproc_per_node=2).start()
-    for _ in trainer.lines():
-        if trainer.step is not None and trainer.step >= 10:
-            break
-    assert read_lock(run).agent_pid == trainer.pid
-    outcome = trainer.stop(timeout=120)
-    assert (outcome.reason, outcome.returncode, outcome.ok) == ("SIGTERM", 0, True), outcome.describe()
-    assert outcome.step == last_logged_step(run) >= 10
-    assert run.checkpoint_steps() == [outcome.step]
 
 
 @pytest.mark.slow

@@ -21,6 +21,12 @@ PROBE_INIT = """
 import os
 import numpy  # its OpenBLAS pool: a warm child must have the cold one's
 AT_IMPORT = os.environ.get("WPROBE_AT_IMPORT", "unset")
+from wprobe import imported  # a submodule the server's imports load: `-m wprobe.imported` runs cold
+"""
+PROBE_IMPORTED = """
+if __name__ == "__main__":  # the probe, from a module the server has imported
+    import runpy
+    runpy.run_module("wprobe.__main__", run_name="__main__")
 """
 PROBE_MAIN = r"""
 import json, os, signal, subprocess, sys, time
@@ -88,6 +94,7 @@ def probe(tmp_path_factory):
     (root / "wprobe").mkdir()
     (root / "wprobe" / "__init__.py").write_text(PROBE_INIT)
     (root / "wprobe" / "__main__.py").write_text(PROBE_MAIN)
+    (root / "wprobe" / "imported.py").write_text(PROBE_IMPORTED)
     (root / "wthread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
     )
@@ -367,11 +374,11 @@ def test_a_child_starts_in_its_own_session_at_its_nice_value_as_a_cold_one_does(
 
 
 def test_a_cold_start_is_niced_as_a_warm_one(probe):
-    """A start the server cannot run warm (a module it did not preload) gets its `nice` by nice(1)."""
+    """A start the server cannot run warm (a module its imports loaded) gets its `nice` by nice(1)."""
     launcher, env, root = probe
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     proc = launcher.popen(
-        [sys.executable, "-m", "wprobe.__main__", "proc"], env=env, cwd=root, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "wprobe.imported", "proc"], env=env, cwd=root, stdout=subprocess.PIPE,
         nice=6, start_new_session=True,
     )  # fmt: skip
     got = json.loads(proc.communicate(timeout=120)[0])
@@ -416,14 +423,29 @@ def test_a_variable_a_preloaded_shim_reads_at_load_gets_a_server_of_its_own(prob
         shimmed.stop()
 
 
+def test_a_submodule_the_server_did_not_import_runs_warm_as_main(probe):
+    """`-m PACKAGE.MODULE` of a preloaded package (how bench/NAME.py runs warm: bench.NAME) whose MODULE
+    the server's imports left alone: executed fresh as __main__, the cold run's status and bytes."""
+    launcher, env, root = probe
+    argv = [sys.executable, "-m", "wprobe.__main__", "exit", "3"]
+    kw = {"env": env, "cwd": root, "capture_output": True, "timeout": 120}
+    before = len(launcher.cold)
+    warm, cold = launcher.run(argv, **kw), subprocess.run(argv, **kw)
+    assert len(launcher.cold) == before, launcher.cold  # it did run warm
+    assert warm.returncode == cold.returncode == 3
+    assert warm.stdout == cold.stdout == b"out \xff\x00 bytes\nno newlinetext"
+    assert warm.stderr == cold.stderr == b"err \xfe\n"
+
+
 def test_what_the_server_cannot_apply_runs_cold(probe):
-    """`-c`, a module the server did not preload, or Popen options it cannot apply: an ordinary Popen."""
+    """`-c`, a module the server imported (run as __main__ it would run twice), or Popen options it
+    cannot apply: an ordinary Popen."""
     launcher, env, root = probe
     extra, other = os.pipe()
     os.close(other)
     for argv, kwargs in (
         ([sys.executable, "-c", "import os; print(os.getppid() == int(os.environ['PARENT']))"], {}),
-        ([sys.executable, "-m", "wprobe.__main__", "at-import"], {}),
+        ([sys.executable, "-m", "wprobe.imported", "at-import"], {}),
         ([sys.executable, "-m", "wprobe", "at-import"], {"pass_fds": (extra,)}),
         ([sys.executable, "-m", "wprobe", "at-import"], {"preexec_fn": os.getpid}),
     ):

@@ -119,7 +119,9 @@ class Server:
             self.base.pop("OPENBLAS_NUM_THREADS", None)
         self.import_reads, self.refresh, self.any_env_cold = self._import(preload)
         self.import_reads |= load_vars  # read once by a C library already loaded here (WarmLauncher)
-        self.runnable = {m.split(".")[0] for m in preload}  # `-m PACKAGE` of a preloaded package only
+        # `-m PACKAGE` of a preloaded package, or `-m PACKAGE.MODULE` of one whose MODULE the imports
+        # left alone (run fresh as __main__, as a cold start runs it: bench/NAME.py as bench.NAME)
+        self.runnable = {m.split(".")[0] for m in preload}
         self.blas = self._blas_setter()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(sock_path)
@@ -180,9 +182,13 @@ class Server:
                 return getattr(lib, "openblas_set_num_threads", None)
         return None
 
+    def _runnable(self, module: str) -> bool:
+        package = module.split(".")[0]
+        return package in self.runnable and (module == package or module not in sys.modules)
+
     def why_cold(self, req: dict) -> str | None:
         argv = req["argv"]
-        if len(argv) < 2 or argv[0] != "-m" or argv[1] not in self.runnable:
+        if len(argv) < 2 or argv[0] != "-m" or not self._runnable(argv[1]):
             return f"not a preloaded `-m` module: {argv[:2]}"
         env = req["env"]
         changed = {k for k in env.keys() | self.base.keys() if env.get(k) != self.base.get(k)}
