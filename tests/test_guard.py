@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, _env, andrea, library_run
+from conftest import REPO, _env, andrea
 from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_systemd import read_unit
@@ -47,19 +47,17 @@ def train(run: Path, *args: str, check: bool = True, **extra: str):
     return andrea("train", "--run-dir", str(run), "--device", "cpu", *args, check=check, env=env(**extra))
 
 
-# Checkpoints every 10 steps, all kept; a rollback at least 10 steps before the spike.
-POISONED = {
-    "train__checkpoint_every": 10,
-    "train__max_steps": STEPS,
-    "train__log_every": 10,
-    "train__guard__rollback_margin": 10,
-    "retention__keep_last": None,
-}
-
-
 def poisoned_config(folder: Path, **overrides) -> str:
-    """tests/tiny.py's config with POISONED's settings and `overrides`."""
-    return tiny_config(folder, **{**POISONED, **overrides})
+    """Checkpoints every 10 steps, all kept; a rollback at least 10 steps before the spike."""
+    settings = {
+        "train__checkpoint_every": 10,
+        "train__max_steps": STEPS,
+        "train__log_every": 10,
+        "train__guard__rollback_margin": 10,
+        "retention__keep_last": None,
+        **overrides,
+    }
+    return tiny_config(folder, **settings)
 
 
 def facts(run: Path) -> list[dict]:
@@ -138,12 +136,7 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
         assert by_step[s].loss == losses[s + 15] != losses[s]
 
 
-def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes(
-    recovered, tmp_path, tmp_path_factory
-):
-    """Each case resumes a copy of the library's run of poisoned_config at step 10 (conftest.library_run:
-    steps 1..10 are before the poison and its rollback target, the same bytes as `recovered`'s) rather
-    than creating and training one from step 0: the recovery is what is tested."""
+def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes(recovered, tmp_path):
     reference = (recovered / "step_000060.bin").read_bytes()
     for point, sig, status in [
         ("set-aside", "SIGKILL", -signal.SIGKILL),  # checkpoint 20 moved aside, the event not yet written
@@ -153,11 +146,11 @@ def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes
     ]:
         root = tmp_path / f"{point}-{sig}"
         root.mkdir()
-        library_run(tmp_path_factory, root / "run", 10, "--device", "cpu", **POISONED)
+        cfg = poisoned_config(root)
         proc = train(
             root / "run",
-            "--max-steps",
-            str(STEPS),
+            "--config",
+            cfg,
             check=False,
             ANDREA_TEST_GUARD_NAN_AT=str(POISON),
             ANDREA_TEST_GUARD_SIGNAL=f"{point}:{sig}",
