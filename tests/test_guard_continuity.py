@@ -8,10 +8,11 @@ checkpoint, not to the initial weights. The runs start from copies of the sessio
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
-from conftest import _env, andrea
+from conftest import _env, andrea, start_trainer, wait_for
 from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 from tiny import tiny_config
 
@@ -100,8 +101,21 @@ def test_oscillation_and_drift_through_the_trainer(parent, noise, within):
     loss oscillates, never 3 loss spikes in a row), or a share of them rising over 600 steps (it drifts
     up, each step's loss within its spike threshold). The drift is the sustained-rise rule's alone; the
     oscillation is caught by it or, on this model, first by the gradient norm, which the corrupted
-    steps drive up 3 steps in a row (measured: grad-norm-spike within a few steps of 300)."""
-    train(parent, "--max-steps", str(300 + within + 40), check=False, ANDREA_TEST_GUARD_NOISE=noise)
+    steps drive up 3 steps in a row (measured: grad-norm-spike within a few steps of 300).
+    The trainer is stopped (SIGTERM) once guard.jsonl holds its first event, which is all the test
+    reads: the steps after it, to 300 + within + 40, trained nothing it asserts."""
+    env = {**_env(), "ANDREA_TEST_GUARD_NOISE": noise}
+    args = ("--run-dir", str(parent), "--device", "cpu", "--max-steps", str(300 + within + 40))
+    proc = start_trainer(*args, env=env, log=parent.parent / "train.log")
+    try:
+        wait_for(lambda: (parent / GUARD_LOG).exists() or proc.poll() is not None, what="a guard event")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     events = read_events(RunDir(str(parent)))
     assert events, noise
     first = events[0]

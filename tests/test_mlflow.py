@@ -198,19 +198,23 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonic
     assert usr1 < 390
 
     def sent() -> int:  # the newest train/loss step the server holds (0: no run yet)
+        # A wait's probe, not a timing assertion: httpx's default 5 s timeout failed it at load 21
+        # (the server's one worker busy with a trainer's batch), so as long as the wait itself.
         reply = httpx.get(f"{mlflow_server}/api/2.0/mlflow/experiments/get-by-name",
-                          params={"experiment_name": "killed"}).json()  # fmt: skip
+                          params={"experiment_name": "killed"}, timeout=300).json()  # fmt: skip
         if "experiment" not in reply:
             return 0
         experiment = reply["experiment"]["experiment_id"]
         found = httpx.post(f"{mlflow_server}/api/2.0/mlflow/runs/search",
-                           json={"experiment_ids": [experiment]}).json()  # fmt: skip
+                           json={"experiment_ids": [experiment]}, timeout=300).json()  # fmt: skip
         runs = found.get("runs", [])
         assert len(runs) <= 1
         metrics = runs[0]["data"].get("metrics", []) if runs else []
         return max([m["step"] for m in metrics if m["key"] == "train/loss"] + [0])
 
-    wait_for(lambda: sent() == usr1, what=f"MLflow to hold step {usr1}")
+    # Each probe is two requests to the server's one worker, which the trainer's sends wait behind:
+    # every 0.5 s (wait_for's note on servers), not every 20 ms.
+    wait_for(lambda: sent() == usr1, what=f"MLflow to hold step {usr1}", every=0.5)
     wait_for(lambda: last_logged_step(run) >= usr1 + 5, what="5 steps past the checkpoint")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import fsspec
@@ -623,14 +622,17 @@ def test_bit_exact_resume_with_the_run_directory_on_s3(
 
 
 def bigger_model_config(tmp_path: Path) -> str:
-    """andrea-tiny widened to 1.7M parameters: a 21 MB checkpoint, uploaded in 5 MiB parts. Its steps
+    """andrea-tiny widened to 0.67M parameters: an 8 MiB checkpoint, uploaded in two 5 MiB parts (at
+    the test's 2 MiB/s, each checkpoint is 4 s on the wire: the kill lands in its first part). Its steps
     are small (2 rows of 32 tokens: an eighth of andrea-tiny's) on one thread (tests/tiny.py): the
     size of the checkpoint is what the test needs, and a step of 8 x 64 tokens at this width on two
-    threads took 2-3 s here, most of the test."""
+    threads took 2-3 s here, most of the test. (It was 1.7M parameters, a 20 MiB checkpoint in four
+    parts: 55 s of a loaded machine's wall time, most of it the checkpoints' bytes through the slow
+    link and moto; a multipart upload in flight needs two parts, not four.)"""
     import yaml
 
     doc = yaml.safe_load(Path(TINY).read_text())
-    doc["model"].update(n_embd=256, n_head=4, block_size=32)
+    doc["model"].update(n_embd=160, n_head=4, block_size=32)
     doc["train"].update(checkpoint_every=10, log_every=10, batch_size=2, num_threads=1)
     path = tmp_path / "wide.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -668,8 +670,11 @@ def test_sigkill_during_checkpoint_upload_leaves_no_torn_checkpoint(
             lambda: key in uploads_in_progress(s3_server, s3_bucket),
             timeout=300,
             what="the upload of step_000020.bin to start",
+            every=0.25,  # a listing request to the server the upload goes to: not every 20 ms
         )
-        time.sleep(0.5)  # its parts are on the wire
+        # Its first part on the wire: 1 MiB more through the link (half a second at its rate), not a sleep.
+        started = link.sent
+        wait_for(lambda: link.sent >= started + MiB, timeout=300, what="1 MiB of step_000020.bin sent")
         trainer.kill()
     finally:
         trainer.wait()

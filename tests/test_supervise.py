@@ -102,17 +102,18 @@ def test_trainer_process_reports_a_refused_start(tmp_path, tmp_path_factory):
     assert "differs from the frozen run.yaml" in outcome.detail
 
 
-def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
+def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path, tmp_path_factory):
     """SIGKILL of the process that launched the trainer (a flow-run process, in production) reaches
     the trainer as SIGTERM through the parent-death signal: it checkpoints the step in flight and exits,
-    and a later trainer resumes from exactly there."""
-    run = RunDir(tmp_path / "run")
-    config = tiny_config(tmp_path)
+    and a later trainer resumes from exactly there. The launched trainer resumes a copy of the library's
+    andrea-tiny at step 100 (conftest.library_run: its grid checkpoint and audit done), rather than
+    training steps 1..100 at the pace first: what is tested is the launcher's death, not those steps."""
+    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 100))  # andrea-tiny at step 100
     launcher = textwrap.dedent(
         f"""
         import sys, time
         from andrea_core.ops.supervise import TrainerProcess
-        t = TrainerProcess({run.url!r}, config={config!r}, max_steps=100000, pace=0.02).start()
+        t = TrainerProcess({run.url!r}, max_steps=100000, pace=0.02).start()
         print(t.pid, flush=True)
         for line in t.lines():
             pass
@@ -123,7 +124,6 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path):
     env = _env() | {"TMPDIR": str(temporary)}
     proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
     trainer_pid = int(proc.stdout.readline())
-    wait_for(lambda: run.exists(checkpoint_name(100)), timeout=180, what="first checkpoint")
     # Kill once training is past the grid checkpoint and its audit, so that the checkpoint the
     # SIGTERM writes is an off-grid one (a kill during step 100's audit would have nothing new to save).
     wait_for(lambda: last_logged_step(run) > 100, timeout=180, what="training past step 100")
