@@ -158,13 +158,19 @@ def test_the_remedy_does_not_depend_on_which_checkpoints_a_fault_left(before_the
     to 10). Keyed on the target the second skipped data from step 11, the first from 21: two lives on
     other data. Keyed on remedy_from = 25, steps 11..25 retrain bit for bit and both skip from 26:
     bit-equal final checkpoints, equal canonical histories, equal remedies."""
-    runs = {}
+    runs, said = {}, {}
     for how in ("every-checkpoint", "20-unwritten"):
         run = runs[how] = tmp_path / how
         shutil.copytree(before_the_spike, run)
         if how == "20-unwritten":
             (run / "step_000020.bin").unlink()
-        train(run, "--max-steps", "60", ANDREA_TEST_GUARD_NAN_AT="35")
+        proc = train(run, "--max-steps", "60", ANDREA_TEST_GUARD_NAN_AT="35")
+        said[how] = proc.stdout + proc.stderr
+    for how, to in (("every-checkpoint", 20), ("20-unwritten", 10)):
+        assert (
+            f"back to step_{to:06d}.bin, retraining steps {to + 1}..25 on their own data, from step 26 "
+            "skipping data positions 26..35, lr x0.3 for steps 26..1025"
+        ) in said[how], said[how][-3000:]
     events = {how: facts(run) for how, run in runs.items()}
     assert [e["rolled_back_to"] for e in events["every-checkpoint"]] == [20]
     assert [e["rolled_back_to"] for e in events["20-unwritten"]] == [10]
