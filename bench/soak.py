@@ -2058,6 +2058,13 @@ class Soak:
             )
         elif kept and e.rolled_back_to < max(kept):
             self.violate("11", f"the rollback at {D} went to {e.rolled_back_to}, {max(kept)} was kept")
+        elif e.remedy_from != max(e.rolled_back_to, D - margin):
+            # The remedy's anchor is the spike's, not the checkpoint's: a full disk's unwritten grid
+            # checkpoint moves the target back, never the data the run trains on after (guard_events).
+            self.violate(
+                "11",
+                f"the rollback at {D} to {e.rolled_back_to} remedies from {e.remedy_from}, not {D - margin}",
+            )
         else:
             d["rolled back to a checkpoint kept before the spike"] += 1
         mine = [p for p in self.procs[first:] if p.what == "trainer"]  # not the reference's, spawned beside

@@ -124,12 +124,13 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     p = c.branch("poisoned")
     (event,) = p.guard_events
     assert (event["kind"], event["step"], event["rolled_back_to"]) == ("non-finite-grad-norm", 120, 100)
+    assert (event["remedy_from"], event["skip"]) == (110, 10)  # 120 - rollback_margin: 101..110 retrained
     assert c.branch("base").guard_events == [] and p.trained_to == 160 and c.step == 160
     scale, cooldown, skip = event["lr_scale"], event["cooldown"], event["skip"]
     assert 0 < scale < 1 and cooldown > 0
     said = (
         f"diverged at step 120 (non-finite-grad-norm), rolled back to 100, trained on at lr x{scale:.3g} "
-        f"from step 101 to {100 + cooldown}" + (f", {skip} batches skipped" if skip else "")
+        f"from step 111 to {110 + cooldown}" + (f", {skip} batches skipped" if skip else "")
     )
     assert p.diverged == said and c.to_dict()["branches"][2]["diverged"] == said
     # Ranked apart: the verdict is between base and frozen, and says why poisoned is not in it.
@@ -142,10 +143,10 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     assert (
         "Divergence guard in `poisoned` (ranked apart: it did not train under its overrides alone): "
         "non-finite-grad-norm at step 120: rolled back to step 100; "
-        f"lr x{scale:.3g} for steps 101..{100 + cooldown}"
+        f"lr x{scale:.3g} for steps 111..{110 + cooldown}"
     ) in md
-    under = f"lr x{scale:.3g} for steps 101..{100 + cooldown}" + (
-        f", data positions {skip} ahead from step 101 on" if skip else ""
+    under = f"lr x{scale:.3g} for steps 111..{110 + cooldown}" + (
+        f", data positions {skip} ahead from step 111 on" if skip else ""
     )
     assert p.trained_under == [under] and f"It trained under: {under}." in md
     assert "Divergence guard in `base`" not in md

@@ -88,9 +88,10 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
         "threshold": None,
         "rolled_back_to": 10,  # the newest checkpoint at least rollback_margin (10) steps before 25
         "level": 0,
-        "skip": 15,  # the batches of steps 11..25: step 11 now draws position 26
+        "skip": 10,  # the batches of steps 16..25: step 16 now draws position 26
         "lr_scale": 0.3,
         "cooldown": 1000,
+        "remedy_from": 15,  # 25 - rollback_margin, whichever checkpoint: steps 11..15 retrain as they were
     }
     assert math.isnan(event["value"])
     # The abandoned timeline's checkpoint 20 is kept as evidence, out of the resume's way.
@@ -117,11 +118,12 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
     ]
     cfg = read_run(run).config
     by_step = {e.step: e for e in history}
-    for s in (10, 11, 60):  # the cooldown's factor from step 11 on, none before
-        assert by_step[s].lr == lr_at(s, cfg.train) * (0.3 if s > 10 else 1.0)
+    for s in (10, 11, 15, 16, 60):  # the cooldown's factor from step 16 on, none before
+        assert by_step[s].lr == lr_at(s, cfg.train) * (0.3 if s > 15 else 1.0)
 
-    # Exactly the recorded batches are skipped: the loss logged for step 11 (and 21) is the loss of
-    # checkpoint 10's (20's) weights on the batch at position 26 (36), not on the step's own.
+    # Exactly the recorded batches are skipped: the loss logged for step 21 is the loss of checkpoint
+    # 20's weights on the batch at position 31, not on the step's own; step 11 (before remedy_from)
+    # draws its own, and logged exactly what the abandoned timeline (segment 1) logged there.
     torch.manual_seed(0)
     model = GPT(cfg.model)
     data = DataPipeline.for_run(run, cfg, warn=lambda _: None)  # one arm: the mixer has no say
@@ -131,9 +133,67 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
         with torch.no_grad():
             losses = {
                 p: model(data.batch(s, position=p).x, data.batch(s, position=p).y)[1].item()
-                for p in (s, s + 15)
+                for p in (s, s + 10)
             }
-        assert by_step[s].loss == losses[s + 15] != losses[s]
+        assert by_step[s].loss == (losses[s] if s <= 15 else losses[s + 10]), s
+        assert losses[s] != losses[s + 10]
+    first = {e.step: e for e in entries if e.segment == 1}
+    assert [by_step[s].loss for s in range(11, 16)] == [first[s].loss for s in range(11, 16)]
+    assert by_step[16].loss != first[16].loss
+
+
+@pytest.fixture(scope="module")
+def before_the_spike(tmp_path_factory) -> Path:
+    """Steps 1..30 of the poisoned config, no poison yet: checkpoints 10, 20, 30 (a library run)."""
+    root = tmp_path_factory.mktemp("before-the-spike")
+    train(root / "run", "--config", poisoned_config(root), "--max-steps", "30")
+    return root / "run"
+
+
+def test_the_remedy_does_not_depend_on_which_checkpoints_a_fault_left(before_the_spike, tmp_path, one_thread):
+    """Issue 48 (the strongest lead on the soak's step-7961 divergence): the rollback's target depends on
+    which checkpoints exist, so the remedy must not. One run, the batch at position 35 poisoned, trained
+    on from checkpoint 30 twice: with every checkpoint (rollback to 20, the newest at or before
+    35 - rollback_margin = 25) and with checkpoint 20 gone, as a full disk leaves it unwritten (rollback
+    to 10). Keyed on the target the second skipped data from step 11, the first from 21: two lives on
+    other data. Keyed on remedy_from = 25, steps 11..25 retrain bit for bit and both skip from 26:
+    bit-equal final checkpoints, equal canonical histories, equal remedies."""
+    runs, said = {}, {}
+    for how in ("every-checkpoint", "20-unwritten"):
+        run = runs[how] = tmp_path / how
+        shutil.copytree(before_the_spike, run)
+        if how == "20-unwritten":
+            (run / "step_000020.bin").unlink()
+        proc = train(run, "--max-steps", "60", ANDREA_TEST_GUARD_NAN_AT="35")
+        said[how] = proc.stdout + proc.stderr
+    for how, to in (("every-checkpoint", 20), ("20-unwritten", 10)):
+        assert (
+            f"back to step_{to:06d}.bin, retraining steps {to + 1}..25 on their own data, from step 26 "
+            "skipping data positions 26..35, lr x0.3 for steps 26..1025"
+        ) in said[how], said[how][-3000:]
+    events = {how: facts(run) for how, run in runs.items()}
+    assert [e["rolled_back_to"] for e in events["every-checkpoint"]] == [20]
+    assert [e["rolled_back_to"] for e in events["20-unwritten"]] == [10]
+    final = {how: (run / "step_000060.bin").read_bytes() for how, run in runs.items()}
+    assert final["every-checkpoint"] == final["20-unwritten"]
+    # Checkpoint 20, retrained from 10 in the second run, is the first run's, byte for byte.
+    assert (runs["20-unwritten"] / "step_000020.bin").read_bytes() == (
+        runs["every-checkpoint"] / "step_000020.bin"
+    ).read_bytes()
+
+    def history(how: str) -> list[tuple]:
+        return [
+            (e.step, e.loss, e.grad_norm, e.lr, e.arm, e.tokens) for e in read_history(RunDir(str(runs[how])))
+        ]
+
+    assert [h[0] for h in history("every-checkpoint")] == list(range(1, STEPS + 1))
+    assert history("every-checkpoint") == history("20-unwritten")
+    assert [(e["step"], e["remedy_from"], e["skip"]) for e in events["every-checkpoint"]] == [(35, 25, 10)]
+
+    def remedies(how: str) -> list[dict]:
+        return [{k: v for k, v in e.items() if k not in ("rolled_back_to", "value")} for e in events[how]]
+
+    assert remedies("every-checkpoint") == remedies("20-unwritten")
 
 
 def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes(recovered, tmp_path):
@@ -245,7 +305,9 @@ def test_a_fork_copies_the_events_up_to_its_fork_point_and_status_shows_the_last
     assert status["guard"]["number"] == 1 and status["guard"]["rolled_back_to"] == 10
     text = andrea("status", str(parent)).stdout
     assert "non-finite-grad-norm at step 25 (since step 25); rolled back to step_000010.bin" in text
-    assert "skipped 15 batches, lr x0.3 for 1000 steps" in text
+    assert (
+        "retrained steps 11..15, skipped 10 batches from step 16, lr x0.3 for 1000 steps from step 16" in text
+    )
 
 
 def test_a_pivot_keeps_the_events(recovered, tmp_path):
@@ -301,7 +363,8 @@ def test_the_trainer_logs_each_event_it_replays(recovered, tmp_path):
     proc = train(run, "--max-steps", "62")
     assert (
         "guard: replaying event 1: non-finite-grad-norm at step 25 (since step 25): rolled back to step 10, "
-        "skipped 15 batches, lr x0.3 for steps 11..1010 (guard.jsonl)"
+        "retrained steps 11..15 on their own data, skipped 10 batches from step 16, lr x0.3 for steps "
+        "16..1015 (guard.jsonl)"
     ) in proc.stdout + proc.stderr
 
 

@@ -16,7 +16,15 @@ from conftest import andrea
 from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 
 from andrea_core.config import GuardConfig, RetentionConfig
-from andrea_core.run.guard_events import GuardEvent, Remedies, lr_changes, replayable_events
+from andrea_core.run.guard_events import (
+    FORMAT,
+    GuardEvent,
+    Remedies,
+    events_up_to,
+    lr_changes,
+    parse_events,
+    replayable_events,
+)
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.retention import plan_retention, rollback_reach
 from andrea_core.run.rundir import GUARD_LOG, RunDir
@@ -195,9 +203,11 @@ def test_a_new_arm_after_a_pivot_is_judged_against_all_arms():
 # --- the plan: escalation, its window, the floor; the remedies' cooldown -------------------------
 
 
-def rollback(number: int, step: int, to: int, level: int = 0) -> GuardEvent:
+def rollback(number: int, step: int, to: int, level: int = 0, remedy_from: int | None = None) -> GuardEvent:
+    """A rollback at `step` to `to`, its remedy from `remedy_from` (default: `to`, as format 1 had it)."""
+    f = to if remedy_from is None else remedy_from
     return GuardEvent(number, "rollback", step, step, "loss-spike", 9.0, 3.0, 6.0, to, level,
-                      (step - to) * 2**level, 0.3 ** (level + 1), 1000 * 2**level, 0.0)  # fmt: skip
+                      (step - f) * 2**level, 0.3 ** (level + 1), 1000 * 2**level, 0.0, f)  # fmt: skip
 
 
 def planned(
@@ -212,14 +222,16 @@ def planned(
 
 def test_escalation_compounds_within_the_window_only(tmp_path):
     """Kills escalation removed and `plan` without its window: a second rollback 1,000 steps after the
-    first is level 1 (lr x0.09, cooldown 2000, twice the skip); one 2,001 steps after is level 0."""
+    first is level 1 (lr x0.09, cooldown 2000, twice the skip); one 2,001 steps after is level 0. The
+    skip is counted from remedy_from = spike_start - rollback_margin, not from the checkpoint."""
     d = Divergence("loss-spike", 1500, 1498, 9.0, 3.0, 6.0)
     second = planned(tmp_path, [rollback(1, 500, 400)], d, [1200, 1400, 1440], 0)
     assert (second.number, second.level, second.rolled_back_to) == (2, 1, 1440)  # <= 1498 - 50
-    assert (second.lr_scale, second.cooldown, second.skip) == (pytest.approx(0.09), 2000, 120)
+    assert second.remedy_from == 1448  # 1498 - 50: steps 1441..1448 retrain on their own data
+    assert (second.lr_scale, second.cooldown, second.skip) == (pytest.approx(0.09), 2000, 104)  # 52 x 2
     far = Divergence("loss-spike", 2501, 2499, 9.0, 3.0, 6.0)
     fresh = planned(tmp_path, [rollback(1, 500, 400)], far, [2400, 2440], 0)
-    assert (fresh.level, fresh.lr_scale, fresh.cooldown, fresh.skip) == (0, 0.3, 1000, 61)
+    assert (fresh.level, fresh.lr_scale, fresh.cooldown, fresh.skip) == (0, 0.3, 1000, 52)  # 2501 - 2449
     events = [rollback(n, 1000 + n, 900, n - 1) for n in range(1, 5)]
     stop = planned(tmp_path, events, Divergence("loss-spike", 1100, 1100, 9.0, 3.0, 6.0), [900], 0)
     assert (stop.action, stop.level, stop.rolled_back_to, stop.lr_scale) == ("stop", 4, None, 1.0)
@@ -229,13 +241,22 @@ def test_the_floor_keeps_a_rollback_inside_its_own_timeline(tmp_path):
     """A branch forked at 200 never goes back past its fork point: with nothing rollback_margin back,
     to the oldest of its own checkpoints; with none of its own, it stops. A run from step 0 with no
     checkpoint before the spike goes back to the initial weights; with one, to its oldest (not step 0
-    and every step since: the issue's case 3)."""
+    and every step since: the issue's case 3). The remedy acts after 213 - 50 = 163 wherever the
+    rollback went at or before it (the initial weights included); after the target itself in the
+    fallbacks, whose target is past 163."""
     d = Divergence("loss-spike", 215, 213, 9.0, 3.0, 6.0)
-    assert planned(tmp_path, [], d, [150, 200, 210], 200).rolled_back_to == 200
-    assert planned(tmp_path, [], d, [150], 200).action == "stop"
-    assert planned(tmp_path, [], d, [], 0).rolled_back_to == 0
-    assert planned(tmp_path, [], d, [170, 180, 190], 0).rolled_back_to == 170
-    assert planned(tmp_path, [], d, [100, 170, 180], 0).rolled_back_to == 100
+    to = [(e.rolled_back_to, e.remedy_from, e.skip) for e in (
+        planned(tmp_path, [], d, [150, 200, 210], 200),
+        planned(tmp_path, [], d, [], 0),
+        planned(tmp_path, [], d, [170, 180, 190], 0),
+        planned(tmp_path, [], d, [100, 170, 180], 0),
+        planned(tmp_path, [], d, [100, 160], 0),
+    )]  # fmt: skip
+    assert to == [(200, 200, 15), (0, 163, 52), (170, 170, 45), (100, 163, 52), (160, 163, 52)]
+    stop = planned(tmp_path, [], d, [150], 200)
+    assert (stop.action, stop.rolled_back_to, stop.remedy_from) == ("stop", None, None)
+    margin0 = Guard(RunDir(str(tmp_path / "run")), replace(G, rollback_margin=0), VOCAB, writes=False)
+    assert margin0.plan(d, [100, 212], 0).remedy_from == 212  # never past the spike: 213 is skipped
 
 
 def test_the_cooldown_ends_where_the_event_says():
@@ -244,6 +265,48 @@ def test_the_cooldown_ends_where_the_event_says():
     assert [r.lr_factor(s) for s in (100, 101, 1100, 1101)] == [1.0, 0.3, 0.3, 1.0]
     assert [r.data_step(s) for s in (100, 101)] == [100, 151]
     assert lr_changes([rollback(1, 150, 100)]) == [(101, 1100, 0.3)]
+    late = Remedies([rollback(1, 150, 40, remedy_from=100)])  # steps 41..100 retrain on their own data
+    assert [late.lr_factor(s) for s in (41, 100, 101, 1100, 1101)] == [1.0, 1.0, 0.3, 0.3, 1.0]
+    assert [late.data_step(s) for s in (41, 100, 101)] == [41, 100, 151]
+
+
+def test_a_later_rollback_keeps_the_remedies_acting_before_its_own():
+    """The superseding rule keyed on remedy_from: a rollback whose remedy acts after F keeps the active
+    events acting from before F (they shaped the steps it retrains as they were) and drops the rest.
+    Event 1 acts after 100; event 2 goes back to checkpoint 80 with its remedy after 120: steps 81..120
+    retrain exactly as before, event 1's skip from 101 included (keyed on rolled_back_to, event 1 was
+    dropped and 101..120 drew other data). Event 3 acts after 100 too: it replaces both."""
+    one, two = rollback(1, 150, 90, remedy_from=100), rollback(2, 170, 80, remedy_from=120)
+    r = Remedies([one, two])
+    assert [e.number for e in r.active] == [1, 2]
+    assert [r.data_step(s) for s in (100, 101, 120, 121)] == [100, 151, 170, 121 + 50 + 50]
+    assert [r.lr_factor(s) for s in (100, 101, 121)] == [1.0, 0.3, 0.3]
+    three = rollback(3, 180, 60, remedy_from=100)
+    assert [e.number for e in Remedies([one, two, three]).active] == [3]
+
+
+def test_format_1_lines_read_as_remedy_from_their_checkpoint():
+    """A format 1 line (before remedy_from) acts from its rolled_back_to, as it always did, so a run or a
+    fork branch written before keeps its history; format 2 names remedy_from, within [rolled_back_to,
+    step); a line of either format with the other's shape is refused. A fork at F copies the rollbacks
+    whose remedy acts from before F, whichever checkpoint they went back to."""
+    old = {k: v for k, v in rollback(1, 150, 100).__dict__.items() if k != "remedy_from"}
+    line = lambda **f: (json.dumps({"format": FORMAT, **rollback(1, 150, 100).__dict__, **f}) + "\n").encode()  # noqa: E731
+    (e,) = parse_events((json.dumps({"format": 1, **old}) + "\n").encode())
+    assert (e.rolled_back_to, e.remedy_from) == (100, 100) and Remedies([e]).data_step(101) == 151
+    assert parse_events(line(remedy_from=120, skip=30))[0].remedy_from == 120
+    for bad in (
+        (json.dumps({"format": 1, **old, "remedy_from": 120}) + "\n").encode(),
+        (json.dumps({"format": FORMAT, **old}) + "\n").encode(),
+        line(remedy_from=None),
+        line(remedy_from=99),
+        line(remedy_from=150),
+        line(remedy_from=120),  # skip 50 is beyond (150 - 120) x 2^0
+    ):
+        warnings: list[str] = []
+        assert parse_events(bad, warn=warnings.append) == [] and len(warnings) == 1, bad
+    late = line(rolled_back_to=40, remedy_from=120, skip=30)
+    assert events_up_to(late, 120) == b"" and events_up_to(late, 121) == late
 
 
 # --- item 3: a rollback point that always exists --------------------------------------------------
@@ -277,7 +340,9 @@ def reference_copy(guard_parent, tmp_path) -> RunDir:
 
 def event_line(**fields) -> bytes:
     """A rollback at 250 to 100 (the start checkpoint of the replay below), with `fields` changed."""
-    e = {"format": 1, **rollback(1, 250, 100).__dict__, **fields}
+    e = {"format": FORMAT, **rollback(1, 250, 100).__dict__, **fields}
+    if "rolled_back_to" in fields:
+        e["remedy_from"] = fields["rolled_back_to"]
     return (json.dumps(e) + "\n").encode()
 
 
@@ -297,7 +362,7 @@ def test_a_forged_line_is_skipped_naming_it_never_obeyed(reference_copy, fields,
     """Line 1 legitimate (a rollback to 100, the checkpoint the trainer starts from), line 2 forged:
     line 2 alone is skipped, with one warning naming the file, the line and what is wrong."""
     run = reference_copy
-    good = (json.dumps({"format": 1, **rollback(1, 120, 100).__dict__}) + "\n").encode()
+    good = (json.dumps({"format": FORMAT, **rollback(1, 120, 100).__dict__}) + "\n").encode()
     run.write_atomic(GUARD_LOG, good + event_line(number=2, **fields))
     warnings: list[str] = []
     events = replayable_events(run, 2000, 100, warnings.append)
@@ -308,8 +373,8 @@ def test_a_forged_line_is_skipped_naming_it_never_obeyed(reference_copy, fields,
 
 def test_numbers_out_of_order_and_torn_lines(reference_copy):
     run = reference_copy
-    line = (json.dumps({"format": 1, **rollback(3, 120, 100).__dict__}) + "\n").encode()
-    again = (json.dumps({"format": 1, **rollback(2, 130, 100).__dict__}) + "\n").encode()
+    line = (json.dumps({"format": FORMAT, **rollback(3, 120, 100).__dict__}) + "\n").encode()
+    again = (json.dumps({"format": FORMAT, **rollback(2, 130, 100).__dict__}) + "\n").encode()
     run.write_atomic(GUARD_LOG, line + b'{"format": 1, "numb\n' + again)
     warnings: list[str] = []
     assert [e.number for e in replayable_events(run, 2000, 100, warnings.append)] == [3]

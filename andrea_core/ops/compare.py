@@ -513,7 +513,7 @@ def expand_replicates(branch_urls: list[str]) -> dict[str, list[tuple[RunDir, in
 
 def remedy_text(e: GuardEvent) -> str:
     """A rollback's remedy in words: the learning rate's factor, the steps it held, batches skipped."""
-    start = e.rolled_back_to + 1
+    start = e.remedy_from + 1
     return f"lr x{e.lr_scale:.3g} for steps {start}..{start + e.cooldown - 1}" + (
         f", data positions {e.skip} ahead from step {start} on" if e.skip else ""
     )
@@ -529,7 +529,7 @@ def diverged_summary(b: BranchResult) -> str | None:
     for e in b.guard_events:
         who = f"replicate {e['replicate']} " if b.replicates > 1 else ""
         if e["action"] == "rollback":
-            start, end = e["rolled_back_to"] + 1, e["rolled_back_to"] + e["cooldown"]
+            start, end = e["remedy_from"] + 1, e["remedy_from"] + e["cooldown"]
             parts.append(
                 f"{who}diverged at step {e['step']} ({e['kind']}), rolled back to {e['rolled_back_to']}, "
                 f"trained on at lr x{e['lr_scale']:.3g} from step {start} to {end}"
@@ -866,7 +866,7 @@ def guard_lines(b: BranchResult) -> list[str]:
     for e in b.guard_events:
         who = f" (replicate {e['replicate']})" if b.replicates > 1 else ""
         if e["action"] == "rollback":
-            start = e["rolled_back_to"] + 1
+            start = e["remedy_from"] + 1
             what = (
                 f"rolled back to step {e['rolled_back_to']}; lr x{e['lr_scale']:.3g} for steps {start}"
                 f"..{start + e['cooldown'] - 1}, {e['skip']} batches skipped"
@@ -990,9 +990,9 @@ def write_report(c: Comparison, report_dir: str, png: bytes | None = None) -> di
 
 def is_own_event(e: GuardEvent, fork_step: int) -> bool:
     """An event of the branch itself, not one of the parent's it copied: a branch never rolls back
-    past its fork point, and the copied ones rolled back before it (run/guard_events.events_up_to)."""
+    past its fork point, and the copied ones' remedies act from before it (run/guard_events.events_up_to)."""
     if e.action == "rollback":
-        return e.rolled_back_to >= fork_step
+        return e.remedy_from >= fork_step
     return e.step > fork_step
 
 

@@ -390,7 +390,17 @@ def guard_summary(event: dict, now: float) -> str:
         done = "stopped the run (its bound, train.guard.max_rollbacks)"
     else:
         to = checkpoint_name(e["rolled_back_to"]) if e["rolled_back_to"] else "the initial weights"
-        remedy = [f"skipped {e['skip']} batches"] if e["skip"] else []
-        remedy += [f"lr x{e['lr_scale']:.3g} for {e['cooldown']} steps"] if e["lr_scale"] < 1 else []
+        first = e["remedy_from"] + 1  # the remedy's anchor (guard_events.GuardEvent.remedy_from)
+        remedy = (
+            [f"retrained steps {e['rolled_back_to'] + 1}..{first - 1}"]
+            if first - 1 > e["rolled_back_to"]
+            else []
+        )
+        remedy += [f"skipped {e['skip']} batches from step {first}"] if e["skip"] else []
+        remedy += (
+            [f"lr x{e['lr_scale']:.3g} for {e['cooldown']} steps from step {first}"]
+            if e["lr_scale"] < 1
+            else []
+        )
         done = f"rolled back to {to}, {', '.join(remedy) or 'no remedy'}"
     return f"event {e['number']} of {e['events']}, {_ago(now - e['time'])} ago: {what}; {done}"

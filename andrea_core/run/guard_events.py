@@ -1,12 +1,16 @@
 """guard.jsonl (contract): the divergence guard's events, one JSON object a line, append-only.
 
 Each line is one event of the guard (guard.py): a rollback (what was detected at which step, against
-which statistic and threshold, the checkpoint rolled back to and the remedy applied from there) or the
-stop at its bound. The file is the run's record of what happened and, for the trainer, one of its
-inputs: the data position a step draws its batch from and its learning-rate factor are a pure function
-of (step, these events), so a resume replays every remedy exactly (`Remedies`). A crash mid-append
-leaves a torn last line: readers skip it, the next append terminates it first. A fork copies the events
-up to its fork point (`events_up_to`); a pivot leaves the file as it is.
+which statistic and threshold, the checkpoint rolled back to, the step its remedy acts after and the
+remedy) or the stop at its bound. The remedy's anchor (`remedy_from`) does not depend on which
+checkpoints exist: steps rolled_back_to + 1 .. remedy_from retrain on their own data positions, so a
+checkpoint a fault left unwritten changes what is retrained, never what the run trains on. Format 1
+lines (before remedy_from) read as remedy_from = rolled_back_to. The file is the run's record of what
+happened and, for the trainer, one of its inputs: the data position a step draws its batch from and
+its learning-rate factor are a pure function of (step, these events), so a resume replays every
+remedy exactly (`Remedies`). A crash mid-append leaves a torn last line: readers skip it, the next
+append terminates it first. A fork copies the events up to its fork point (`events_up_to`); a pivot
+leaves the file as it is.
 
 The file is input like every run file: a line is obeyed only if it is an event this guard could have
 written (`_event`: counts in range, lr_scale in [MIN_LR_SCALE, 1], a level below its number, a skip no
@@ -28,7 +32,8 @@ from andrea_core.document import Field, check
 from andrea_core.run.loss_log import JSON_LINE_ERRORS, json_lines, parse_entries, well_formed_lines
 from andrea_core.run.rundir import GUARD_LOG, LOSS_LOG, RunDir
 
-FORMAT = 1
+FORMAT = 2  # 2: remedy_from; a format 1 line (without it) reads as remedy_from = rolled_back_to
+FORMATS = (1, 2)
 # "loss-rise": the loss's level (the mean of its last rise_span steps) above its best by rise_margin for
 # rise_steps steps in a row: oscillation and drift (guard.py).
 KINDS = ("non-finite-loss", "non-finite-grad-norm", "loss-spike", "grad-norm-spike", "loss-rise")
@@ -51,10 +56,18 @@ class GuardEvent:
     threshold: float | None
     rolled_back_to: int | None  # the checkpoint step training went on from (0: the initial weights)
     level: int  # escalation: rollbacks before this one in its region (guard.rollback_window)
-    skip: int  # data positions skipped: step rolled_back_to + 1 draws position rolled_back_to + 1 + skip
-    lr_scale: float  # the learning rate's factor for steps rolled_back_to + 1 .. + cooldown
+    skip: int  # data positions skipped: step remedy_from + 1 draws position remedy_from + 1 + skip
+    lr_scale: float  # the learning rate's factor for steps remedy_from + 1 .. + cooldown
     cooldown: int
     time: float
+    # The step the remedy acts after: max(rolled_back_to, spike_start - rollback_margin), whichever
+    # checkpoints a fault left; steps rolled_back_to + 1 .. remedy_from retrain on their own data.
+    # None for a stop. A format 1 line has none: it reads as rolled_back_to.
+    remedy_from: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.remedy_from is None and self.rolled_back_to is not None:
+            object.__setattr__(self, "remedy_from", self.rolled_back_to)
 
     def to_line(self) -> bytes:
         return (json.dumps({"format": FORMAT, **asdict(self)}, separators=(",", ":")) + "\n").encode()
@@ -62,7 +75,7 @@ class GuardEvent:
 
 _COUNT = Field((int,), low=0, high=2**53 - 1, says="is not a count")
 _REAL = Field((int, float), finite=False)  # NaN and inf are what a non-finite event records
-EVENT_SCHEMA = {  # a guard.jsonl line of format 1; how the fields agree is _event's
+EVENT_SCHEMA = {  # a guard.jsonl line of format 1 or 2; how the fields agree is _event's
     "number": _COUNT,
     "action": Field((str,), choices=ACTIONS),
     "step": _COUNT,
@@ -77,13 +90,16 @@ EVENT_SCHEMA = {  # a guard.jsonl line of format 1; how the fields agree is _eve
     "lr_scale": _REAL,
     "cooldown": _COUNT,
     "time": _REAL,
+    "remedy_from": Field((int,), null=True, required=False),  # format 2: required (_event)
 }
 
 
 def _event(obj: Any) -> GuardEvent:
     """An event from a parsed line; ValueError (or one of JSON_LINE_ERRORS) if it is not one."""
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError("not a guard event of format 1")
+    if not isinstance(obj, dict) or obj.get("format") not in FORMATS:
+        raise ValueError(f"not a guard event of format {' or '.join(map(str, FORMATS))}")
+    if (obj["format"] == 1) == ("remedy_from" in obj):
+        raise ValueError("remedy_from is a field of format 2 (and required there), not of format 1")
     check(obj, EVENT_SCHEMA)
     e = GuardEvent(
         number=int(obj["number"]),
@@ -100,6 +116,7 @@ def _event(obj: Any) -> GuardEvent:
         lr_scale=float(obj["lr_scale"]),
         cooldown=int(obj["cooldown"]),
         time=float(obj["time"]),
+        remedy_from=obj.get("remedy_from"),
     )
     rollback = e.action == "rollback"
     if rollback != (e.rolled_back_to is not None) or (rollback and not 0 <= e.rolled_back_to < e.step):
@@ -108,8 +125,14 @@ def _event(obj: Any) -> GuardEvent:
         raise ValueError(f"lr_scale outside [{MIN_LR_SCALE:g}, 1] or a spike that starts after its step")
     if e.number < 1 or e.level >= e.number or e.level > MAX_LEVEL:
         raise ValueError(f"level {e.level} is not below the event's number {e.number}")
-    if rollback and e.skip > (e.step - e.rolled_back_to) * 2**e.level:
-        raise ValueError(f"skip {e.skip} beyond its escalated distance (step - rolled_back_to) x 2^level")
+    if rollback and obj["format"] > 1 and obj["remedy_from"] is None:
+        raise ValueError("a rollback of format 2 names its remedy_from")
+    if rollback and not e.rolled_back_to <= e.remedy_from < e.step:
+        raise ValueError(f"remedy_from {e.remedy_from} outside [rolled_back_to, step)")
+    if not rollback and obj.get("remedy_from") is not None:
+        raise ValueError("a stop has no remedy_from")
+    if rollback and e.skip > (e.step - e.remedy_from) * 2**e.level:
+        raise ValueError(f"skip {e.skip} beyond its escalated distance (step - remedy_from) x 2^level")
     if not rollback and (e.skip or e.cooldown or e.lr_scale != 1):
         raise ValueError("a stop carries no remedy")
     return e
@@ -121,9 +144,9 @@ def lr_changes(events: list[GuardEvent]) -> list[tuple[int, int, float]]:
     that says under which settings a run actually trained after its divergences."""
     remedies = Remedies(events)
     out = []
-    for e in sorted(remedies.active, key=lambda a: a.rolled_back_to):
+    for e in sorted(remedies.active, key=lambda a: a.remedy_from):
         if e.lr_scale < 1 and e.cooldown:
-            out.append((e.rolled_back_to + 1, e.rolled_back_to + e.cooldown, e.lr_scale))
+            out.append((e.remedy_from + 1, e.remedy_from + e.cooldown, e.lr_scale))
     return out
 
 
@@ -132,10 +155,12 @@ def describe_event(e: GuardEvent) -> str:
     if e.action == "stop":
         return f"event {e.number}: {e.kind} at step {e.step}: stopped the run"
     remedy = [f"rolled back to step {e.rolled_back_to}"]
+    if e.remedy_from != e.rolled_back_to:
+        remedy.append(f"retrained steps {e.rolled_back_to + 1}..{e.remedy_from} on their own data")
     if e.skip:
-        remedy.append(f"skipped {e.skip} batches")
+        remedy.append(f"skipped {e.skip} batches from step {e.remedy_from + 1}")
     if e.lr_scale < 1 and e.cooldown:
-        first = e.rolled_back_to + 1
+        first = e.remedy_from + 1
         remedy.append(f"lr x{e.lr_scale:.3g} for steps {first}..{first + e.cooldown - 1}")
     return f"event {e.number}: {e.kind} at step {e.step} (since step {e.spike_start}): {', '.join(remedy)}"
 
@@ -205,17 +230,16 @@ def append_event(run: RunDir, event: GuardEvent) -> None:
 
 def events_up_to(data: bytes, step: int) -> bytes:
     """The lines of a guard.jsonl that belong to a branch forked at `step`, bytes as they were: every
-    rollback to a checkpoint before `step` (it shaped the timeline up to the fork point) and every stop
-    at or before it. A torn or foreign line is left out."""
+    rollback whose remedy acts from before `step` (remedy_from < step: it shaped the timeline up to the
+    fork point; one whose remedy starts at or past it did not, whichever checkpoint it went back to)
+    and every stop at or before it. A torn or foreign line is left out."""
     kept = []
     for line in data.split(b"\n"):
         try:
             e = _event(json.loads(line))
         except JSON_LINE_ERRORS:
             continue
-        if (e.rolled_back_to is not None and e.rolled_back_to < step) or (
-            e.action == "stop" and e.step <= step
-        ):
+        if (e.remedy_from is not None and e.remedy_from < step) or (e.action == "stop" and e.step <= step):
             kept.append(line + b"\n")
     return b"".join(kept)
 
@@ -224,20 +248,20 @@ class Remedies:
     """What the recorded events do to each later step: the data position its batch is drawn from and
     its learning-rate factor. A pure function of the events, in file order.
 
-    A rollback to R acts on steps after R. A later rollback to R' <= R abandons the timeline past R'
-    (and with it the earlier event's effect there), so it replaces every active event at or past R'."""
+    A rollback acts on the steps after its remedy_from F (the steps from its checkpoint to F retrain
+    exactly as the abandoned timeline trained them, under the events active then). It abandons the
+    timeline past F, and with it every active event whose remedy acts from F or later (none of them
+    touched a step up to F): those are replaced; the ones acting from before F stay."""
 
     def __init__(self, events: list[GuardEvent]):
         self.active: list[GuardEvent] = []
         for e in events:
             if e.action == "rollback":
-                self.active = [a for a in self.active if a.rolled_back_to < e.rolled_back_to] + [e]
+                self.active = [a for a in self.active if a.remedy_from < e.remedy_from] + [e]
 
     def data_step(self, step: int) -> int:
-        return step + sum(e.skip for e in self.active if e.rolled_back_to < step)
+        return step + sum(e.skip for e in self.active if e.remedy_from < step)
 
     def lr_factor(self, step: int) -> float:
-        factors = [
-            e.lr_scale for e in self.active if e.rolled_back_to < step <= e.rolled_back_to + e.cooldown
-        ]
+        factors = [e.lr_scale for e in self.active if e.remedy_from < step <= e.remedy_from + e.cooldown]
         return min(factors, default=1.0)

@@ -169,9 +169,11 @@ class ResumeCheck:
     def _gather(self, records: list[dict], start: int, now: dict) -> None:
         """The earlier segments' logged losses past `start` that this segment will train again under
         the same course: not another phase's (a pivot's old policy), not before a rollback replayed
-        from here (their remedy came after they were logged)."""
+        from here, past its remedy_from (their remedy came after they were logged; the steps up to
+        remedy_from retrain on their own data)."""
         opened = {r["segment"]: r["conditions"] for r in records if r["event"] == "opened"}
-        floors = [e.rolled_back_to for e in read_events(self.run) if e.rolled_back_to >= start]
+        rollbacks = [e for e in read_events(self.run) if e.action == "rollback"]
+        floors = [e.remedy_from for e in rollbacks if e.remedy_from >= start]
         ceiling = min(floors, default=math.inf)
         for e in read_history(self.run):  # before this segment logs anything: the earlier segments'
             if e.step <= start or e.step > ceiling:

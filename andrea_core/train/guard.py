@@ -341,7 +341,9 @@ class Guard:
         at all: the initial weights of a run from step 0), escalated by the rollbacks before it in its
         region; or the stop, past the bound, in a fork branch under in_branch "stop", or with nothing to
         roll back to. `floor`: the oldest step
-        this run may go back to (its fork point or its phase's start: before it the run was another)."""
+        this run may go back to (its fork point or its phase's start: before it the run was another).
+        The remedy acts after `remedy_from` = max(target, spike_start - rollback_margin), not after the
+        target: which checkpoints a fault left changes what is retrained, never the remedy."""
         c = self.cfg
         region = [e for e in self.events if e.action == "rollback" and e.step >= d.step - c.rollback_window]
         level = len(region)
@@ -360,6 +362,9 @@ class Guard:
         else:
             target = None
         stop = level >= c.max_rollbacks or target is None or self.branch_stops(d)
+        # The anchor: the bound `far` is judged against (a margin of 0 still leaves the spike's step to
+        # the remedy), or the target where none is that far back.
+        remedy_from = None if stop else max(target, d.spike_start - max(c.rollback_margin, 1))
         return GuardEvent(
             number=max((e.number for e in self.events), default=0) + 1,
             action="stop" if stop else "rollback",
@@ -371,10 +376,11 @@ class Guard:
             threshold=d.threshold,
             rolled_back_to=None if stop else target,
             level=level,
-            skip=0 if stop or not c.skip_batches else (d.step - target) * 2**level,
+            skip=0 if stop or not c.skip_batches else (d.step - remedy_from) * 2**level,
             lr_scale=1.0 if stop else c.lr_scale ** (level + 1),
             cooldown=0 if stop or c.lr_scale == 1 else c.cooldown_steps * 2**level,
             time=0.0,
+            remedy_from=remedy_from,
         )
 
     def record(self, event: GuardEvent, now: float) -> None:
@@ -387,11 +393,13 @@ class Guard:
 
     def rollback_line(self, e: GuardEvent) -> str:
         remedy = []
+        first = e.remedy_from + 1
+        if e.remedy_from > e.rolled_back_to:
+            remedy.append(f"retraining steps {e.rolled_back_to + 1}..{e.remedy_from} on their own data")
         if e.skip:
-            first = e.rolled_back_to + 1
-            remedy.append(f"skipping data positions {first}..{first + e.skip - 1}")
+            remedy.append(f"from step {first} skipping data positions {first}..{first + e.skip - 1}")
         if e.lr_scale < 1:
-            remedy.append(f"lr x{e.lr_scale:.3g} for {e.cooldown} steps")
+            remedy.append(f"lr x{e.lr_scale:.3g} for steps {first}..{first + e.cooldown - 1}")
         return (
             f"guard: {e.kind} at step {e.step} (since step {e.spike_start}: "
             f"{describe(e.kind, e.value, e.statistic, e.threshold)}); rollback {e.level + 1} of "
