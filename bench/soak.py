@@ -2006,13 +2006,9 @@ class Soak:
         # least rollback_margin before D: else the guard takes the oldest kept before the spike, which
         # is the soak's faults' (an off-grid SIGTERM or SIGUSR1 checkpoint), not the reference's.
         D = max(step + f["ahead"], (self._phase_start() or 10 * self.every) + margin + f["ahead"])
-        # The reference's target is the newest grid checkpoint at least rollback_margin before D. One
-        # this run never wrote (a full disk's) sends its rollback further back, to another remedy and
-        # another timeline (seed 3: D = 211, 150 unwritten; 100 here, 150 in the reference): D moves on
-        # a grid until this run holds that checkpoint, or will write it on its way to D.
-        grid, listed = 10 * self.every, set(self.checkpoints())
-        while (g := (D - margin) // grid * grid) > self._phase_start() and g <= step and g not in listed:
-            D += grid
+        # A grid checkpoint this run never wrote (a full disk's) sends its rollback further back than the
+        # reference's; the remedy starts from the same anchor all the same (guard.py remedy_from), so
+        # every later step is the reference's: the soak throws that case as it comes.
         self.poisoned.append(Remedies(before).data_step(D))
         listed = self.checkpoints()
         extra = {"ANDREA_TEST_GUARD_SIGNAL": f"{f['kill']}:SIGKILL"} if f["kill"] != "after" else {}
