@@ -2223,7 +2223,10 @@ class Soak:
         """The trainer `pivot --restart` started detached (its pid in the pivot's output and the lock):
         it trains past the boundary on `host`, then is stopped (SIGTERM) for the soak's own trainer."""
         d = self.did["pivot-remote"]
-        m = re.search(r"resumed trainer pid (\d+)", pivot.text())
+        # The start's own line, or the summary's (a rerun resuming after 'installed' prints only that).
+        m = re.search(r"resumed trainer pid (\d+)", pivot.text()) or re.search(
+            r"resumed at step \d+, trainer pid (\d+)", pivot.text()
+        )
         lock = self.lock() or {}
         # A rerun that finds the new phase trained by a trainer of the other host (the soak's restart,
         # as systemd there would) starts none of its own and names that one (issue 48): it goes on.
