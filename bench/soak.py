@@ -2225,7 +2225,7 @@ class Soak:
         d = self.did["pivot-remote"]
         # The start's own line, or the summary's (a rerun resuming after 'installed' prints only that).
         m = re.search(r"resumed trainer pid (\d+)", pivot.text()) or re.search(
-            r"resumed at step \d+, trainer pid (\d+)", pivot.text()
+            r"resumed at step \d+, trainer pid (\d+) \(output in ", pivot.text()
         )
         lock = self.lock() or {}
         # A rerun that finds the new phase trained by a trainer of the other host (the soak's restart,
