@@ -528,10 +528,11 @@ def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
 
 
 def _phase_doc(run: RunDir, phase: tuple[int, int]) -> dict:
-    """A closed phase's phase.json ({} where it is missing or unreadable: it names no request)."""
+    """A closed phase's phase.json ({} where it is missing or not JSON: it names no request). A disk
+    error reading it is raised, never taken for "no request" (which would pivot a rerun again)."""
     try:
         doc = run.read_json(f"{phase_folder(*phase)}/phase.json")
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
 
