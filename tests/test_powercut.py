@@ -405,3 +405,31 @@ def test_a_stat_error_on_the_bandit_state_is_not_a_fresh_bandit(layer, tmp_path_
     assert "fresh bandit" not in second.stdout + second.stderr
     final = f"step_{STEPS:06d}.bin"
     assert (run / final).read_bytes() == (reference / final).read_bytes()
+
+
+def test_a_read_error_on_the_policy_in_force_is_not_a_pivot_to_another_policy(layer, tmp_path):
+    """The same class on the pivot's side (issue 48): a rerun of a completed pivot compares the request's
+    policy with the one in force, and an EIO reading policy.yaml was taken for "no policy in force: not
+    this pivot": the rerun pivoted again (a second phase folder, a fresh bandit for one request). Now
+    the error stops it (exit 1, naming the file) and nothing is archived; once the disk reads, the rerun
+    is done."""
+    from conftest import andrea
+    from test_retention import fabricated_run
+
+    from andrea_core.run.lineage import phases
+
+    run = fabricated_run(str(layer.mount / "run"), [100, 200])
+    argv = ("pivot", run.url, "--policy", "tiny-mix", "--no-restart")
+    andrea(*argv)
+    closed, archive = phases(run), sorted(run.listdir("archive"))
+    assert len(closed) == 1, closed
+    layer.arm("read", r"^/run/policy\.yaml$", count=1)
+    failed = andrea(*argv, check=False)
+    said = failed.stdout + failed.stderr
+    assert [h["path"] for h in layer.call("fired")["fired"]] == ["/run/policy.yaml"], said
+    assert failed.returncode == 1, said
+    assert "Input/output error" in said and str(layer.mount / "run" / "policy.yaml") in said, said
+    assert phases(run) == closed and sorted(run.listdir("archive")) == archive  # before: phase 2
+    again = andrea(*argv).stdout
+    assert "is already in force" in again and "nothing done" in again, again
+    assert phases(run) == closed

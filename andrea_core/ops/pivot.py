@@ -511,8 +511,8 @@ def _completed_pivot(run: RunDir, checked: PivotCheck) -> dict | None:
         try:
             if read_policy(run).hash != checked.policy.hash:
                 return None
-        except (ConfigError, OSError, ValueError):
-            return None  # no readable policy in force: not this one
+        except (ConfigError, FileNotFoundError, ValueError):
+            return None  # no policy in force, or not a policy: not this one (a disk error is raised)
         number, boundary = closed[-1]
         what = f"policy {name!r} is already in force: the pivot to it at step {boundary}"
     folder = run.path(phase_folder(number, boundary))

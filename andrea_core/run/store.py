@@ -270,10 +270,21 @@ class LocalStore(_Named):
 
     # --- reads ---------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _naming(self, name: str) -> Iterator[None]:
+        """An OSError of a read that names no file (EIO from read(2)) named with the run file's path:
+        the operator is told which file the disk failed on."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            raise type(e)(e.errno, e.strerror, self.path(name)) from e
+
     def read(self, name: str, most: int | None, bound: str) -> bytes:
         # O_NONBLOCK: a FIFO planted under a run file's name must not hang the reader at open().
         fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", buffering=0, closefd=True) as f:
+        with self._naming(name), open(fd, "rb", buffering=0, closefd=True) as f:
             st = self._regular(fd, name)
             os.set_blocking(fd, True)
             if most is None:
@@ -283,7 +294,7 @@ class LocalStore(_Named):
 
     def read_checkpoint(self, name: str, head: int, check: Callable[[bytes, int], None]) -> bytes:
         fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", buffering=0) as f:
+        with self._naming(name), open(fd, "rb", buffering=0) as f:
             st = self._regular(fd, name)
             os.set_blocking(fd, True)
             check(os.pread(fd, head, 0), st.st_size)
@@ -291,7 +302,7 @@ class LocalStore(_Named):
 
     def read_tail(self, name: str, most: int) -> tuple[bytes, int]:
         fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK)
-        try:
+        with self._naming(name), open(fd, "rb", buffering=0):  # closes fd
             st = self._regular(fd, name)
             # The bytes it had when looked at (a log grows while it is read): at most `most`.
             start, data = max(0, st.st_size - most), bytearray()
@@ -301,8 +312,6 @@ class LocalStore(_Named):
                     break  # cut short meanwhile
                 data += piece
             return bytes(data), start
-        finally:
-            os.close(fd)
 
     def listdir(self, sub: str) -> list[str]:
         try:
