@@ -17,8 +17,10 @@ PREFIX = "ANDREA_TEST_"
 # own), so that two processes of one test machine see each other as two hosts (run/lock.py).
 HOST = PREFIX + "HOST"
 # ANDREA_TEST_REPLACE_HELD=PATH: a compare-and-replace on local disk creates PATH once it holds the
-# folder's flock, then holds it for half its bound (run/store.py, _DirectoryLock).
+# folder's flock, then holds it for half its bound (run/store.py, _DirectoryLock), or for
+# ANDREA_TEST_REPLACE_HELD_S seconds (a slow filesystem on a loaded machine).
 REPLACE_HELD = PREFIX + "REPLACE_HELD"
+REPLACE_HELD_S = PREFIX + "REPLACE_HELD_S"
 # ANDREA_TEST_FIXED_TEMP_NAMES=1: a temporary file is named `.NAME.tmp.PID` (no random part), and what
 # a test planted at that name (a link to /dev/full, a file under a read lease, a folder) is opened as
 # planted once the safe create (O_EXCL | O_NOFOLLOW) has refused it (run/store.py, _create_temp).
@@ -59,12 +61,13 @@ def test_host() -> str | None:
 
 
 def hold_replace(hold_s: float) -> None:
-    """ANDREA_TEST_REPLACE_HELD: say (by creating the file it names) that the flock is held, then hold it."""
+    """ANDREA_TEST_REPLACE_HELD: say (by creating the file it names) that the flock is held, then hold it
+    (`hold_s`, or ANDREA_TEST_REPLACE_HELD_S)."""
     held = value(REPLACE_HELD)
     if held:
         with open(held, "a"):
             pass
-        time.sleep(hold_s)
+        time.sleep(float(value(REPLACE_HELD_S) or hold_s))
 
 
 def fixed_temp_names() -> bool:

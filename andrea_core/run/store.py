@@ -977,10 +977,13 @@ class ReplacePaused(ConcurrentWriteError):
 
 # The compare-and-replace's time bounds on local disk (issue 23.5). Its critical section is a read of a
 # small file and a rename (the new bytes are fsynced before it): a holder longer than HOLD_S was paused
-# there (SIGSTOP, a frozen VM). A waiter polls the flock for WAIT_S > HOLD_S, then goes on without it,
-# so that no paused process blocks a takeover for longer; the paused one, when it runs again, finds its
-# bound exceeded and either writes nothing (before its rename) or reports ReplacePaused (after it).
-REPLACE_HOLD_S, REPLACE_WAIT_S = 1.0, 2.5
+# there (SIGSTOP, a frozen VM). A waiter polls the flock for WAIT_S > 2 x HOLD_S (a holder before it and
+# one more), then goes on without it, so that no paused process blocks a takeover for longer; the paused
+# one, when it runs again, finds its bound exceeded and either writes nothing (before its rename) or
+# reports ReplacePaused (after it), and a lease holder stops. HOLD_S is 3 s, not the 1 s it was: on a
+# loaded machine a small read and a rename through a slow filesystem took 1.1 s unpaused (the 1000-fault
+# soak, load 15, its FUSE layer; issue 48), and each such stop cost a restart.
+REPLACE_HOLD_S, REPLACE_WAIT_S = 3.0, 7.0
 
 
 class _DirectoryLock:
