@@ -69,11 +69,14 @@ from s3_relay import Relay, RelayFaults  # noqa: E402 (tests/s3_relay.py)
 
 from andrea_core.checkpoint import checkpoint_name  # noqa: E402
 from andrea_core.run.loss_log import newest_segments, parse_entries  # noqa: E402
+from andrea_core.run.store import REPLACE_WAIT_S  # noqa: E402
 
 PYTHON = sys.executable
 RENEW_S, TTL_S = 1.0, 3.0  # the lease's timing for every process of the soak (ANDREA_LEASE_*)
 TERM_BOUND = 90.0  # SIGTERM to exit 0: one step and one checkpoint (plus a loaded machine's slack)
-TAKEOVER_BOUND = TTL_S + RENEW_S + 1.0 + 5.0  # a paused holder's lease taken over after it stops
+# A paused holder's lease taken over after it stops: the ttl, a renewal, the watcher's poll, the
+# flock's wait (a holder paused inside its renewal) and a loaded machine's slack.
+TAKEOVER_BOUND = TTL_S + RENEW_S + 1.0 + REPLACE_WAIT_S + 2.5
 TOOL_BOUND = 240.0  # a pivot, a fork, a reader
 HOSTS = ("soak-a", "soak-b")  # ANDREA_TEST_HOST: two "machines" sharing the run directory
 
