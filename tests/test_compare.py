@@ -126,12 +126,14 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     assert (event["kind"], event["step"], event["rolled_back_to"]) == ("non-finite-grad-norm", 120, 100)
     assert (event["remedy_from"], event["skip"]) == (110, 10)  # 120 - rollback_margin: 101..110 retrained
     assert c.branch("base").guard_events == [] and p.trained_to == 160 and c.step == 160
-    scale, cooldown, skip = event["lr_scale"], event["cooldown"], event["skip"]
+    scale, cooldown = event["lr_scale"], event["cooldown"]
     assert 0 < scale < 1 and cooldown > 0
-    said = (
-        f"diverged at step 120 (non-finite-grad-norm), rolled back to 100, trained on at lr x{scale:.3g} "
-        f"from step 111 to {110 + cooldown}" + (f", {skip} batches skipped" if skip else "")
+    # The remedy in the one wording of guard_events.remedy_clauses (the trainer's line, status, here).
+    under = (
+        f"steps 101..110 retrained on their own data, data positions 111..120 skipped, "
+        f"lr x{scale:.3g} for steps 111..{110 + cooldown}"
     )
+    said = f"diverged at step 120 (non-finite-grad-norm), rolled back to 100: {under}"
     assert p.diverged == said and c.to_dict()["branches"][2]["diverged"] == said
     # Ranked apart: the verdict is between base and frozen, and says why poisoned is not in it.
     assert c.leader == "base" and c.runner_up == "frozen" and c.winner == "base"
@@ -142,12 +144,8 @@ def test_a_branch_the_guard_acted_in_is_named_and_ranked_apart(forked, tmp_path)
     assert "| poisoned (diverged: ranked apart) |" in md
     assert (
         "Divergence guard in `poisoned` (ranked apart: it did not train under its overrides alone): "
-        "non-finite-grad-norm at step 120: rolled back to step 100; "
-        f"lr x{scale:.3g} for steps 111..{110 + cooldown}"
+        f"non-finite-grad-norm at step 120: rolled back to step 100: {under}"
     ) in md
-    under = f"lr x{scale:.3g} for steps 111..{110 + cooldown}" + (
-        f", data positions {skip} ahead from step 111 on" if skip else ""
-    )
     assert p.trained_under == [under] and f"It trained under: {under}." in md
     assert "Divergence guard in `base`" not in md
     legend = [t.get_text() for t in comparison_figure(c).axes[0].get_legend().get_texts()]

@@ -168,8 +168,8 @@ def test_the_remedy_does_not_depend_on_which_checkpoints_a_fault_left(before_the
         said[how] = proc.stdout + proc.stderr
     for how, to in (("every-checkpoint", 20), ("20-unwritten", 10)):
         assert (
-            f"back to step_{to:06d}.bin, retraining steps {to + 1}..25 on their own data, from step 26 "
-            "skipping data positions 26..35, lr x0.3 for steps 26..1025"
+            f"back to step_{to:06d}.bin, steps {to + 1}..25 retrained on their own data, data positions "
+            "26..35 skipped, lr x0.3 for steps 26..1025"
         ) in said[how], said[how][-3000:]
     events = {how: facts(run) for how, run in runs.items()}
     assert [e["rolled_back_to"] for e in events["every-checkpoint"]] == [20]
@@ -306,7 +306,8 @@ def test_a_fork_copies_the_events_up_to_its_fork_point_and_status_shows_the_last
     text = andrea("status", str(parent)).stdout
     assert "non-finite-grad-norm at step 25 (since step 25); rolled back to step_000010.bin" in text
     assert (
-        "retrained steps 11..15, skipped 10 batches from step 16, lr x0.3 for 1000 steps from step 16" in text
+        "rolled back to step_000010.bin, steps 11..15 retrained on their own data, data positions 16..25 "
+        "skipped, lr x0.3 for steps 16..1015" in text
     )
 
 
@@ -363,7 +364,7 @@ def test_the_trainer_logs_each_event_it_replays(recovered, tmp_path):
     proc = train(run, "--max-steps", "62")
     assert (
         "guard: replaying event 1: non-finite-grad-norm at step 25 (since step 25): rolled back to step 10, "
-        "retrained steps 11..15 on their own data, skipped 10 batches from step 16, lr x0.3 for steps "
+        "steps 11..15 retrained on their own data, data positions 16..25 skipped, lr x0.3 for steps "
         "16..1015 (guard.jsonl)"
     ) in proc.stdout + proc.stderr
 

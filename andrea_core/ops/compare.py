@@ -55,7 +55,7 @@ from andrea_core.ops.fork import (
     check_destination,
     replicate_url,
 )
-from andrea_core.run.guard_events import GuardEvent, Remedies, read_events
+from andrea_core.run.guard_events import GuardEvent, Remedies, event_of, read_events, remedy_clauses
 from andrea_core.run.lineage import branch_of, phases
 from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.run.record import read_run
@@ -512,11 +512,8 @@ def expand_replicates(branch_urls: list[str]) -> dict[str, list[tuple[RunDir, in
 
 
 def remedy_text(e: GuardEvent) -> str:
-    """A rollback's remedy in words: the learning rate's factor, the steps it held, batches skipped."""
-    start = e.remedy_from + 1
-    return f"lr x{e.lr_scale:.3g} for steps {start}..{start + e.cooldown - 1}" + (
-        f", data positions {e.skip} ahead from step {start} on" if e.skip else ""
-    )
+    """A rollback's remedy in words (guard_events.remedy_clauses)."""
+    return ", ".join(remedy_clauses(e)) or "no remedy"
 
 
 def diverged_summary(b: BranchResult) -> str | None:
@@ -529,11 +526,9 @@ def diverged_summary(b: BranchResult) -> str | None:
     for e in b.guard_events:
         who = f"replicate {e['replicate']} " if b.replicates > 1 else ""
         if e["action"] == "rollback":
-            start, end = e["remedy_from"] + 1, e["remedy_from"] + e["cooldown"]
             parts.append(
-                f"{who}diverged at step {e['step']} ({e['kind']}), rolled back to {e['rolled_back_to']}, "
-                f"trained on at lr x{e['lr_scale']:.3g} from step {start} to {end}"
-                + (f", {e['skip']} batches skipped" if e["skip"] else "")
+                f"{who}diverged at step {e['step']} ({e['kind']}), rolled back to {e['rolled_back_to']}: "
+                + remedy_text(event_of(e))
             )
         else:
             parts.append(f"{who}diverged at step {e['step']} ({e['kind']}): the guard stopped it")
@@ -866,11 +861,7 @@ def guard_lines(b: BranchResult) -> list[str]:
     for e in b.guard_events:
         who = f" (replicate {e['replicate']})" if b.replicates > 1 else ""
         if e["action"] == "rollback":
-            start = e["remedy_from"] + 1
-            what = (
-                f"rolled back to step {e['rolled_back_to']}; lr x{e['lr_scale']:.3g} for steps {start}"
-                f"..{start + e['cooldown'] - 1}, {e['skip']} batches skipped"
-            )
+            what = f"rolled back to step {e['rolled_back_to']}: {remedy_text(event_of(e))}"
         else:
             what = "stopped (the guard's bound was reached)"
         out.append(f"{e['kind']} at step {e['step']}{who}: {what}")

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from andrea_core.document import Field, check
@@ -150,18 +150,31 @@ def lr_changes(events: list[GuardEvent]) -> list[tuple[int, int, float]]:
     return out
 
 
+def event_of(record: Mapping[str, Any]) -> GuardEvent:
+    """The event of a record that carries its fields (status's and compare's asdict(event) plus keys of
+    their own)."""
+    return GuardEvent(**{f.name: record[f.name] for f in fields(GuardEvent) if f.name in record})
+
+
+def remedy_clauses(e: GuardEvent) -> list[str]:
+    """A rollback's remedy in words, a clause for each part that did something: the steps retrained on
+    their own data (rolled_back_to + 1 .. remedy_from), the data positions skipped, the learning rate's
+    factor and the steps it held. The one wording of it: the trainer's line, status, fork reports."""
+    first, out = e.remedy_from + 1, []
+    if e.remedy_from > e.rolled_back_to:
+        out.append(f"steps {e.rolled_back_to + 1}..{e.remedy_from} retrained on their own data")
+    if e.skip:
+        out.append(f"data positions {first}..{first + e.skip - 1} skipped")
+    if e.lr_scale < 1 and e.cooldown:
+        out.append(f"lr x{e.lr_scale:.3g} for steps {first}..{first + e.cooldown - 1}")
+    return out
+
+
 def describe_event(e: GuardEvent) -> str:
     """One line: what the event detected and what was done (status, reports, the trainer's replay log)."""
     if e.action == "stop":
         return f"event {e.number}: {e.kind} at step {e.step}: stopped the run"
-    remedy = [f"rolled back to step {e.rolled_back_to}"]
-    if e.remedy_from != e.rolled_back_to:
-        remedy.append(f"retrained steps {e.rolled_back_to + 1}..{e.remedy_from} on their own data")
-    if e.skip:
-        remedy.append(f"skipped {e.skip} batches from step {e.remedy_from + 1}")
-    if e.lr_scale < 1 and e.cooldown:
-        first = e.remedy_from + 1
-        remedy.append(f"lr x{e.lr_scale:.3g} for steps {first}..{first + e.cooldown - 1}")
+    remedy = [f"rolled back to step {e.rolled_back_to}", *remedy_clauses(e)]
     return f"event {e.number}: {e.kind} at step {e.step} (since step {e.spike_start}): {', '.join(remedy)}"
 
 

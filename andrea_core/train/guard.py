@@ -35,6 +35,7 @@ from andrea_core.run.guard_events import (
     append_event,
     describe_event,
     read_events,
+    remedy_clauses,
     replayable_events,
 )
 from andrea_core.run.loss_log import read_history
@@ -392,20 +393,12 @@ class Guard:
         self.remedies = Remedies(self.events)
 
     def rollback_line(self, e: GuardEvent) -> str:
-        remedy = []
-        first = e.remedy_from + 1
-        if e.remedy_from > e.rolled_back_to:
-            remedy.append(f"retraining steps {e.rolled_back_to + 1}..{e.remedy_from} on their own data")
-        if e.skip:
-            remedy.append(f"from step {first} skipping data positions {first}..{first + e.skip - 1}")
-        if e.lr_scale < 1:
-            remedy.append(f"lr x{e.lr_scale:.3g} for steps {first}..{first + e.cooldown - 1}")
+        to = checkpoint_name(e.rolled_back_to) if e.rolled_back_to else "the initial weights (step 0)"
         return (
             f"guard: {e.kind} at step {e.step} (since step {e.spike_start}: "
             f"{describe(e.kind, e.value, e.statistic, e.threshold)}); rollback {e.level + 1} of "
-            f"{self.cfg.max_rollbacks} in its region: back to "
-            f"{checkpoint_name(e.rolled_back_to) if e.rolled_back_to else 'the initial weights (step 0)'}, "
-            f"{', '.join(remedy)} (event {e.number} in {GUARD_LOG})"
+            f"{self.cfg.max_rollbacks} in its region: {', '.join([f'back to {to}', *remedy_clauses(e)])} "
+            f"(event {e.number} in {GUARD_LOG})"
         )
 
     def stop_line(self, e: GuardEvent) -> str:
