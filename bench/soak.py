@@ -1400,11 +1400,16 @@ class Soak:
         self._disk_error(f, "short")
 
     def f_eio_read(self, f: dict) -> None:
-        """A read error at start: the trainer stopped, the next start's read of f["match"] fails once."""
+        """A read error at start: the trainer stopped, the next start's read of f["match"] fails once;
+        every other one its stat instead (twice: the kernel retries a failed lookup once), which a
+        reader must not take for "absent" (a fresh bandit, remedies dropped). Chosen by the fault's
+        index, not drawn: the schedule of a seed stays what it was."""
         layer = self.store.layer
         self.stop_trainer(signal.SIGTERM)
         n0 = layer.call("fired")["n"]
-        layer.arm("read", rf"^/run/\.?{re.escape(f['match'])}", count=1)
+        op = "stat" if f["i"] % 2 else "read"
+        self.did["eio-read"][f"armed on {op}"] += 1
+        layer.arm(op, rf"^/run/\.?{re.escape(f['match'])}", count=2 if op == "stat" else 1)
         t = self.trainer = self.start_trainer()
         started = self.wait_training(t, timeout=TOOL_BOUND)
         layer.call("disarm")
