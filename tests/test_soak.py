@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, wait_for
+from conftest import REPO, library_run, wait_for
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
@@ -211,23 +211,22 @@ def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
     assert set(SYSTEM_CLAIMS) == set(SYSTEM), "each machine kind's claim is checked"
 
 
-def test_a_status_read_is_judged_on_its_own_output_while_another_thread_spawns(tiny_reference, tmp_path):
+def test_a_status_read_is_judged_on_its_own_output_while_another_thread_spawns(tmp_path_factory, tmp_path):
     """bench/soak.py's reader (invariant (10)) judges the `andrea status` it started, even when the
     reference thread starts a command of its own while that status runs: the soak once judged
     self.procs[-1], the last process any thread started, and a CI round (2026-12-06, moto) reported
     the reference's `andrea pivot` output as the reader's status. Here the sigkill fault's reader asks
     about a run that has stopped while a second thread starts an `andrea status` of a folder that
-    holds no run (no state line) as soon as the reader's process is started. Real processes, cold."""
+    holds no run (no state line) as soon as the reader's process is started. Real processes, cold. The
+    run: the session library's andrea-tiny at step 10 (a copy; any run trained to its end will do)."""
     import argparse
-    import shutil
     import threading
     import types
     from collections import Counter
 
     from soak import Soak
 
-    run = tmp_path / "run"
-    shutil.copytree(tiny_reference, run)
+    run = library_run(tmp_path_factory, tmp_path / "run", 10)  # test_distributed's too: built once
     (tmp_path / "empty").mkdir()
     soak = Soak.__new__(Soak)  # the plumbing spawn/tool/f_sigkill read, without a store's mounts
     soak.args = argparse.Namespace(nice=0, warm=False)
