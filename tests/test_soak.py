@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, wait_for
+from conftest import REPO, library_run, wait_for
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
@@ -49,12 +49,21 @@ KINDS = {
 S3_IN_THE_LOCAL_ROUND = ["clock-step", "suspend", "oom-trainer"]
 
 
+# Each round's seed, ranked by bench/soak_ci_seeds.py: of seeds 1-20,000, a schedule of KINDS[store]
+# that waits little (its model: the drawn sleeps, pauses, outages and hangs, a kill's rerun, the steps
+# a fault waits for) among those that still kill every pivot, fork, remote pivot and guard rollback
+# partway, as seed 1 did. Modelled seconds, seed 1 -> SEEDS: local 66.8 -> 51.2 (the best 48.1), S3
+# 113.1 -> 93.9 (the best). A seed is a schedule, not a figure: should the soak draw differently one
+# day, these still throw each kind once (rerun the script).
+SEEDS = {"local": 16422, "s3": 11723}
+
+
 def run_soak(
     store: str, kinds: list[str], each: int, work: Path, timeout: float = 3600
 ) -> tuple[int, str, dict]:
-    """bench/soak.py --faults each*len(kinds) --seed 1 --kinds KINDS on `store`: its exit status, its
-    output (also in WORK.out, beside its folder, for the post-mortem), and its table (kind -> (injected,
-    survived, violations), every kind of the store: 0 for those not drawn)."""
+    """bench/soak.py --faults each*len(kinds) --seed SEEDS[store] --kinds KINDS on `store`: its exit
+    status, its output (also in WORK.out, beside its folder, for the post-mortem), and its table
+    (kind -> (injected, survived, violations), every kind of the store: 0 for those not drawn)."""
     # --warm: the trainers and commands forked by a fork server with torch imported (tests/warm_launcher.py);
     # ANDREA_SOAK_WARM=0: cold. (The crossed status of 2026-12-06 was the soak's own: it judged
     # self.procs[-1], the reference thread's pivot; test_a_status_read_is_judged_on_its_own_output...)
@@ -67,7 +76,7 @@ def run_soak(
             "--faults",
             str(each * len(kinds)),
             "--seed",
-            "1",
+            str(SEEDS[store]),
             "--store",
             store,
             "--kinds",
@@ -211,23 +220,22 @@ def test_every_kind_the_soak_draws_is_thrown_by_the_suite():
     assert set(SYSTEM_CLAIMS) == set(SYSTEM), "each machine kind's claim is checked"
 
 
-def test_a_status_read_is_judged_on_its_own_output_while_another_thread_spawns(tiny_reference, tmp_path):
+def test_a_status_read_is_judged_on_its_own_output_while_another_thread_spawns(tmp_path_factory, tmp_path):
     """bench/soak.py's reader (invariant (10)) judges the `andrea status` it started, even when the
     reference thread starts a command of its own while that status runs: the soak once judged
     self.procs[-1], the last process any thread started, and a CI round (2026-12-06, moto) reported
     the reference's `andrea pivot` output as the reader's status. Here the sigkill fault's reader asks
     about a run that has stopped while a second thread starts an `andrea status` of a folder that
-    holds no run (no state line) as soon as the reader's process is started. Real processes, cold."""
+    holds no run (no state line) as soon as the reader's process is started. Real processes, cold. The
+    run: the session library's andrea-tiny at step 10 (a copy; any run trained to its end will do)."""
     import argparse
-    import shutil
     import threading
     import types
     from collections import Counter
 
     from soak import Soak
 
-    run = tmp_path / "run"
-    shutil.copytree(tiny_reference, run)
+    run = library_run(tmp_path_factory, tmp_path / "run", 10)  # test_distributed's too: built once
     (tmp_path / "empty").mkdir()
     soak = Soak.__new__(Soak)  # the plumbing spawn/tool/f_sigkill read, without a store's mounts
     soak.args = argparse.Namespace(nice=0, warm=False)
