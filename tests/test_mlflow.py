@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -67,19 +67,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
-    """A real `mlflow server` on 127.0.0.1 with its SQLite store in `root`, until the block ends."""
+def tracking_server(root: Path, port: int | None = None) -> Iterator[Callable[[], str]]:
+    """A real `mlflow server` on 127.0.0.1 with its SQLite store in `root`, started at once and stopped
+    when the block ends; the block gets `ready()`, which waits until the server answers (the first
+    call) and returns its URI. Its job runner is off (MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false): a
+    tracking store needs none, and it is seven huey consumers and a runner, each a process importing
+    mlflow: at load 13 here the server was up in 88 s at 12.1 s of CPU with them (stopped in 31 s),
+    58 s at 6.8 s without (stopped in 4 s)."""
     mlflow = VENV / "bin" / "mlflow"
     assert mlflow.exists(), f"{mlflow} is missing: scripts/test.sh makes it (tests/mlflow-server.txt)"
     port = port or free_port()
     log = open(root / "server.log", "wb")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = subprocess.Popen(
         [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=root, env={**os.environ, "MLFLOW_TRACKING_URI": ""},
+        stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
+    answered = []
 
     def up() -> bool:
         assert server.poll() is None, (root / "server.log").read_text()[-3000:]
@@ -88,15 +95,20 @@ def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
         except httpx.HTTPError:
             return False
 
+    def ready() -> str:
+        if not answered:
+            wait_for(up, timeout=180, what="the MLflow server")
+            # Its tracking API answers once before any trainer asks: the first call loads the store's
+            # handlers (seconds on a loaded machine), which a trainer's first send, at its product
+            # timeout (mlflow_view.TIMEOUT), would otherwise pay.
+            search = f"{uri}/api/2.0/mlflow/experiments/search"
+            searched = httpx.post(search, json={"max_results": 1}, timeout=180)
+            assert searched.status_code == 200, searched.text
+            answered.append(True)
+        return uri
+
     try:
-        wait_for(up, timeout=180, what="the MLflow server")
-        # Its tracking API answers once before any trainer asks: the first call loads the store's
-        # handlers (seconds on a loaded machine), which a trainer's first send, at its product timeout
-        # (mlflow_view.TIMEOUT), would otherwise pay.
-        search = f"{uri}/api/2.0/mlflow/experiments/search"
-        searched = httpx.post(search, json={"max_results": 1}, timeout=180)
-        assert searched.status_code == 200, searched.text
-        yield uri
+        yield ready
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -107,12 +119,26 @@ def tracking_server(root: Path, port: int | None = None) -> Iterator[str]:
         log.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def mlflow_server_starting(request, tmp_path_factory) -> Iterator[Callable[[], str] | None]:
+    """The module's one real tracking server (SQLite store, bound to 127.0.0.1), started as the module
+    starts, so that its start-up (a minute of a loaded machine) goes on while the tests that need no
+    server run (they come first in this file), as does the reader's import of mlflow. None when no
+    selected test of the module asks for the server."""
+    wanted = any("mlflow_server" in item.fixturenames for item in request.session.items
+                 if item.module is request.module)  # fmt: skip
+    if not wanted:
+        yield None
+        return
+    request.getfixturevalue("mlflow_reader")
+    with tracking_server(tmp_path_factory.mktemp("mlflow-server")) as ready:
+        yield ready
+
+
 @pytest.fixture(scope="module")
-def mlflow_server(mlflow_reader, tmp_path_factory):
-    """One real tracking server for the module, SQLite store, bound to 127.0.0.1. The reader is started
-    first: its import of mlflow goes on while the server starts (seconds each)."""
-    with tracking_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
-        yield uri
+def mlflow_server(mlflow_server_starting: Callable[[], str]) -> str:
+    """The module's tracking server's URI, once it answers."""
+    return mlflow_server_starting()
 
 
 def env_for(uri: str, experiment: str, **extra: str) -> dict[str, str]:
@@ -176,6 +202,70 @@ def unique_steps(mlflow_run: dict, key: str) -> list[tuple[int, float]]:
     got = sorted((step, value) for step, value, _ in mlflow_run["history"][key])
     assert len({s for s, _ in got}) == len(got), f"{key}: a step logged twice"
     return got
+
+
+# First the tests that need no server: the module's server starts meanwhile (mlflow_server_starting).
+
+
+def test_a_tracking_server_that_is_down_is_one_warning_and_training_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    env = env_for(f"http://127.0.0.1:{free_port()}", "down")  # nothing listens there
+    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
+    proc = andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "30", "--device", "cpu",
+                  env=env, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warned = [x for x in (proc.stdout + proc.stderr).splitlines() if "MLflow" in x]
+    assert len(warned) == 1 and "andrea: warning: MLflow at http://127.0.0.1:" in warned[0], warned
+    assert "training goes on" in warned[0] and "ConnectError" in warned[0]
+    assert [e.step for e in read_history(RunDir(str(run_dir)))] == list(range(1, 31))
+    assert RunDir(str(run_dir)).checkpoint_steps() == [10, 20, 30]
+
+
+def test_mlflow_is_off_unless_configured(tmp_path, monkeypatch):
+    """Without MLFLOW_TRACKING_URI (or with ANDREA_MLFLOW=0) a trainer imports no HTTP client."""
+    from conftest import andrea_imports
+
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+    cfg = tiny_config(tmp_path, train__checkpoint_every=5)
+    args = (
+        "train",
+        "--config",
+        cfg,
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "5",
+        "--device",
+        "cpu",
+    )
+    assert andrea_imports("httpx", *args) is False
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("ANDREA_MLFLOW", "0")
+    assert andrea_imports("httpx", *args[:-2], "--max-steps", "10", "--device", "cpu") is False
+
+
+@pytest.mark.parametrize(
+    "uri, problem",
+    [
+        ("file:///tmp/mlruns", "only an http(s):// tracking server"),
+        ("sqlite:///mlflow.db", "only an http(s):// tracking server"),
+        ("http://user:s3cret@", "no host"),
+        ("http://user:s3cret@host:99999", "not a URL"),
+        ("http://host/?token=1", "a query"),
+    ],
+)
+def test_a_uri_that_is_not_a_tracking_server_is_one_warning_naming_it(uri, problem, tmp_path, monkeypatch):
+    """A local mlruns folder or a database (MLflow's other stores) is not sent to: one warning, its
+    password not shown, and the view is off."""
+    from andrea_core.train.mlflow_view import _Off, open_view
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    said: list[str] = []
+    view = open_view(RunDir(str(tmp_path)), 1, 1, [], log=said.append)
+    assert isinstance(view, _Off)
+    (line,) = said
+    assert line.startswith("warning: MLFLOW_TRACKING_URI=") and problem in line and "s3cret" not in line
 
 
 def test_a_killed_and_resumed_run_is_one_mlflow_run_whose_history_is_the_canonical_one(
@@ -322,20 +412,6 @@ def test_a_pivot_is_tagged_and_a_forks_branch_is_nested_under_its_parent(
     assert got[:10] == [(s, parents[s]) for s in range(1, 11)]
 
 
-def test_a_tracking_server_that_is_down_is_one_warning_and_training_completes(tmp_path):
-    run_dir = tmp_path / "run"
-    env = env_for(f"http://127.0.0.1:{free_port()}", "down")  # nothing listens there
-    cfg = tiny_config(tmp_path, train__checkpoint_every=10)
-    proc = andrea("train", "--config", cfg, "--run-dir", str(run_dir), "--max-steps", "30", "--device", "cpu",
-                  env=env, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    warned = [x for x in (proc.stdout + proc.stderr).splitlines() if "MLflow" in x]
-    assert len(warned) == 1 and "andrea: warning: MLflow at http://127.0.0.1:" in warned[0], warned
-    assert "training goes on" in warned[0] and "ConnectError" in warned[0]
-    assert [e.step for e in read_history(RunDir(str(run_dir)))] == list(range(1, 31))
-    assert RunDir(str(run_dir)).checkpoint_steps() == [10, 20, 30]
-
-
 @contextlib.contextmanager
 def forwarding(port: int, to: str) -> Iterator[None]:
     """127.0.0.1:`port` forwards to the server at `to` until the block ends: a tracking server that
@@ -393,53 +469,6 @@ def test_a_server_that_comes_back_gets_every_step_at_the_next_checkpoint(
     assert f"MLflow at http://127.0.0.1:{port}: sending again, run {mlflow_run['id']}" in out
     assert mlflow_run["status"] == "FINISHED" and len(mlflow_run["history"]["train/loss"]) == 60
     assert_canonical(mlflow_run, RunDir(str(run_dir)))
-
-
-def test_mlflow_is_off_unless_configured(tmp_path, monkeypatch):
-    """Without MLFLOW_TRACKING_URI (or with ANDREA_MLFLOW=0) a trainer imports no HTTP client."""
-    from conftest import andrea_imports
-
-    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
-        monkeypatch.delenv(name)
-    cfg = tiny_config(tmp_path, train__checkpoint_every=5)
-    args = (
-        "train",
-        "--config",
-        cfg,
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--max-steps",
-        "5",
-        "--device",
-        "cpu",
-    )
-    assert andrea_imports("httpx", *args) is False
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
-    monkeypatch.setenv("ANDREA_MLFLOW", "0")
-    assert andrea_imports("httpx", *args[:-2], "--max-steps", "10", "--device", "cpu") is False
-
-
-@pytest.mark.parametrize(
-    "uri, problem",
-    [
-        ("file:///tmp/mlruns", "only an http(s):// tracking server"),
-        ("sqlite:///mlflow.db", "only an http(s):// tracking server"),
-        ("http://user:s3cret@", "no host"),
-        ("http://user:s3cret@host:99999", "not a URL"),
-        ("http://host/?token=1", "a query"),
-    ],
-)
-def test_a_uri_that_is_not_a_tracking_server_is_one_warning_naming_it(uri, problem, tmp_path, monkeypatch):
-    """A local mlruns folder or a database (MLflow's other stores) is not sent to: one warning, its
-    password not shown, and the view is off."""
-    from andrea_core.train.mlflow_view import _Off, open_view
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    said: list[str] = []
-    view = open_view(RunDir(str(tmp_path)), 1, 1, [], log=said.append)
-    assert isinstance(view, _Off)
-    (line,) = said
-    assert line.startswith("warning: MLFLOW_TRACKING_URI=") and problem in line and "s3cret" not in line
 
 
 if __name__ == "__main__":
