@@ -62,11 +62,12 @@ def demo(
     first = start_subflow(train, run_dir=run_dir, config=config, max_steps=max_steps, pace=pace, device="cpu")
     # The pivot is decided mid-run, while the trainer is live; it lands on the next checkpoint boundary.
     wait_for_logged_step(RunDir(run_dir), pivot_decided_at, timeout=600)
+    # The resumed trainer unpaced: only the first needs to be slow enough for the pivot to land live.
     pivoted = pivot(
-        run_dir, policy, at="boundary", restart="subflow", max_steps=max_steps, pace=pace, device="cpu"
+        run_dir, policy, at="boundary", restart="subflow", max_steps=max_steps, pace=0.0, device="cpu"
     )
     before_pivot = first.result()
-    # Unpaced: only the main run needs to be slow enough for the pivot to land while it is live. Two
+    # Unpaced too: only the main run needs to be slow enough for the pivot to land while it is live. Two
     # replicates a branch, the fewest that measure training noise (the verdict's test; `andrea fork`
     # and the deployment make 3): four short branch runs, one after another.
     forked = audit_fork(run_dir, DEFAULT_BRANCHES, steps=fork_steps, pace=0.0, device="cpu", replicates=2)
