@@ -202,19 +202,21 @@ def test_two_micro_batches_of_4_train_as_one_batch_of_8(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_and_resume_are_bit_exact_with_gradient_accumulation(tmp_path):
-    """B stops off the grid (between 30 and 50), resumes across checkpoint 50 and ends at 60 with A's
-    bytes (60 steps, not 120: the steps past the grid checkpoint add no case, each is 4 micro-batches)."""
-    config = tiny_config(tmp_path, train__grad_accum_steps=4, train__checkpoint_every=50)
+    """B stops off the grid (between 10 and 30), resumes across checkpoint 30 and ends at 31 with A's
+    bytes (31 steps, not 60: one step past the grid checkpoint is as much a case as 30, each step is 4
+    micro-batches; the stop still has 20 steps of room before the grid)."""
+    config = tiny_config(tmp_path, train__grad_accum_steps=4, train__checkpoint_every=30)
     a, b = tmp_path / "a", tmp_path / "b"
-    Trainer(str(a), load_run_config(config), max_steps=60, log=lambda line: None).train()
-    proc = start_trainer("--config", config, "--run-dir", str(b), "--max-steps", "60", "--pace", "0.03")
-    wait_for(lambda: last_logged_step(b) >= 30, what="step 30")
+    Trainer(str(a), load_run_config(config), max_steps=31, log=lambda line: None).train()
+    proc = start_trainer("--config", config, "--run-dir", str(b), "--max-steps", "31", "--pace", "0.03")
+    wait_for(lambda: last_logged_step(b) >= 10, what="step 10")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     stopped = RunDir(str(b)).checkpoint_steps()[-1]
-    assert stopped % 50 != 0
-    Trainer(str(b), max_steps=60, log=lambda line: None).train()
-    assert (a / checkpoint_name(60)).read_bytes() == (b / checkpoint_name(60)).read_bytes()
+    assert 10 <= stopped < 30
+    Trainer(str(b), max_steps=31, log=lambda line: None).train()
+    assert RunDir(str(b)).checkpoint_steps() == [stopped, 30, 31]  # the resume crossed the grid
+    assert (a / checkpoint_name(31)).read_bytes() == (b / checkpoint_name(31)).read_bytes()
     assert [(e.step, e.loss) for e in read_history(RunDir(str(a)))] == [
         (e.step, e.loss) for e in read_history(RunDir(str(b)))
     ]
