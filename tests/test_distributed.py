@@ -327,12 +327,14 @@ def test_andrea_pivot_of_a_two_rank_job_restarts_it_at_two_ranks_from_the_bounda
     to the lock's pid (rank 0) for the pivot checkpoint, SIGTERM to it to stop the job (the agent exits
     0), the run directory's steps 3-5 (the closed phase's tail archived), and a restart from the boundary
     that is a 2-rank job again (the world size the stopped trainer's lock recorded, not a single
-    process), under the new policy with a fresh bandit, to the run's end."""
+    process), under the new policy with a fresh bandit, every step from boundary+1 on until it is
+    stopped. 400 steps at --pace 0.1: room for the pivot's checks (a new policy's arms are tokenized
+    first) before the job could reach its end; the resumed job is stopped 30 steps on."""
     from andrea_core.run.lock import live_trainer
 
     run = tmp_path / "run"
     rd = RunDir(str(run))
-    config = _config(tmp_path, 60, 100)  # no grid checkpoint before the end: the pivot's alone
+    config = _config(tmp_path, 400, 1000)  # no grid checkpoint: the pivot's and the stops' alone
     agent = start_trainer(
         "--config", config, "--run-dir", str(run), *CPU, "--nproc-per-node", "2", "--pace", "0.1",
         log=tmp_path / "before.log",
@@ -355,7 +357,9 @@ def test_andrea_pivot_of_a_two_rank_job_restarts_it_at_two_ranks_from_the_bounda
         resumed = live_trainer(rd)
         assert resumed is not None and resumed.world_size == 2, log + (run / "trainer.log").read_text()
         assert resumed.generation > before.generation
-        wait_for(lambda: lock_released(run), 300, "the resumed 2-rank job to finish")
+        wait_for(lambda: last_logged_step(rd) >= boundary + 30, 300, "the resumed job to train 30 steps")
+        resumed.stop()
+        wait_for(lambda: read_lock(rd).released, 180, "the resumed 2-rank job to stop")
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -363,14 +367,15 @@ def test_andrea_pivot_of_a_two_rank_job_restarts_it_at_two_ranks_from_the_bounda
         if leftover is not None:
             leftover.stop()
     # The closed phase's tail (the stop's checkpoint, past the boundary) is archived; the new phase
-    # resumed from the boundary and trained to the run's end.
+    # resumed from the boundary and trained every step to its own stop's checkpoint.
     (folder,) = rd.listdir("archive")
     assert int(folder.rsplit("_", 1)[1]) == boundary
     tail = sorted(n for n in rd.listdir(f"archive/{folder}") if n.startswith("step_"))
     assert tail == ([checkpoint_name(stopped)] if stopped > boundary else [])
-    assert rd.checkpoint_steps() == [boundary, 60]
+    final = rd.checkpoint_steps()[-1]
+    assert rd.checkpoint_steps() == [boundary, final] and final >= boundary + 30
     assert f"resuming {rd.url} from {checkpoint_name(boundary)}" in (run / "trainer.log").read_text()
     entries = [json.loads(line) for line in (run / ".loss.json").read_text().splitlines()]
     resumed_entries = [e for e in entries if e["segment"] == entries[-1]["segment"]]
-    assert [e["step"] for e in resumed_entries] == list(range(boundary + 1, 61))
+    assert [e["step"] for e in resumed_entries] == list(range(boundary + 1, final + 1))
     assert {e["arm"] for e in resumed_entries} > {"stdlib-code"}  # the new policy's arms are drawn
