@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -247,18 +248,20 @@ def test_signals_reach_every_rank_and_resume_is_bit_exact(tmp_path, runs_60):
 
 @pytest.mark.slow
 def test_checkpoint_resumes_at_another_world_size(tmp_path, runs_60):
-    """2 ranks -> 1 and 1 -> 2: the file holds the full weights, m and v; the loss runs on as in an
-    uninterrupted run (to float32 rounding: the world size changes how a gradient is summed)."""
-    config, straight, _ = runs_60  # 60 steps; the legs here stop at 20 and 30
+    """2 ranks -> 1 -> 2, one run: the file holds the full weights, m and v, whoever wrote it (rank 0 of
+    two at the grid step 20, a single process at its last step 30); after each leg the loss runs on as
+    in an uninterrupted run (to float32 rounding: the world size changes how a gradient is summed).
+    One run of three legs, not two of two: the same two changes of world size, one start fewer."""
+    config, straight, _ = runs_60  # 60 steps; the legs here stop at 20, 30 and 40
     ref = _losses(straight)
-    for first, then in ((2, 1), (1, 2)):
-        run = tmp_path / f"from{first}to{then}"
-        _train(config, run, first, "--max-steps", "20")
-        _train(config, run, then, "--max-steps", "30")  # the run's target is 20 since the first start
+    run = tmp_path / "run"
+    for world, target in ((2, 20), (1, 30), (2, 40)):
+        _train(config, run, world, "--max-steps", str(target))  # the run's target is the last leg's
         got = _losses(run)
-        assert sorted(got) == list(range(1, 31))
-        assert [got[s][1] for s in got] == [ref[s][1] for s in got], (first, then)
-        assert max(abs(got[s][0] - ref[s][0]) for s in got) < 1e-5, (first, then)
+        assert sorted(got) == list(range(1, target + 1)), (world, target)
+        assert [got[s][1] for s in got] == [ref[s][1] for s in got], (world, target)
+        assert max(abs(got[s][0] - ref[s][0]) for s in got) < 1e-5, (world, target)
+        assert run.joinpath(checkpoint_name(target)).exists(), (world, target)
 
 
 @pytest.mark.slow
@@ -300,38 +303,6 @@ def test_train_flow_and_trainer_command_take_nproc_per_node():
 
 
 @pytest.mark.slow
-def test_pivot_of_a_two_rank_trainer(tmp_path):
-    """The pivot sequence's steps against a 2-rank job, through what the pivot tasks use: SIGUSR1 to
-    the lock's pid (rank 0) for the pivot checkpoint, SIGTERM to it to stop the job, the run directory's
-    steps 3-5, and a 2-rank restart from the boundary under the new policy with a fresh bandit."""
-    from andrea_core.ops.pivot import pivot_run_directory
-    from andrea_core.run.lock import live_trainer
-    from tests.conftest import TINY
-
-    run = tmp_path / "run"
-    rd = RunDir(str(run))
-    config = _config(tmp_path, 60, 100)
-    train = ["--run-dir", str(run), *CPU, "--nproc-per-node", "2"]
-    agent = start_trainer("--config", config, *train, "--pace", "0.1", log=tmp_path / "before.log")
-    wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
-    live_trainer(rd).signal(signal.SIGUSR1)
-    boundary = wait_for(lambda: rd.checkpoint_steps(), 120, "the pivot checkpoint")[0]
-    live_trainer(rd).stop()
-    assert agent.wait(120) == 0, (tmp_path / "before.log").read_text()
-    stopped = rd.checkpoint_steps()[-1]
-    assert stopped >= boundary and live_trainer(rd) is None
-    pivot_run_directory(rd, boundary, (Path(TINY).parent / "policies" / "default.yaml").read_text())
-    assert rd.checkpoint_steps() == [boundary]  # the closed phase's tail is archived
-
-    out = andrea("train", *train, timeout=300).stdout
-    assert f"resuming {rd.url} from {checkpoint_name(boundary)}" in out
-    entries = [json.loads(line) for line in (run / ".loss.json").read_text().splitlines()]
-    resumed = [e for e in entries if e["segment"] == entries[-1]["segment"]]
-    assert [e["step"] for e in resumed] == list(range(boundary + 1, 61))
-    assert {e["arm"] for e in resumed} > {"stdlib-code"}  # the new policy's arms are drawn
-
-
-@pytest.mark.slow
 def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path, tmp_path_factory):
     """A resume under a policy the .state.json does not belong to: rank 0 moves the state aside (one
     file in archive/), every rank starts the same fresh bandit, no rank writes or trips over the move.
@@ -351,27 +322,60 @@ def test_bandit_state_of_another_policy_is_set_aside_once_by_rank_0(tmp_path, tm
 
 
 @pytest.mark.slow
-def test_andrea_pivot_restarts_a_two_rank_job_at_two_ranks(tmp_path):
-    """`andrea pivot --restart` against a 2-rank job: the resumed trainer is a 2-rank job again (the
-    world size the stopped trainer's lock recorded), not a single process."""
-    from andrea_core.run.lock import live_trainer, read_lock
+def test_andrea_pivot_of_a_two_rank_job_restarts_it_at_two_ranks_from_the_boundary(tmp_path):
+    """`andrea pivot --at now --restart` against a 2-rank job, through what the pivot tasks use: SIGUSR1
+    to the lock's pid (rank 0) for the pivot checkpoint, SIGTERM to it to stop the job (the agent exits
+    0), the run directory's steps 3-5 (the closed phase's tail archived), and a restart from the boundary
+    that is a 2-rank job again (the world size the stopped trainer's lock recorded, not a single
+    process), under the new policy with a fresh bandit, every step from boundary+1 on until it is
+    stopped. 400 steps at --pace 0.1: room for the pivot's checks (a new policy's arms are tokenized
+    first) before the job could reach its end; the resumed job is stopped 30 steps on."""
+    from andrea_core.run.lock import live_trainer
 
     run = tmp_path / "run"
     rd = RunDir(str(run))
-    config = _config(tmp_path, 400, 20)
+    config = _config(tmp_path, 400, 1000)  # no grid checkpoint: the pivot's and the stops' alone
     agent = start_trainer(
         "--config", config, "--run-dir", str(run), *CPU, "--nproc-per-node", "2", "--pace", "0.1",
         log=tmp_path / "before.log",
     )  # fmt: skip
     try:
         wait_for(lambda: last_logged_step(rd) >= 5, 180, "the 2-rank trainer to train")
+        before = read_lock(rd)
+        assert (before.world_size, before.agent_pid) == (2, agent.pid)
         out = andrea("pivot", str(run), "--policy", "default", "--at", "now", "--restart", "--timeout", "300")
+        log = out.stdout
         assert agent.wait(120) == 0, (tmp_path / "before.log").read_text()
+        # The pivot checkpoint and the stop went to rank 0 (the lock's pid), the job's agent exited 0.
+        assert f"sent SIGUSR1 to trainer pid {before.pid} " in log, log
+        boundary = int(re.search(r"pivot checkpoint step_(\d+)\.bin is valid", log)[1])
+        stop = rf"trainer pid {before.pid} on \S+ exited .*; newest checkpoint (\d+)"
+        stopped = int(re.search(stop, log)[1])
+        assert stopped >= boundary >= 5
+        pivoted = f"pivoted {rd.url} at step {boundary} to policy 'default'; resumed at step {boundary + 1}"
+        assert pivoted in log, log
         resumed = live_trainer(rd)
-        assert resumed is not None and resumed.world_size == 2, out.stdout + (run / "trainer.log").read_text()
+        assert resumed is not None and resumed.world_size == 2, log + (run / "trainer.log").read_text()
+        assert resumed.generation > before.generation
+        wait_for(lambda: last_logged_step(rd) >= boundary + 30, 300, "the resumed job to train 30 steps")
         resumed.stop()
         wait_for(lambda: read_lock(rd).released, 180, "the resumed 2-rank job to stop")
     finally:
-        for proc in (agent,):
-            if proc.poll() is None:
-                proc.kill()
+        if agent.poll() is None:
+            agent.kill()
+        leftover = live_trainer(rd)
+        if leftover is not None:
+            leftover.stop()
+    # The closed phase's tail (the stop's checkpoint, past the boundary) is archived; the new phase
+    # resumed from the boundary and trained every step to its own stop's checkpoint.
+    (folder,) = rd.listdir("archive")
+    assert int(folder.rsplit("_", 1)[1]) == boundary
+    tail = sorted(n for n in rd.listdir(f"archive/{folder}") if n.startswith("step_"))
+    assert tail == ([checkpoint_name(stopped)] if stopped > boundary else [])
+    final = rd.checkpoint_steps()[-1]
+    assert rd.checkpoint_steps() == [boundary, final] and final >= boundary + 30
+    assert f"resuming {rd.url} from {checkpoint_name(boundary)}" in (run / "trainer.log").read_text()
+    entries = [json.loads(line) for line in (run / ".loss.json").read_text().splitlines()]
+    resumed_entries = [e for e in entries if e["segment"] == entries[-1]["segment"]]
+    assert [e["step"] for e in resumed_entries] == list(range(boundary + 1, final + 1))
+    assert {e["arm"] for e in resumed_entries} > {"stdlib-code"}  # the new policy's arms are drawn

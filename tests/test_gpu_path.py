@@ -4,6 +4,7 @@ head and loss."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 
@@ -28,19 +29,34 @@ from andrea_core.train.trainer import Trainer
 PROMPTS = [[10, 20, 30, 40], [50, 60, 70, 80, 90, 100, 110], [120], [130, 140, 150, 160, 170, 180]]
 
 
-def tiny_model(seed: int = 0) -> GPT:
-    """andrea-tiny (block_size 64), trained a little so that its distributions are not near-uniform."""
+@functools.cache
+def _trained_weights(seed: int) -> dict[str, torch.Tensor]:
+    """The weights of tiny_model(seed), trained once per module (on one thread, whichever test asks
+    first) rather than once per test: 9 tests asked for the same 30 steps."""
     cfg = load_run_config(TINY)
-    torch.manual_seed(seed)
-    model = GPT(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    text = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 40))
-    for i in range(30):
-        x = torch.stack([text[j : j + 64] for j in range(i, i + 64, 8)])
-        y = torch.stack([text[j + 1 : j + 65] for j in range(i, i + 64, 8)])
-        model(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        model = GPT(cfg.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        text = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 40))
+        for i in range(30):
+            x = torch.stack([text[j : j + 64] for j in range(i, i + 64, 8)])
+            y = torch.stack([text[j + 1 : j + 65] for j in range(i, i + 64, 8)])
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    """andrea-tiny (block_size 64), trained a little so that its distributions are not near-uniform: a
+    fresh model of its own (a test may train or change it) holding _trained_weights(seed)."""
+    model = GPT(load_run_config(TINY).model)
+    model.load_state_dict(_trained_weights(seed))
     return model.eval()
 
 
@@ -186,19 +202,21 @@ def test_two_micro_batches_of_4_train_as_one_batch_of_8(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_and_resume_are_bit_exact_with_gradient_accumulation(tmp_path):
-    """B stops off the grid (between 30 and 50), resumes across checkpoint 50 and ends at 60 with A's
-    bytes (60 steps, not 120: the steps past the grid checkpoint add no case, each is 4 micro-batches)."""
-    config = tiny_config(tmp_path, train__grad_accum_steps=4, train__checkpoint_every=50)
+    """B stops off the grid (between 10 and 30), resumes across checkpoint 30 and ends at 31 with A's
+    bytes (31 steps, not 60: one step past the grid checkpoint is as much a case as 30, each step is 4
+    micro-batches; the stop still has 20 steps of room before the grid)."""
+    config = tiny_config(tmp_path, train__grad_accum_steps=4, train__checkpoint_every=30)
     a, b = tmp_path / "a", tmp_path / "b"
-    Trainer(str(a), load_run_config(config), max_steps=60, log=lambda line: None).train()
-    proc = start_trainer("--config", config, "--run-dir", str(b), "--max-steps", "60", "--pace", "0.03")
-    wait_for(lambda: last_logged_step(b) >= 30, what="step 30")
+    Trainer(str(a), load_run_config(config), max_steps=31, log=lambda line: None).train()
+    proc = start_trainer("--config", config, "--run-dir", str(b), "--max-steps", "31", "--pace", "0.03")
+    wait_for(lambda: last_logged_step(b) >= 10, what="step 10")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     stopped = RunDir(str(b)).checkpoint_steps()[-1]
-    assert stopped % 50 != 0
-    Trainer(str(b), max_steps=60, log=lambda line: None).train()
-    assert (a / checkpoint_name(60)).read_bytes() == (b / checkpoint_name(60)).read_bytes()
+    assert 10 <= stopped < 30
+    Trainer(str(b), max_steps=31, log=lambda line: None).train()
+    assert RunDir(str(b)).checkpoint_steps() == [stopped, 30, 31]  # the resume crossed the grid
+    assert (a / checkpoint_name(31)).read_bytes() == (b / checkpoint_name(31)).read_bytes()
     assert [(e.step, e.loss) for e in read_history(RunDir(str(a)))] == [
         (e.step, e.loss) for e in read_history(RunDir(str(b)))
     ]
@@ -239,15 +257,16 @@ def test_a_run_with_the_fused_loss_trains_like_the_plain_one_and_is_refused_when
 def test_background_audits_are_the_same_audits_and_change_nothing_of_training(tmp_path):
     """train.audit_async: each audit from a copy of its step's weights on a thread, while training goes
     on. The same .samples.json byte for byte (the last step's audit, still in flight at the end, is
-    waited for), the same losses, the same final checkpoint."""
-    runs = train_each(tmp_path, "audit_async", (False, True), 60, train__checkpoint_every=20)
+    waited for), the same losses, the same final checkpoint. Four audits in 30 steps (every 10), not 60
+    (every 20): the steps between audits add no case."""
+    runs = train_each(tmp_path, "audit_async", (False, True), 30, train__checkpoint_every=10)
     sync, background = runs[False], runs[True]
-    assert [a["step"] for a in read_audits(RunDir(str(background)))] == [0, 20, 40, 60]
+    assert [a["step"] for a in read_audits(RunDir(str(background)))] == [0, 10, 20, 30]
     assert (sync / ".samples.json").read_bytes() == (background / ".samples.json").read_bytes()
     assert [(e.step, e.loss) for e in read_history(RunDir(str(sync)))] == [
         (e.step, e.loss) for e in read_history(RunDir(str(background)))
     ]
-    assert (sync / checkpoint_name(60)).read_bytes() == (background / checkpoint_name(60)).read_bytes()
+    assert (sync / checkpoint_name(30)).read_bytes() == (background / checkpoint_name(30)).read_bytes()
 
 
 class AuditWatchingTrainer(Trainer):

@@ -28,19 +28,26 @@ from andrea_core.ops.supervise import (
 from andrea_core.run.lock import TrainerIdentity, live_trainer, process_start_ticks, read_lock
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import LOSS_LOG, RunDir
-from tests.conftest import REPO, _env, andrea, last_logged_step, library_run, wait_for
+from tests.conftest import REPO, _env, andrea, last_logged_step, library_run, wait_for, warm_launcher
 from tests.tiny import tiny_config
 
 
 def test_trainer_process_follows_and_stops_with_a_checkpoint_of_the_step_in_flight(tmp_path):
+    """Also the launched trainer's oom_score_adj (test_a_launched_trainer_is_the_oom_killers_choice_
+    before_its_launcher: the kernel's OOM killer takes the trainer before its supervisor), read while
+    it trains: TRAINER_OOM_BIAS above this process's own, capped at 1000, this process's left alone."""
     run = RunDir(tmp_path / "run")
+    own = int(open("/proc/self/oom_score_adj").read())
     trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=100_000, pace=0.02).start()
-    seen = []
+    seen, adj = [], None
     for line in trainer.lines():
         seen.append(line)
+        adj = adj if adj is not None else int(open(f"/proc/{trainer.pid}/oom_score_adj").read())
         if trainer.step is not None and trainer.step >= 50:
             break
+    assert adj == min(1000, own + TRAINER_OOM_BIAS) and own < adj
     outcome = trainer.stop(timeout=120)
+    assert int(open("/proc/self/oom_score_adj").read()) == own
     assert outcome.reason == "SIGTERM" and outcome.returncode == 0 and outcome.ok
     history = read_history(run)
     # Nothing lost but nothing invented: the checkpoint is of the last step the trainer logged.
@@ -69,7 +76,10 @@ def test_a_trainer_stopped_by_a_pivot_reports_its_checkpoint_where_the_pivot_arc
             if trainer.step is not None and trainer.step >= 12:
                 break
         log = tmp_path / f"pivot{attempt}.log"
-        pivot = subprocess.Popen(  # its output to a file: this test reads the trainer's pipe meanwhile
+        # The pivot's output to a file: this test reads the trainer's pipe meanwhile. Forked warm (its
+        # start-up is not what is tested: the trainer's report is); the trainer stays cold.
+        launcher = warm_launcher()
+        pivot = (launcher.popen if launcher else subprocess.Popen)(
             [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart"],
             cwd=REPO, env=_env(), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -143,22 +153,15 @@ def test_a_trainer_whose_launcher_is_killed_checkpoints_and_exits(tmp_path, tmp_
     assert f"resuming {run.url} from {checkpoint_name(stopped_at)}" in resumed.stdout
 
 
-def test_a_launched_trainer_is_the_oom_killers_choice_before_its_launcher(tmp_path, tmp_path_factory):
+def test_a_launched_trainer_is_the_oom_killers_choice_before_its_launcher():
     """In an out-of-memory kill the kernel must take the trainer, not the supervisor that reports it
     and starts the next one (test_oom shows it in a real memory cgroup): the trainer runs with an
     oom_score_adj TRAINER_OOM_BIAS above its launcher's (set by pdeathsig before the exec, so a torchrun
-    agent's ranks inherit it), capped at the kernel's 1000; the launcher's own is left as it was."""
-    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 10))  # andrea-tiny at step 10
-    own = int(open("/proc/self/oom_score_adj").read())
-    trainer = TrainerProcess(run.url, max_steps=12).start()
-    seen = None
-    for _ in trainer.lines():
-        seen = seen if seen is not None else int(open(f"/proc/{trainer.pid}/oom_score_adj").read())
-    assert trainer.outcome().reason == "completed"
-    assert seen == min(1000, own + TRAINER_OOM_BIAS) and own < seen
-    assert int(open("/proc/self/oom_score_adj").read()) == own
-
-    # A launcher already raised (a unit's OOMScoreAdjust): its trainer above it, at most 1000.
+    agent's ranks inherit it), capped at the kernel's 1000; the launcher's own is left as it was.
+    A TrainerProcess launched from this process, at its own oom_score_adj, is read in
+    test_trainer_process_follows_and_stops_with_a_checkpoint_of_the_step_in_flight (while its trainer
+    trains: one trainer start fewer); here launchers already raised (a unit's OOMScoreAdjust) start
+    through pdeathsig as TrainerProcess does: the trainer above its launcher, at most 1000."""
     for launcher in (300, 700):
         code = textwrap.dedent(
             f"""
@@ -175,9 +178,11 @@ def test_a_launched_trainer_is_the_oom_killers_choice_before_its_launcher(tmp_pa
         assert out.stdout.split() == [str(min(1000, launcher + TRAINER_OOM_BIAS)), "0"], out
 
 
-def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):
-    run = RunDir(tmp_path / "run")
-    trainer = TrainerProcess(run.url, config=tiny_config(tmp_path), max_steps=150).start()
+def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path, tmp_path_factory):
+    """The trainer resumes a copy of the library's andrea-tiny at step 100 (conftest.library_run) and
+    ends at 150: its steps 1..100 are not what is tested."""
+    run = RunDir(library_run(tmp_path_factory, tmp_path / "run", 100))  # andrea-tiny at step 100
+    trainer = TrainerProcess(run.url, max_steps=150).start()
     wait_for(lambda: live_trainer(run), timeout=120, what="the trainer's lock")
     identity = live_trainer(run)
     # TrainerChanged: whoever waited decides again from whoever holds the run now (the pivot's step 1).
@@ -186,6 +191,7 @@ def test_wait_for_checkpoint_fails_fast_when_the_trainer_exits_first(tmp_path):
         wait_for_checkpoint(run, 200, timeout=300, trainer=identity)
     for _ in trainer.lines():
         pass
+    assert trainer.outcome().reason == "completed"
     assert wait_for_checkpoint(run, 150, timeout=1).step == 150
 
 
@@ -221,11 +227,13 @@ def test_gpu_slot_names():
 def test_zombie_trainer_counts_as_gone():
     """An exited trainer that its parent has not reaped yet is a zombie: its pid and start time are
     still in /proc, but it holds nothing, so waiting for its exit must not hang."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    # The child lives until its stdin closes: alive for certain while the test looks, then gone at once.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     # This machine's identity (host, boot id, pid namespace) with the child's pid and start time.
     here = TrainerIdentity.of_this_process("run")
     ident = dataclasses.replace(here, pid=child.pid, proc_start=process_start_ticks(child.pid))
     assert ident.is_alive()
+    child.stdin.close()
     wait_for(lambda: _state(child.pid) == "Z", what="the child to exit (unreaped)")
     assert process_start_ticks(child.pid) is None
     assert not ident.is_alive()
