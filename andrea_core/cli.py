@@ -30,14 +30,15 @@ def _hold_start_up_for_tests(flags: signals.TrainerSignals) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
-        from andrea_core.train.distributed import check_world_size
+        from andrea_core.train.launch import check_world_size
 
-        check_world_size(args.nproc_per_node, "--nproc-per-node")  # every path to torchrun passes here
+        # Every path to torchrun passes here (a CPU job's without importing torch).
+        check_world_size(args.nproc_per_node, "--nproc-per-node", args.device)
     if args.nproc_per_node and args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         # Become the torchrun agent (same pid: the operator's SIGTERM reaches it, and it every rank).
         from andrea_core.config import parse_settings
         from andrea_core.run.rundir import RunDir
-        from andrea_core.train.distributed import torchrun_argv
+        from andrea_core.train.launch import torchrun_argv
         from andrea_core.train.setup import train_config
 
         # Refused here, once, before torchrun starts any rank (each checks again: rank 0 as below).

@@ -123,3 +123,21 @@ def test_the_parameter_count_by_arithmetic_is_the_models(config):
     for m in shapes:
         with torch.device("meta"):
             assert estimated_n_params(m) == GPT(m).n_params, m
+
+
+def test_a_two_rank_cpu_job_becomes_the_torchrun_agent_without_importing_torch(tmp_path):
+    """`andrea train --nproc-per-node 2 --device cpu` checks the world size and the config, then replaces
+    itself with the torchrun agent (which imports torch): it must not import torch first for nothing (a
+    GPU count is all it would need it for). The exec is stopped here to look at what was imported."""
+    code = (
+        "import os, sys; from andrea_core import cli\n"
+        "def execv(path, argv): print('TORCH', 'torch' in sys.modules, argv[2]); sys.exit(0)\n"
+        "os.execv = execv; sys.exit(cli.main(sys.argv[1:]))"
+    )
+    args = ["train", "--config", tiny_config(tmp_path), "--run-dir", str(tmp_path / "run")]
+    args += ["--nproc-per-node", "2", "--device", "cpu", "--max-steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=_env(), cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "TORCH False andrea_core.train.distributed", proc.stdout

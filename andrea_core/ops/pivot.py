@@ -746,7 +746,7 @@ def job_world_size(pid: int) -> int:
     """The world size of the torchrun job whose rank 0 is `pid`, from the WORLD_SIZE torchrun gave that
     process (the operator's choice, never a run file's), bounded by the devices here; 1 if none."""
     from andrea_core.signals import environ_of
-    from andrea_core.train.distributed import check_world_size
+    from andrea_core.train.launch import check_world_size
 
     try:
         raw = environ_of(pid).get("WORLD_SIZE", "1")

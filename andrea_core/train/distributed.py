@@ -23,6 +23,7 @@ import torch
 
 from andrea_core.config import ConfigError
 from andrea_core.signals import TrainerSignals
+from andrea_core.train.launch import LOOPBACK
 
 # The stop flag travels as a number so that MAX picks one signal for every rank; SIGTERM outranks SIGINT.
 _STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}
@@ -170,46 +171,7 @@ def share_flags(world: World, received: TrainerSignals, consume: bool = True) ->
     return agreed
 
 
-# --- the agent: `andrea train --nproc-per-node N` ---------------------------------------------------
-
-
-LOOPBACK = "127.0.0.1"
-
-
-def max_world_size() -> int:
-    """The most ranks this machine can hold: its GPUs under CUDA, else its CPU cores."""
-    if torch.cuda.is_available():
-        return max(1, torch.cuda.device_count())
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-def check_world_size(n: object, where: str) -> int:
-    """`n` ranks if it is a whole number from 1 to max_world_size(), else ConfigError naming `where`:
-    a world size is an operator's choice, bounded by the devices present, never a run file's."""
-    most = max_world_size()
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
-        raise ConfigError(
-            f"{where}: {n!r} ranks; expected a whole number from 1 to {most} (the devices here)"
-        )
-    return n
-
-
-def torchrun_argv(nproc_per_node: int, train_args: list[str]) -> list[str]:
-    """argv of the torchrun agent for one machine: a free rendezvous port of its own (--standalone),
-    every rank reaching it at 127.0.0.1 (--local-addr), and its stores listening there alone
-    (run_agent): torch unpickles what its store holds, so no other host may reach it."""
-    return [
-        sys.executable,
-        "-m",
-        "andrea_core.train.distributed",
-        "--standalone",
-        f"--local-addr={LOOPBACK}",
-        f"--nproc-per-node={nproc_per_node}",
-        "-m",
-        "andrea_core",
-        "train",
-        *train_args,
-    ]
+# --- the agent: `andrea train --nproc-per-node N` (its argv and world size: train/launch.py) ----------
 
 
 def run_agent(argv: list[str]) -> int:
