@@ -460,10 +460,28 @@ def resolve_config_path(name_or_path: str, subdir: str = "") -> Path:
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 
+# load_yaml keeps the parses of this many texts, each at most _PARSED_TEXT_MAX characters (run.yaml is
+# about a kilobyte): a command reads run.yaml a dozen times, and PyYAML is pure Python (~40 ms each).
+_PARSED_TEXTS, _PARSED_TEXT_MAX = 16, 64 << 10
+
+
+@functools.lru_cache(maxsize=_PARSED_TEXTS)
+def _parsed(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
 def load_yaml(text: str, source: str) -> Any:
     """safe_load only. A parse error names the file, the position and what kind of error it is, and
-    never quotes the text: a credentials file given by mistake must not reach logs and UI messages."""
+    never quotes the text: a credentials file given by mistake must not reach logs and UI messages.
+    The parse of a text seen before is reused, keyed by the text itself (a file that changed by one
+    byte is parsed anew; errors are never kept), and each caller gets its own deep copy."""
     try:
+        if len(text) <= _PARSED_TEXT_MAX:
+            parsed = _parsed(text)
+            try:
+                return copy.deepcopy(parsed)
+            except RecursionError:  # nested near the limit, copied from a deeper stack than it was parsed
+                pass
         return yaml.safe_load(text)
     except RecursionError:
         raise ConfigError(f"{source}: not valid YAML: nested deeper than the parser allows") from None
