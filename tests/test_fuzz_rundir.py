@@ -490,7 +490,8 @@ def test_a_run_yaml_read_again_is_parsed_anew_when_it_changed_and_never_shared(b
     """config.load_yaml reuses the parse of a text it has seen (the readers above read run.yaml a dozen
     times a command): keyed by the text itself, so a run.yaml changed by one byte between two reads, in
     place, under the same name, is read as it is now; a reader that changes what it got changes
-    nobody else's; and a bad run.yaml is refused at every read, never served from an earlier good one."""
+    nobody else's; and a bad run.yaml is refused at every read, naming it, never served from an earlier
+    good one."""
     run = RunDir(str(_copy(base, tmp_path)))
     first = read_run(run)
     lineage = dict(first.lineage)
@@ -502,7 +503,9 @@ def test_a_run_yaml_read_again_is_parsed_anew_when_it_changed_and_never_shared(b
     run.write_text("run.yaml", text.replace("  lr: 0.003\n", "  lr: 0.004\n"))
     assert (first.config.train.lr, read_run(run).config.train.lr) == (0.003, 0.004)
     run.write_text("run.yaml", text + "\x00")
-    rc, _, err = _cli("lineage", run.url)
-    _check_refusal(rc, err, "run.yaml", "lineage of a run.yaml with a NUL")
+    for reader in ("lineage", "status"):  # the second read's refusal is the kept verdict, naming its file
+        rc, _, err = _cli(reader, run.url)
+        _check_refusal(rc, err, f"{run.url}/run.yaml", f"{reader} of a run.yaml with a NUL")
+        assert "not valid YAML at character" in err, err
     run.write_text("run.yaml", text)
     assert read_run(run).config.train.lr == 0.003
