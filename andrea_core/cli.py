@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import os
 import posixpath
@@ -641,13 +642,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """build_parser's parser, built once a process (~20 ms each: an in-process caller such as the
+    Prefect tasks or the fuzz test calls main many times); parse_args keeps nothing in it."""
+    return build_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["train"]:
         # This process is a trainer: before anything else (and before torch), hold the trainer signals,
         # take a nonce (andrea_core.signals) and install the handlers that turn a signal into a flag.
         signals.become_trainer_process()
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(raw)
+    args = _parser().parse_args(raw)
+    # A fresh copy of each list (--set's default is the parser's own): nothing a command does to its
+    # arguments reaches the next call's.
+    vars(args).update({k: list(v) for k, v in vars(args).items() if isinstance(v, list)})
     if args.command == "train":  # its options, as given: recorded in the lock for a pivot's restart
         from andrea_core.command import restart_args
 

@@ -10,12 +10,15 @@ fields to each other (n_head divides n_embd, the guard's remedies) is `_check_ra
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
+import threading
 import types
 import typing
 from dataclasses import dataclass, field
@@ -301,9 +304,15 @@ def _field_of(tp: Any, required: bool) -> Field:
 
 
 @functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints(cls), evaluated once a class (~1 ms each: every run.yaml read builds ~6)."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
 def schema_of(cls: type) -> dict[str, Field]:
     """The fields of a config dataclass as a document.py table: a field without a default is required."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     return {
         f.name: _field_of(
             hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -314,7 +323,7 @@ def schema_of(cls: type) -> dict[str, Field]:
 
 def _built(cls: type, doc: dict[str, Any]) -> Any:
     """`cls` from a mapping schema_of(cls) has checked: nested documents become their dataclasses."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     kwargs = {}
     for name, value in doc.items():
         tp = hints[name]
@@ -460,21 +469,64 @@ def resolve_config_path(name_or_path: str, subdir: str = "") -> Path:
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 
+# load_yaml keeps what the last _PARSES_KEPT texts it parsed gave, keyed by each text's sha256: a command
+# reads run.yaml a dozen times, and PyYAML is pure Python (~40 ms a read of run.yaml; seconds to refuse
+# a run.yaml nested 100,000 deep, at every read). A document is kept only for a text of at most
+# _DOCUMENT_TEXT_MAX characters (its memory grows with the text); a refusal, a sentence, for any text.
+_PARSES_KEPT, _DOCUMENT_TEXT_MAX = 16, 64 << 10
+_parses: collections.OrderedDict[bytes, tuple[bool, Any]] = collections.OrderedDict()
+_parses_lock = threading.Lock()
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """Why a text is not valid YAML, in words that never quote it."""
+    if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (a binary file)
+        return f"not valid YAML at character {e.position}: {e.reason}"
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    # PyYAML quotes what it found ('<scalar>', a tag, a character): keep the sentence, not the text.
+    problem = _QUOTED.sub("...", getattr(e, "problem", None) or type(e).__name__)
+    return f"not valid YAML{where}: {problem}"
+
+
+def _parse(text: str) -> tuple[bool, Any]:
+    """(True, the document) or (False, why it is not valid YAML): what `text` gave when last parsed."""
+    key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    with _parses_lock:
+        if key in _parses:
+            _parses.move_to_end(key)
+            return _parses[key]
+    try:
+        outcome = (True, yaml.safe_load(text))
+    except RecursionError:
+        outcome = (False, "not valid YAML: nested deeper than the parser allows")
+    except yaml.YAMLError as e:
+        outcome = (False, _yaml_problem(e))
+    if not outcome[0] or len(text) <= _DOCUMENT_TEXT_MAX:
+        with _parses_lock:
+            _parses[key] = outcome
+            while len(_parses) > _PARSES_KEPT:
+                _parses.popitem(last=False)
+    return outcome
+
+
 def load_yaml(text: str, source: str) -> Any:
     """safe_load only. A parse error names the file, the position and what kind of error it is, and
-    never quotes the text: a credentials file given by mistake must not reach logs and UI messages."""
+    never quotes the text: a credentials file given by mistake must not reach logs and UI messages.
+    What a text gave is reused, keyed by its sha256 (a file changed by one byte is parsed anew; a text
+    nested deeper than the parser allows is refused from then on, whatever the caller's stack), and
+    each caller gets its own deep copy of a document."""
+    ok, document = _parse(text)
+    if not ok:
+        raise ConfigError(f"{source}: {document}")
+    try:
+        return copy.deepcopy(document)
+    except RecursionError:  # nested near the limit, copied from a deeper stack than it was parsed at
+        pass
     try:
         return yaml.safe_load(text)
     except RecursionError:
         raise ConfigError(f"{source}: not valid YAML: nested deeper than the parser allows") from None
-    except yaml.YAMLError as e:
-        if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (a binary file)
-            raise ConfigError(f"{source}: not valid YAML at character {e.position}: {e.reason}") from None
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        # PyYAML quotes what it found ('<scalar>', a tag, a character): keep the sentence, not the text.
-        problem = _QUOTED.sub("...", getattr(e, "problem", None) or type(e).__name__)
-        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
 
 
 def load_run_config(name_or_path: str) -> RunConfig:

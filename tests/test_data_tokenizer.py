@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Iterable
 
@@ -35,10 +36,17 @@ def cache_file(source, tokenizer):
     return cache_dir() / f"{source.arm.name}-{key}.u16"
 
 
-def test_a_bpe_run_freezes_its_tokenizer_and_keys_its_caches_by_the_tokenizers_hash(tmp_path):
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory) -> RunDir:
+    """A run of bpe_config() created once for the module (its BPE trained once): read it, or copy it."""
+    run = RunDir(str(tmp_path_factory.mktemp("bpe") / "run"))
+    create_run(run, bpe_config())
+    return run
+
+
+def test_a_bpe_run_freezes_its_tokenizer_and_keys_its_caches_by_the_tokenizers_hash(bpe_run, tmp_path):
     cfg = bpe_config()
-    run = RunDir(str(tmp_path / "run"))
-    create_run(run, cfg)
+    run = bpe_run
     frozen = run.read_bytes(TOKENIZER_JSON)
     tok = run_tokenizer(run, cfg)
     assert tok.vocab_size == cfg.model.vocab_size == 512
@@ -89,10 +97,11 @@ def test_a_token_cache_is_reused_until_its_source_changes(tmp_path):
     assert ByteTokenizer().decode(changed[-22:].tolist()) == "One more paragraph.\n\n\n"
 
 
-def test_a_bpe_run_without_a_readable_tokenizer_is_refused(tmp_path):
+def test_a_bpe_run_without_a_readable_tokenizer_is_refused(bpe_run, tmp_path):
     cfg = bpe_config()
+    shutil.copytree(bpe_run.url, tmp_path / "run", symlinks=True)
     run = RunDir(str(tmp_path / "run"))
-    create_run(run, cfg)
+    assert run.exists(TOKENIZER_JSON)
     run.remove(TOKENIZER_JSON)
     with pytest.raises(ConfigError, match=rf"{tmp_path}/run/tokenizer.json: missing; data.tokenizer is bpe"):
         run_tokenizer(run, cfg)

@@ -46,6 +46,7 @@ from andrea_core import cli, signals
 from andrea_core.ops.fork import BranchSpec, fork
 from andrea_core.run.lock import TrainerIdentity
 from andrea_core.run.loss_log import read_history
+from andrea_core.run.record import read_run
 from andrea_core.run.rundir import RunDir
 from tests.conftest import andrea
 from tests.tiny import tiny_config
@@ -483,3 +484,28 @@ def test_a_real_trainer_process_resumes_or_refuses_by_name(base, case, tmp_path)
     else:
         _check_refusal(proc.returncode, proc.stderr, name, f"andrea train after {kind} of {name}")
     _check_evidence(before, run, name, proc.returncode == 0)
+
+
+def test_a_run_yaml_read_again_is_parsed_anew_when_it_changed_and_never_shared(base, tmp_path):
+    """config.load_yaml reuses the parse of a text it has seen (the readers above read run.yaml a dozen
+    times a command): keyed by the text itself, so a run.yaml changed by one byte between two reads, in
+    place, under the same name, is read as it is now; a reader that changes what it got changes
+    nobody else's; and a bad run.yaml is refused at every read, naming it, never served from an earlier
+    good one."""
+    run = RunDir(str(_copy(base, tmp_path)))
+    first = read_run(run)
+    lineage = dict(first.lineage)
+    assert lineage and lineage.get("parent") is None, lineage
+    first.lineage["parent"] = "forged by a caller"
+    assert read_run(run).lineage == lineage  # the caller's change stayed the caller's
+    text = run.read_text("run.yaml")
+    assert "  lr: 0.003\n" in text
+    run.write_text("run.yaml", text.replace("  lr: 0.003\n", "  lr: 0.004\n"))
+    assert (first.config.train.lr, read_run(run).config.train.lr) == (0.003, 0.004)
+    run.write_text("run.yaml", text + "\x00")
+    for reader in ("lineage", "status"):  # the second read's refusal is the kept verdict, naming its file
+        rc, _, err = _cli(reader, run.url)
+        _check_refusal(rc, err, f"{run.url}/run.yaml", f"{reader} of a run.yaml with a NUL")
+        assert "not valid YAML at character" in err, err
+    run.write_text("run.yaml", text)
+    assert read_run(run).config.train.lr == 0.003

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, _env, andrea
+from conftest import REPO, _env, andrea, last_logged_step, library_run
 from guard_parent import guard_parent_fixture  # noqa: F401 (the guard_parent fixture)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_systemd import read_unit
@@ -47,17 +47,19 @@ def train(run: Path, *args: str, check: bool = True, **extra: str):
     return andrea("train", "--run-dir", str(run), "--device", "cpu", *args, check=check, env=env(**extra))
 
 
+# Checkpoints every 10 steps, all kept; a rollback at least 10 steps before the spike.
+POISONED = {
+    "train__checkpoint_every": 10,
+    "train__max_steps": STEPS,
+    "train__log_every": 10,
+    "train__guard__rollback_margin": 10,
+    "retention__keep_last": None,
+}
+
+
 def poisoned_config(folder: Path, **overrides) -> str:
-    """Checkpoints every 10 steps, all kept; a rollback at least 10 steps before the spike."""
-    settings = {
-        "train__checkpoint_every": 10,
-        "train__max_steps": STEPS,
-        "train__log_every": 10,
-        "train__guard__rollback_margin": 10,
-        "retention__keep_last": None,
-        **overrides,
-    }
-    return tiny_config(folder, **settings)
+    """tests/tiny.py's config with POISONED's settings (and `overrides`)."""
+    return tiny_config(folder, **{**POISONED, **overrides})
 
 
 def facts(run: Path) -> list[dict]:
@@ -143,11 +145,21 @@ def test_b_a_nan_gradient_rolls_back_and_skips_exactly_the_recorded_batches(reco
 
 
 @pytest.fixture(scope="module")
-def before_the_spike(tmp_path_factory) -> Path:
-    """Steps 1..30 of the poisoned config, no poison yet: checkpoints 10, 20, 30 (a library run)."""
-    root = tmp_path_factory.mktemp("before-the-spike")
-    train(root / "run", "--config", poisoned_config(root), "--max-steps", "30")
-    return root / "run"
+def at_twenty(tmp_path_factory) -> Path:
+    """Steps 1..20 of the poisoned config, before the poison (checkpoints 10, 20): the library's run of
+    that recipe (conftest.library_run), this module's copy. Read it; copy it before changing anything."""
+    return library_run(
+        tmp_path_factory, tmp_path_factory.mktemp("at-twenty") / "run", 20, "--device", "cpu", **POISONED
+    )
+
+
+@pytest.fixture(scope="module")
+def before_the_spike(at_twenty, tmp_path_factory) -> Path:
+    """Steps 1..30 of the poisoned config, no poison yet: checkpoints 10, 20, 30 (at_twenty trained on)."""
+    run = tmp_path_factory.mktemp("before-the-spike") / "run"
+    shutil.copytree(at_twenty, run, symlinks=True)
+    train(run, "--max-steps", "30")
+    return run
 
 
 def test_the_remedy_does_not_depend_on_which_checkpoints_a_fault_left(before_the_spike, tmp_path, one_thread):
@@ -196,7 +208,13 @@ def test_the_remedy_does_not_depend_on_which_checkpoints_a_fault_left(before_the
     assert remedies("every-checkpoint") == remedies("20-unwritten")
 
 
-def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes(recovered, tmp_path):
+def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes(
+    recovered, at_twenty, tmp_path
+):
+    """Each recovery starts from a copy of the run at step 20 (steps 1..20 are not the subject: a resume
+    is bit-exact, and the guard rebuilds its state from .loss.json), is killed at one moment of the
+    recovery from the spike at 25, restarted, and must end in the bytes and events of `recovered`,
+    which trained 1..60 in one process."""
     reference = (recovered / "step_000060.bin").read_bytes()
     for point, sig, status in [
         ("set-aside", "SIGKILL", -signal.SIGKILL),  # checkpoint 20 moved aside, the event not yet written
@@ -206,11 +224,11 @@ def test_c_sigkill_or_sigterm_at_any_moment_of_a_recovery_ends_in_the_same_bytes
     ]:
         root = tmp_path / f"{point}-{sig}"
         root.mkdir()
-        cfg = poisoned_config(root)
+        shutil.copytree(at_twenty, root / "run", symlinks=True)
         proc = train(
             root / "run",
-            "--config",
-            cfg,
+            "--max-steps",
+            str(STEPS),  # the copy's target.jsonl holds its own 20
             check=False,
             ANDREA_TEST_GUARD_NAN_AT=str(POISON),
             ANDREA_TEST_GUARD_SIGNAL=f"{point}:{sig}",
@@ -347,13 +365,19 @@ def test_guard_settings_are_validated_before_any_work(tmp_path, override, named)
 
 
 @pytest.mark.slow
-def test_d_long_clean_runs_fire_no_event(tmp_path):
-    """CI's share of (d): 1,500 clean steps (bench/divergence.py --clean runs the 10,000)."""
+def test_d_long_clean_runs_fire_no_event(guard_parent, tmp_path):
+    """CI's share of (d): 1,500 clean steps (bench/divergence.py --clean runs the 10,000). Steps 1..300
+    are the session's guard parent (tests/guard_parent.py: tests/tiny.py's config, which trains the
+    same bytes whatever its checkpoint_every, log_every and max_steps), trained on to 1,500: the guard
+    rebuilds its state from .loss.json at every start (train/guard.py), so a resume judges each step
+    as the uninterrupted run does, and the history asserted is the whole 1..1500."""
     run = tmp_path / "run"
-    cfg = tiny_config(tmp_path, train__max_steps=1500, train__checkpoint_every=500, train__log_every=500)
-    train(run, "--config", cfg)
+    shutil.copytree(guard_parent, run, symlinks=True)
+    assert last_logged_step(run) == 300 and not (run / GUARD_LOG).exists()
+    train(run, "--max-steps", "1500")
     history = read_history(RunDir(str(run)))
     assert [e.step for e in history] == list(range(1, 1501))
+    assert [e.segment for e in parse_entries((run / ".loss.json").read_bytes())[0]] == [1] * 300 + [2] * 1200
     assert not (run / GUARD_LOG).exists()
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from conftest import _env, last_logged_step, start_trainer, wait_for
+from conftest import _env, last_logged_step, library_run, start_trainer, wait_for
 from s3_server import ThrottledLink
 
 from andrea_core.run import lock
@@ -116,15 +116,17 @@ def test_exactly_one_of_many_racing_trainers_gets_the_lock(kind, stale, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fresh", [True, False], ids=["new-run", "resume"])
-def test_exactly_one_of_many_real_trainers_started_together_trains(fresh, tmp_path):
+def test_exactly_one_of_many_real_trainers_started_together_trains(fresh, tmp_path, tmp_path_factory):
     """The same race between real `andrea train` processes started at once on one run directory (a
     new one, created by whichever wins, or one to resume): one trains, every other exits 2 naming the
     winner, and the winner's run is whole."""
     run = RunDir(str(tmp_path / "run"))
-    cfg = tiny_config(tmp_path, train__checkpoint_every=5)
-    if not fresh:
-        andrea_train = start_trainer("--config", cfg, "--run-dir", run.url, "--max-steps", "5")
-        assert andrea_train.wait(timeout=600) == 0
+    if fresh:
+        cfg = tiny_config(tmp_path, train__checkpoint_every=5)
+    else:  # the library's andrea-tiny at step 5 (conftest.library_run), its own config given again
+        library_run(tmp_path_factory, tmp_path / "run", 5)
+        cfg = tiny_config(tmp_path)
+        assert run.checkpoint_steps() == [5] and last_logged_step(run) == 5
     # Paced so that the winner still trains when the last of the others looks at the lock.
     args = ["--config", cfg, "--run-dir", run.url, "--max-steps", "100000", "--pace", "0.1"]
     logs = [tmp_path / f"trainer-{i}.log" for i in range(3)]

@@ -327,7 +327,8 @@ def test_a_trainer_killed_before_the_stop_request_and_restarted_is_pivoted_not_a
         first.send_signal(signal.SIGSTOP)  # it writes nothing more, reads no request: killed below
         loss_log = run.read_bytes(LOSS_LOG)
         loss_log = loss_log[: loss_log.rfind(b"\n") + 1]
-        pivot = subprocess.Popen(
+        launcher = warm_launcher()  # a real process, forked warm (not a test of start-up)
+        pivot = (launcher.popen if launcher else subprocess.Popen)(
             [sys.executable, "-m", "andrea_core", "pivot", run.url, "--policy", "tiny-mix", "--no-restart",
              "--at", at],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -420,7 +421,8 @@ def test_a_trainer_that_takes_the_run_after_the_stop_is_waited_for_not_a_trainer
         assert held["pid"] == second.pid and not held["released"], (held, faults.hung)
         log = tmp_path / "rerun.log"
         with open(log, "wb") as out:
-            rerun = subprocess.Popen(
+            launcher = warm_launcher()  # a real process, forked warm (not a test of start-up)
+            rerun = (launcher.popen if launcher else subprocess.Popen)(
                 [sys.executable, "-m", "andrea_core", "pivot", url, "--policy", "tiny-mix", "--no-restart"],
                 stdout=out, stderr=subprocess.STDOUT, env=host_b, cwd=REPO,
             )  # fmt: skip
