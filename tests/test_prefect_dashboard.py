@@ -50,6 +50,17 @@ def artifact_versions(key: str) -> list:
     return sorted(found, key=lambda a: a.created)
 
 
+def markdown_versions(key: str, texts: list[str]) -> None:
+    """Versions of the markdown artifact `key`, one a text, oldest first, as create_markdown_artifact
+    makes them outside a flow (type markdown, no description, no run), through one API client, not
+    a client a call: the setup of a pruning test, not its subject."""
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    with client() as c:
+        for text in texts:
+            c.create_artifact(ArtifactCreate(type="markdown", key=key, data=text))
+
+
 def row(markdown: str, name: str) -> str:
     plain = markdown.replace("\\", "")  # markdown_text's escapes, off: the text as the UI shows it
     m = re.search(rf"^\| {re.escape(name)} \| (.*) \|$", plain, flags=re.M)
@@ -152,12 +163,9 @@ def test_the_dashboard_of_a_live_run_then_a_clean_cancel(stack, tmp_path):  # no
 def test_a_dashboard_keeps_only_its_newest_versions(stack):  # noqa: F811
     """Prefect keeps every version of an artifact: the dashboard, published at each checkpoint of a run
     of weeks, keeps its newest ANDREA_DASHBOARD_VERSIONS (tasks/artifacts.keep_newest_versions)."""
-    from prefect.artifacts import create_markdown_artifact
-
     from tasks.artifacts import keep_newest_versions
 
-    for i in range(5):
-        create_markdown_artifact(markdown=f"version {i}", key="run-prune")
+    markdown_versions("run-prune", [f"version {i}" for i in range(5)])
     assert keep_newest_versions("run-prune", 2) == 3
     assert [a.data for a in artifact_versions("run-prune")] == ["version 3", "version 4"]
     assert keep_newest_versions("run-prune", 2) == 0
@@ -166,16 +174,13 @@ def test_a_dashboard_keeps_only_its_newest_versions(stack):  # noqa: F811
 
 def test_a_dashboard_keeps_its_newest_48_versions_by_default(stack, tmp_path, monkeypatch):  # noqa: F811
     """ANDREA_DASHBOARD_VERSIONS unset: publish_dashboard keeps the newest 48 versions of its key."""
-    from prefect.artifacts import create_markdown_artifact
-
     from tasks.artifacts import publish_dashboard
 
     monkeypatch.delenv("ANDREA_DASHBOARD_VERSIONS", raising=False)
     run = RunDir(str(tmp_path / "kept"))
     run.makedirs()
     key = run_key("run", run.url)
-    for i in range(49):
-        create_markdown_artifact(markdown=f"version {i}", key=key)
+    markdown_versions(key, [f"version {i}" for i in range(49)])
     publish_dashboard(run.url)  # the 50th version: the two oldest go
     kept = artifact_versions(key)
     assert [a.data for a in kept[:-1]] == [f"version {i}" for i in range(2, 49)]

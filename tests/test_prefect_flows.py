@@ -3,10 +3,11 @@
 repository's prefect.yaml deployed with `prefect deploy --all`, real trainer processes, and the UI in
 headless Chromium.
 
-The tests share one server, worker and "live" run and build on each other in file order, like an
-operator's day: train, audit-fork the live run, refuse a busy GPU, pivot, cancel, lose a flow-run
-process; while the server notices that loss (a minute: its lease and heartbeat windows), the tests that
-need no worker: the UI, refusals at submission, a pivot called in this process. Figures (server start,
+The tests share one server and "live" run and build on each other in file order, like an operator's
+day: train, audit-fork the live run, refuse a busy GPU, cancel, lose a worker and a flow-run process;
+while the server notices that loss (a minute: its lease and heartbeat windows), the work goes on with a
+second worker: train again and pivot; then the tests that need no worker: the UI, refusals at
+submission, a pivot called in this process. Figures (server start,
 flow durations, cancellation to checkpoint) are written to test-output/prefect/timings.json.
 """
 
@@ -107,8 +108,10 @@ class Stack:
             )
         return proc
 
-    def start_worker(self) -> None:
-        """Start the worker's process; wait_for_worker waits for it to come online."""
+    def start_worker(self, name: str | None = None) -> None:
+        """Start the worker's process (named `name`, from then on); wait_for_worker waits for it to come
+        online."""
+        self.worker_name = name or self.worker_name
         log = open(OUT / "worker.log", "ab")
         self.worker = subprocess.Popen(
             [PREFECT, "worker", "start", "--pool", "andrea", "--type", "process", "--name", self.worker_name],
@@ -333,9 +336,11 @@ def files_of(run: RunDir) -> dict[str, str]:
 
 
 def ensure_live_train(stack: Stack, run: RunDir) -> dict:
-    """A `train` deployment run of `run` whose trainer is live and past its first checkpoint."""
+    """A `train` deployment run of `run` whose trainer is live, past its first checkpoint and has logged
+    a step of its own (.loss.json read from then on holds its segment)."""
     trainer = live_trainer(run)
     if trainer is None or not stack.live.get("flow_run_id"):
+        at = last_logged_step(run)
         params = {"run_dir": run.url, "max_steps": 100_000, "pace": LIVE_PACE, "gpu_slot": "test-gpu"}
         if not run.exists("run.yaml"):
             params["config"] = tiny_config(Path(run.url).parent)
@@ -344,6 +349,7 @@ def ensure_live_train(stack: Stack, run: RunDir) -> dict:
         wait_for(lambda: live_trainer(run), timeout=300, what="the trainer of the train flow run")
         _timed("train flow run: created to trainer live (s)", time.monotonic() - t0)
         stack.live = {"run": run, "flow_run_id": flow_run_id}
+        wait_for(lambda: last_logged_step(run) > at, timeout=300, what="its first step", every=API_POLL_S)
     wait_for(lambda: run.checkpoint_steps(), timeout=300, what="a first checkpoint")
     return stack.live
 
@@ -531,88 +537,6 @@ def test_audit_fork_refuses_a_busy_gpu(stack, live_run):
     assert not list(Path(live_run.url).parent.glob("live-fork*-a"))
 
 
-def test_pivot_of_a_live_run(stack, live_run):
-    live = ensure_live_train(stack, live_run)
-    old_trainer = live_trainer(live_run)
-    old_policy = live_run.read_bytes(POLICY_YAML)
-    # The sidecars of the closing phase, the trainer's own: its bandit's .state.json (written with each
-    # checkpoint, before it) and its audit's .samples.json (step 0's, before the first step).
-    assert live_run.exists(SAMPLES) and live_run.exists(STATE), live_run.listdir("")
-    old_hash = json.loads(live_run.read_bytes(STATE))["policy_hash"]
-    assert old_hash == load_policy("stdlib-only")[0].hash
-    loss_before = live_run.read_bytes(LOSS_LOG)
-    new_policy, new_policy_text = load_policy("polish")
-
-    t0 = time.monotonic()
-    # Through the API: `prefect deployment run` (a cold process) is the refusal test's.
-    pivot_id = start_deployment(
-        "pivot/pivot", run_dir=live_run.url, policy="polish", max_steps=100000, pace=LIVE_PACE,
-        gpu_slot="test-gpu",
-    )  # fmt: skip
-    run = wait_for_final(pivot_id)
-    _timed(
-        "pivot flow run (created to completed, incl. the resumed trainer's first step) (s)",
-        time.monotonic() - t0,
-    )
-    assert run.state.type.value == "COMPLETED", run.state.message
-    boundary = int(re.search(r"at step_(\d+)\.bin", run.state.message).group(1))
-    every = read_run(live_run).config.train.checkpoint_every
-    assert boundary % every == 0
-
-    # The boundary checkpoint is the newest of the old phase left in place; the tail went to the archive.
-    ckpt = live_run.read_checkpoint(boundary)
-    (folder,) = [f for f in live_run.listdir(ARCHIVE) if f.endswith(f"_step_{boundary:06d}")]
-    archive = RunDir(live_run.path(f"{ARCHIVE}/{folder}"))
-    assert archive.read_bytes(POLICY_YAML) == old_policy
-    archived = json.loads(archive.read_bytes(STATE))  # the old phase's bandit, as the trainer left it
-    assert archived["policy_hash"] == old_hash and archived["step"] >= boundary
-    assert read_audits(archive), "the old phase's audits were not archived"
-    assert all(s > boundary for s in archive.checkpoint_steps())
-    assert "SIGTERM" in flow_run_logs(live["flow_run_id"])
-
-    # The new phase: the new policy, a new trainer, a fresh bandit, .loss.json an untouched prefix.
-    assert live_run.read_bytes(POLICY_YAML) == new_policy_text.encode()
-    new_trainer = live_trainer(live_run)
-    assert new_trainer is not None and new_trainer.pid != old_trainer.pid
-    # The bandit of the new phase: fresh, of the new policy, nothing of the old phase kept. Its state
-    # is written with the first checkpoint after the boundary.
-    wait_for(lambda: live_run.exists(STATE), timeout=300, what="the new phase's first .state.json")
-    state = json.loads(live_run.read_bytes(STATE))
-    assert state["policy_hash"] == new_policy.hash != old_hash
-    assert state["step"] > boundary and all(e["step"] > boundary for e in state.get("previous", []))
-    wait_for(
-        lambda: read_history(live_run)[-1].step >= boundary + 2,
-        timeout=120,
-        what="two new steps",
-        every=API_POLL_S,
-    )
-    loss_now = live_run.read_bytes(LOSS_LOG)
-    assert loss_now[: len(loss_before)] == loss_before
-    appended, _ = parse_lines(loss_now[len(loss_before) :])
-    old_segment = max(json.loads(line)["segment"] for line in loss_before.splitlines())
-    new_entries = [e for e in appended if e["segment"] > old_segment]
-    assert [e["step"] for e in new_entries[:2]] == [boundary + 1, boundary + 2]
-
-    # The first losses are what the pivot checkpoint predicts: its weights give step boundary+1's loss,
-    # and its Adam m and v (not fresh zeros) give step boundary+2's.
-    # Bit for bit: the CPU at the run's thread count is deterministic (docs/design.md "Determinism").
-    actual = [e["loss"] for e in new_entries[:2]]
-    assert actual == expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt)
-    # With m and v lost (zeros), the first loss is the same (weights alone set it), the second is not.
-    zeroed = expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt, zero_moments=True)
-    assert zeroed[0] == actual[0] and zeroed[1] != actual[1], "lost m and v show at the second step"
-    _timed("pivot: second loss with m and v zeroed, relative change", abs(zeroed[1] / actual[1] - 1))
-
-    # The resumed trainer is a `train` flow run of its own, a subflow of the pivot.
-    with client() as c:
-        resumed = _running_train_runs(c, live_run)
-        assert len(resumed) == 1 and resumed[0].id != live["flow_run_id"]
-        assert resumed[0].parent_task_run_id is not None
-    stack.live = {"run": live_run, "flow_run_id": resumed[0].id}
-    old = wait_for_final(live["flow_run_id"], timeout=60)
-    assert old.state.type.value == "COMPLETED" and "stopped at step" in old.state.message
-
-
 def _running_train_runs(c, run: RunDir):
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState
 
@@ -744,8 +668,10 @@ def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(
     (parent-death SIGTERM). What the server makes of the silent run (the lease of its GPU slot runs
     out, the automation marks it Crashed: a minute at least) is checked by
     test_a_dead_train_flow_run_is_marked_crashed_and_a_new_run_resumes, last in the module: the tests
-    between it and this one need no worker, and run in that minute instead of a wait. This one leaves
-    no worker behind. Its train flow run is doomed_run's, created by an earlier test (start_doomed_train)."""
+    between it and this one run in that minute instead of a wait, the pivot's deployment runs on a
+    second worker this one starts (another name: the killed one stays listed ONLINE, the server's
+    foreman being off). Its train flow run is doomed_run's, created by an earlier test
+    (start_doomed_train)."""
     live = start_doomed_train(stack, doomed_run)
     trainer = wait_for(
         lambda: live_trainer(doomed_run), timeout=300, what="the trainer of the train flow run"
@@ -770,6 +696,95 @@ def test_a_killed_flow_run_process_leaves_its_trainer_to_stop_with_a_checkpoint(
     assert doomed_run.checkpoint_steps()[-1] == stopped_at
     doomed_run.read_checkpoint(stopped_at)
     stack.crashed = {"flow_run_id": live["flow_run_id"], "stopped_at": stopped_at, "killed": killed}
+    stack.start_worker(f"{stack.worker_name}-2")  # online by the time the pivot's runs are picked up
+
+
+def test_pivot_of_a_live_run(stack, live_run):
+    """A pivot of the live run, resumed after the cancel by a new train run on the second worker, while
+    the server notices the killed flow run."""
+    live = ensure_live_train(stack, live_run)
+    old_trainer = live_trainer(live_run)
+    old_policy = live_run.read_bytes(POLICY_YAML)
+    # The sidecars of the closing phase, the trainer's own: its bandit's .state.json (written with each
+    # checkpoint, before it) and its audit's .samples.json (step 0's, before the first step).
+    assert live_run.exists(SAMPLES) and live_run.exists(STATE), live_run.listdir("")
+    old_hash = json.loads(live_run.read_bytes(STATE))["policy_hash"]
+    assert old_hash == load_policy("stdlib-only")[0].hash
+    loss_before = live_run.read_bytes(LOSS_LOG)
+    new_policy, new_policy_text = load_policy("polish")
+
+    t0 = time.monotonic()
+    # Through the API: `prefect deployment run` (a cold process) is the refusal test's.
+    pivot_id = start_deployment(
+        "pivot/pivot", run_dir=live_run.url, policy="polish", max_steps=100000, pace=LIVE_PACE,
+        gpu_slot="test-gpu",
+    )  # fmt: skip
+    run = wait_for_final(pivot_id)
+    _timed(
+        "pivot flow run (created to completed, incl. the resumed trainer's first step) (s)",
+        time.monotonic() - t0,
+    )
+    assert run.state.type.value == "COMPLETED", run.state.message
+    boundary = int(re.search(r"at step_(\d+)\.bin", run.state.message).group(1))
+    every = read_run(live_run).config.train.checkpoint_every
+    assert boundary % every == 0
+
+    # The boundary checkpoint is the newest of the old phase left in place; the tail went to the archive.
+    ckpt = live_run.read_checkpoint(boundary)
+    (folder,) = [f for f in live_run.listdir(ARCHIVE) if f.endswith(f"_step_{boundary:06d}")]
+    archive = RunDir(live_run.path(f"{ARCHIVE}/{folder}"))
+    assert archive.read_bytes(POLICY_YAML) == old_policy
+    archived = json.loads(archive.read_bytes(STATE))  # the old phase's bandit, as the trainer left it
+    assert archived["policy_hash"] == old_hash and archived["step"] >= boundary
+    assert read_audits(archive), "the old phase's audits were not archived"
+    assert all(s > boundary for s in archive.checkpoint_steps())
+    assert "SIGTERM" in flow_run_logs(live["flow_run_id"])
+
+    # The new phase: the new policy, a new trainer, a fresh bandit, .loss.json an untouched prefix.
+    assert live_run.read_bytes(POLICY_YAML) == new_policy_text.encode()
+    new_trainer = live_trainer(live_run)
+    assert new_trainer is not None and new_trainer.pid != old_trainer.pid
+    # The bandit of the new phase: fresh, of the new policy, nothing of the old phase kept. Its state
+    # is written with the first checkpoint after the boundary.
+    wait_for(lambda: live_run.exists(STATE), timeout=300, what="the new phase's first .state.json")
+    state = json.loads(live_run.read_bytes(STATE))
+    assert state["policy_hash"] == new_policy.hash != old_hash
+    assert state["step"] > boundary and all(e["step"] > boundary for e in state.get("previous", []))
+    wait_for(
+        lambda: read_history(live_run)[-1].step >= boundary + 2,
+        timeout=120,
+        what="two new steps",
+        every=API_POLL_S,
+    )
+    loss_now = live_run.read_bytes(LOSS_LOG)
+    assert loss_now[: len(loss_before)] == loss_before
+    appended, _ = parse_lines(loss_now[len(loss_before) :])
+    old_segment = max(json.loads(line)["segment"] for line in loss_before.splitlines())
+    new_entries = [e for e in appended if e["segment"] > old_segment]
+    assert [e["step"] for e in new_entries[:2]] == [boundary + 1, boundary + 2]
+
+    # The first losses are what the pivot checkpoint predicts: its weights give step boundary+1's loss,
+    # and its Adam m and v (not fresh zeros) give step boundary+2's.
+    # Bit for bit: the CPU at the run's thread count is deterministic (docs/design.md "Determinism").
+    actual = [e["loss"] for e in new_entries[:2]]
+    assert actual == expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt)
+    # With m and v lost (zeros), the first loss is the same (weights alone set it), the second is not.
+    zeroed = expected_losses(live_run, boundary, new_policy, steps=2, ckpt=ckpt, zero_moments=True)
+    assert zeroed[0] == actual[0] and zeroed[1] != actual[1], "lost m and v show at the second step"
+    _timed("pivot: second loss with m and v zeroed, relative change", abs(zeroed[1] / actual[1] - 1))
+
+    # The resumed trainer is a `train` flow run of its own, a subflow of the pivot.
+    with client() as c:
+        resumed = _running_train_runs(c, live_run)
+        assert len(resumed) == 1 and resumed[0].id != live["flow_run_id"]
+        assert resumed[0].parent_task_run_id is not None
+    stack.live = {"run": live_run, "flow_run_id": resumed[0].id}
+    old = wait_for_final(live["flow_run_id"], timeout=60)
+    assert old.state.type.value == "COMPLETED" and "stopped at step" in old.state.message
+    # The live run's last test: its trainer stops (SIGTERM, identity-checked) as the pivot stopped the
+    # old one, and trains no longer than the tests that need it.
+    new_trainer.stop()
+    stack.live = {}
 
 
 def test_the_ui_shows_the_flow_runs_and_the_fork_report(stack, live_run):
