@@ -40,12 +40,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Two workers, each running whole modules (a module's server and fixtures stay in one process): the
-# tests' trainers use one thread each, so one process alone leaves a core idle. Modules go out in
+# Three workers on two cores, each running whole modules (a module's server and fixtures stay in one
+# process): the tests' trainers use one thread each, and a module spends part of its time waiting (a
+# server starting, a lease's ttl, a trainer's first step), which a third worker fills. Modules go out in
 # collection order, slowest first (tests/module_times.txt), not by their count of tests.
-# ANDREA_TEST_WORKERS=0 runs them in this process, one after another.
+# ANDREA_TEST_WORKERS=N for another number; 0 runs them in this process, one after another.
 # At the end each module's seconds are printed, slowest first, and merged into tests/module_times.txt,
 # from which the next run's order is taken.
-workers="${ANDREA_TEST_WORKERS:-2}"
+workers="${ANDREA_TEST_WORKERS:-3}"
 export ANDREA_MODULE_TIMES="${ANDREA_MODULE_TIMES:-$PWD/tests/module_times.txt}"
 .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

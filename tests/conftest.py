@@ -53,7 +53,7 @@ def _session_root(tmp_path_factory) -> Path:
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
     """`build(folder)` once per test session, by whichever worker asks first; the others wait on its
-    flock and take what it built: a trained run read by modules that go to both workers is trained
+    flock and take what it built: a trained run read by modules that go to several workers is trained
     once, not once a worker. Returns the folder and what `build` returned (JSON). A build that failed
     halfway is redone by the next to ask."""
     import fcntl
@@ -404,7 +404,7 @@ def _report_module_times(terminalreporter) -> None:
     ranked = sorted(_module_seconds.items(), key=lambda kv: -kv[1])
     for stem, seconds in ranked:
         terminalreporter.write_line(f"{seconds:8.1f}  {stem}")
-    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  in all (both workers together)")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  in all (the workers together)")
     target = os.environ.get("ANDREA_MODULE_TIMES")
     if target:
         merged = read_module_times(Path(target)) | {k: round(v, 1) for k, v in _module_seconds.items()}
