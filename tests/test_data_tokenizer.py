@@ -133,7 +133,6 @@ def test_a_bpe_run_trains_and_its_forks_keep_its_tokenizer(tmp_path):
         fork(run.url, [BranchSpec("bytes", {"data.tokenizer": "bytes", "model.vocab_size": 256})])
 
 
-@pytest.mark.slow
 def longer_than(documents: Iterable[str], n: int) -> bool:
     """Whether the documents hold more than `n` characters, reading no further than that."""
     total = 0
@@ -144,6 +143,7 @@ def longer_than(documents: Iterable[str], n: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_creating_an_andrea_12m_run_trains_its_bpe_on_bounded_text(tmp_path, monkeypatch):
     cfg = load_run_config("andrea-12m")
     run = RunDir(str(tmp_path / "run12m"))

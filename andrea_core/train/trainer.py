@@ -567,16 +567,18 @@ class Trainer:
         request = lock.read_request(self.run, self.lease.generation)
         if request is None or request["id"] in self._taken_requests:
             return
-        if request["request"] == "stop":
-            flags.stop = flags.stop or "SIGTERM"
-        else:
-            flags.checkpoint = True
+        # Said before the flag is set: the loop's answer ("SIGUSR1: checkpoint of step N requested")
+        # must follow its cause in the log, not race it from the main thread.
         self.log(
             f"{request['request']} requested by {untrusted.shown(request['by'])} "
             f"through {self.run.path(lock.REQUEST)} "
             f"(as {'SIGTERM' if request['request'] == 'stop' else 'SIGUSR1'})"
         )
         self._taken_requests.add(request["id"])
+        if request["request"] == "stop":
+            flags.stop = flags.stop or "SIGTERM"
+        else:
+            flags.checkpoint = True
 
     def _check_lease(self) -> None:
         if self.lease is not None and self.lease.lost is not None:
