@@ -232,7 +232,8 @@ def test_tensorboard_events_flushed_at_a_checkpoint_survive_a_power_cut(layer):
 
 def test_a_read_error_at_start_is_one_line_and_exit_1_not_a_traceback(layer):
     """A product defect the disk-error soak found (issue 48): an EIO reading run.yaml at a trainer's
-    start ended in a traceback. Now one line naming the error, exit 1 (Restart=on-failure retries)."""
+    start ended in a traceback. Now one line naming the error and the file, exit 1 (Restart=on-failure
+    retries)."""
     from conftest import andrea
 
     run = layer.mount / "run"
@@ -244,7 +245,8 @@ def test_a_read_error_at_start_is_one_line_and_exit_1_not_a_traceback(layer):
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "andrea: error: [Errno 5] Input/output error: the disk failed; check it, then run the command again"
+        f"andrea: error: [Errno 5] Input/output error: '{run / 'run.yaml'}': the disk failed; check it, then "
+        "run the command again"
     )
 
 
