@@ -55,7 +55,7 @@ from andrea_core.ops.fork import (
     check_destination,
     replicate_url,
 )
-from andrea_core.run.guard_events import GuardEvent, Remedies, event_of, read_events, remedy_clauses
+from andrea_core.run.guard_events import GuardEvent, Remedies, event_of, read_events, remedy_text
 from andrea_core.run.lineage import branch_of, phases
 from andrea_core.run.loss_log import LossEntry, ema, ema_curve, read_history
 from andrea_core.run.record import read_run
@@ -509,11 +509,6 @@ def expand_replicates(branch_urls: list[str]) -> dict[str, list[tuple[RunDir, in
                 found[r] = run
         out[name] = [(found[r], r) for r in sorted(found)]
     return out
-
-
-def remedy_text(e: GuardEvent) -> str:
-    """A rollback's remedy in words (guard_events.remedy_clauses)."""
-    return ", ".join(remedy_clauses(e)) or "no remedy"
 
 
 def diverged_summary(b: BranchResult) -> str | None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from andrea_core.checkpoint import checkpoint_name
 from andrea_core.command import process_argv, trainer_max_steps
 from andrea_core.config import ConfigError
-from andrea_core.run.guard_events import event_of, read_events, remedy_clauses
+from andrea_core.run.guard_events import event_of, read_events, remedy_text
 from andrea_core.run.lock import (
     ALIVE,
     UNKNOWN,
@@ -390,5 +390,5 @@ def guard_summary(event: dict, now: float) -> str:
         done = "stopped the run (its bound, train.guard.max_rollbacks)"
     else:
         to = checkpoint_name(e["rolled_back_to"]) if e["rolled_back_to"] else "the initial weights"
-        done = f"rolled back to {to}, {', '.join(remedy_clauses(event_of(e))) or 'no remedy'}"
+        done = f"rolled back to {to}, {remedy_text(event_of(e))}"
     return f"event {e['number']} of {e['events']}, {_ago(now - e['time'])} ago: {what}; {done}"

@@ -170,6 +170,11 @@ def remedy_clauses(e: GuardEvent) -> list[str]:
     return out
 
 
+def remedy_text(e: GuardEvent) -> str:
+    """remedy_clauses joined, "no remedy" where there are none (status's guard row, fork reports)."""
+    return ", ".join(remedy_clauses(e)) or "no remedy"
+
+
 def describe_event(e: GuardEvent) -> str:
     """One line: what the event detected and what was done (status, reports, the trainer's replay log)."""
     if e.action == "stop":
