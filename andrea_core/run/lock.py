@@ -711,6 +711,15 @@ class Lease:
                     f"{t0 - self.confirmed_at:.0f}s after the last renewal that went through)"
                 )
                 self.failing = None
+            elif (gap := awake_clock() - self.confirmed_at) > self.ttl_s - self.renew_s:
+                margin = self.ttl_s - gap
+                self.log(
+                    f"warning: the lease of {self.run.url} was renewed {gap:.1f}s after the last renewal "
+                    f"(due every {self.renew_s:g}s, ttl {self.ttl_s:g}s): "
+                    + (f"{margin:.1f}s short of the ttl, when" if margin > 0 else "past the ttl: by then")
+                    + " a trainer waiting on it takes the run over; this process was paused or starved "
+                    "(SIGSTOP, a suspend, an overloaded machine, a slow store)"
+                )
             self.me, self.confirmed_at = renewed, t0
 
     def _lose(self, why: str) -> None:
@@ -724,7 +733,9 @@ class Lease:
             detail += ", released"
         return (
             f"this trainer (pid {self.me.pid} on {self.me.host}) lost its lease on {self.run.url} "
-            f"(generation {self.me.generation}; the lock is {detail}): it writes nothing more and stops"
+            f"(generation {self.me.generation}; the lock is {detail}; its last renewal began "
+            f"{awake_clock() - self.confirmed_at:.1f}s ago, ttl {self.ttl_s:g}s): it writes nothing more "
+            "and stops"
         )
 
     def _unconfirmed(self, what: str, e: Exception) -> LeaseUnconfirmed:
