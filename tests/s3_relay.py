@@ -52,7 +52,8 @@ class RelayFaults:
     delays: list[float] = field(default_factory=list)
     slowdown: float = 0.0  # the fraction of requests answered 503 SlowDown
     throttled: Counter = field(default_factory=Counter)  # by method
-    hang: dict | None = None  # {"host", "match" (a regular expression on "METHOD path?query"), "for_s"}
+    hang: dict | None = None  # {"host", "match" (a regular expression on "METHOD path?query"), "for_s",
+    # and optionally "until": a threading.Event that ends the hold before for_s}
     hung: list[dict] = field(default_factory=list)
     partition: dict | None = None  # {"host", "mode": "refuse" | "hang"}
     partitioned: Counter = field(default_factory=Counter)  # "mode METHOD" -> requests cut off
@@ -218,8 +219,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             delay = st.rng.uniform(*st.latency) if st.latency else 0.0
             if delay:
                 st.delays.append(delay)
-        if hang:
-            time.sleep(hang["for_s"])
+        if hang:  # for its for_s, or until its "until" (a threading.Event) is set: the test's next move
+            until = hang.get("until")
+            until.wait(hang["for_s"]) if until is not None else time.sleep(hang["for_s"])
         if gone is not None:  # S3 once it forgot the completed upload: never forwarded
             self._error(404, "Not Found", _no_such_upload(upload_id))
             return

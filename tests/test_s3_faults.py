@@ -73,12 +73,19 @@ def test_an_upload_aborted_by_a_taker_is_still_refused_over_an_older_version(s3_
     lease = Lease.take(run, log=lambda _: None)
     try:
         run.write_atomic("step_000005.bin", b"old" * 1000)
-        relay.hang = {"host": "here", "match": r"^POST .*step_000005\.bin\?uploadId=", "for_s": 3.0}
+        # The complete is held until the taker's abort is done (not for 3 s: a loaded machine's abort
+        # took longer, and the complete landed first).
+        aborted = threading.Event()
+        match = r"^POST .*step_000005\.bin\?uploadId="
+        relay.hang = {"host": "here", "match": match, "for_s": 120.0, "until": aborted}
 
         def take_over() -> None:  # as lock.acquire_lease does, while the holder's complete is in flight
-            while not relay.hung:
-                time.sleep(0.01)
-            RunDir(run.url).abort_writes_in_flight(0, lambda _: None)
+            try:
+                while not relay.hung:
+                    time.sleep(0.01)
+                RunDir(run.url).abort_writes_in_flight(0, lambda _: None)
+            finally:
+                aborted.set()
 
         taker = threading.Thread(target=take_over)
         taker.start()
@@ -113,6 +120,7 @@ def test_a_takers_identical_checkpoint_is_not_adopted_by_the_holder_it_replaced(
     monkeypatch.setenv("ANDREA_LEASE_TTL_S", "2")
     monkeypatch.setenv("ANDREA_LEASE_WAIT_S", "60")
     faults = RelayFaults()
+    published = threading.Event()  # the taker's publish is done: the holder's held complete goes on
     relays = {h: Relay(s3_server.port, faults, host=h) for h in ("a", "b")}
     conf = fsspec.config.conf.setdefault("s3", {})
     try:
@@ -121,7 +129,10 @@ def test_a_takers_identical_checkpoint_is_not_adopted_by_the_holder_it_replaced(
         run_a = RunDir(f"{s3_bucket}/run")
         lease_a = Lease.take(run_a, log=lambda _: None)
         data = bytes(range(256)) * 40
-        faults.hang = {"host": "a", "match": r"^POST .*step_000005\.bin\?uploadId=", "for_s": 6.0}
+        # The holder's complete is held until the taker has published (not for 6 s: at load 47 here the
+        # taker's take and publish took longer, the complete landed first and the holder's write stood).
+        match = r"^POST .*step_000005\.bin\?uploadId="
+        faults.hang = {"host": "a", "match": match, "for_s": 120.0, "until": published}
         outcome: list = []
 
         def publish() -> None:
@@ -142,6 +153,7 @@ def test_a_takers_identical_checkpoint_is_not_adopted_by_the_holder_it_replaced(
         lease_b = Lease.take(run_b, log=lambda _: None)  # waits out a's ttl, aborts its upload
         run_b.write_atomic("step_000005.bin", data)  # the same step, bit-exact: the same parts
         theirs = s3_server.client().info(f"{s3_bucket}/run/step_000005.bin")["ETag"]
+        published.set()
         faults.heal()
         holder.join(60)
         assert outcome == ["LeaseLost"], outcome  # before the fence's second look: ["written"]
@@ -150,6 +162,7 @@ def test_a_takers_identical_checkpoint_is_not_adopted_by_the_holder_it_replaced(
         lease_b.release()
         lease_a.release()
     finally:
+        published.set()
         faults.heal()
         for r in relays.values():
             r.shutdown()
