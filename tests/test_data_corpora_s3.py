@@ -16,7 +16,7 @@ from andrea_core.data.changes import DATA_LOG, read_data_log
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import RunDir
 
-STEPS = 200
+STEPS = 150  # three checkpoints of 50: a SIGTERM off the grid, a SIGKILL past the second
 ARMS = {"notes", "posts", "table", "nano", "llmc"}
 
 
@@ -64,7 +64,7 @@ def test_five_kinds_in_s3_train_every_arm_and_resume_bit_exactly(corpus, tmp_pat
         stopped = RunDir(str(b)).checkpoint_steps()[-1]
         assert stopped % 50 != 0
         proc = start_trainer("--run-dir", str(b), "--pace", "0.03", log=tmp_path / "b2.log")
-        wait_for(lambda: last_logged_step(b) >= 160, timeout=300, what="step 160")
+        wait_for(lambda: last_logged_step(b) >= 110, timeout=300, what="step 110")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
