@@ -2,21 +2,39 @@
 # Set up, lint, and run the whole test suite (the slow end-to-end tests included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 PYTHON=${PYTHON:-python3}
 # The MLflow tracking server tests/test_mlflow.py starts: a venv of its own (mlflow 3.17 wants
 # pyarrow<26; the product itself speaks MLflow's REST API through httpx and needs no mlflow).
 # ANDREA_SKIP_MLFLOW_SERVER=1 leaves it out (tests/test_mlflow.py then fails, naming it).
+# Installed in the background while scripts/setup.sh installs .venv: each pip run unpacks and compiles on
+# one core, so the two together fill both. Its output is held in a file and printed once both are done;
+# a failure of either stops the run, each named.
 mlflow_stamp=.venv-mlflow/.andrea-installed
-if [ "${ANDREA_SKIP_MLFLOW_SERVER:-0}" != 1 ] && { [ ! -f "$mlflow_stamp" ] || ! cmp -s tests/mlflow-server.txt "$mlflow_stamp"; }; then
-  echo "test: installing the MLflow tracking server the tests use (.venv-mlflow, tests/mlflow-server.txt)"
-  [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow
+install_mlflow() {
+  [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow || return 1
   .venv-mlflow/bin/python -m pip install --quiet --disable-pip-version-check -r tests/mlflow-server.txt 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
-  .venv-mlflow/bin/python -c "import mlflow.server" \
-    || { echo "test: the MLflow server failed to import (.venv-mlflow)" >&2; exit 1; }
+  .venv-mlflow/bin/python -c "import mlflow.server" || return 1
   cp tests/mlflow-server.txt "$mlflow_stamp"
+}
+mlflow_pid=
+if [ "${ANDREA_SKIP_MLFLOW_SERVER:-0}" != 1 ] && { [ ! -f "$mlflow_stamp" ] || ! cmp -s tests/mlflow-server.txt "$mlflow_stamp"; }; then
+  echo "test: installing the MLflow tracking server the tests use (.venv-mlflow, tests/mlflow-server.txt), in the background"
+  mlflow_log=$(mktemp)
+  install_mlflow >"$mlflow_log" 2>&1 &
+  mlflow_pid=$!
 fi
+setup_rc=0 mlflow_rc=0
+bash scripts/setup.sh || setup_rc=$?
+if [ -n "$mlflow_pid" ]; then
+  wait "$mlflow_pid" || mlflow_rc=$?
+  cat "$mlflow_log"
+  rm -f "$mlflow_log"
+  [ "$mlflow_rc" != 0 ] || echo "test: MLflow tracking server ready (.venv-mlflow)"
+fi
+[ "$setup_rc" = 0 ] || echo "test: scripts/setup.sh failed (exit $setup_rc): .venv is not ready" >&2
+[ "$mlflow_rc" = 0 ] || echo "test: the MLflow server failed to install or import (.venv-mlflow, tests/mlflow-server.txt)" >&2
+[ "$setup_rc" = 0 ] && [ "$mlflow_rc" = 0 ] || exit 1
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 mkdir -p "$PREFECT_HOME"
 # Programs some tests need, from Debian's packages where missing, once: the Prefect UI test drives a
