@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -30,15 +31,18 @@ PROCESSES, TRIALS = 6, 30
 
 RACER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, sys
     from andrea_core.run import lock
     from andrea_core.run.rundir import RunDir
-    base, sync, me, n, trials = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    base, ready, go, trials = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+    def barrier():  # blocked in read(2) until the test has heard every racer's ready: no spinning
+        os.write(ready, b"r")
+        assert os.read(go, 1) == b"g"
+
     results = []
     for t in range(trials):
-        open(os.path.join(sync, f"ready.{t}.{me}"), "w").close()
-        while sum(f.startswith(f"ready.{t}.") for f in os.listdir(sync)) < n:  # all start together
-            time.sleep(0.0005)
+        barrier()  # all start together
         try:
             lock.acquire(RunDir(f"{base}/trial{t}"), log=lambda m: None)
             results.append("won")
@@ -48,9 +52,7 @@ RACER = textwrap.dedent(
             results.append(f"error {type(e).__name__}: {e}")
     # Alive until every racer is done: a winner that exited would leave the last round a dead
     # trainer's lock, which a racer still looking takes over (a second "won" of the test's making).
-    open(os.path.join(sync, f"done.{me}"), "w").close()
-    while sum(f.startswith("done.") for f in os.listdir(sync)) < n:
-        time.sleep(0.001)
+    barrier()
     print(json.dumps(results), flush=True)
     """
 )
@@ -78,18 +80,44 @@ def race(base: str, tmp_path: Path, stale: bool, env: dict[str, str]) -> list[li
             run = RunDir(f"{base}/trial{t}")
             run.makedirs()
             run.write_atomic(LOCK, stale_identity(run, dead).encode())
-    sync = tmp_path / f"sync-{int(stale)}"
-    sync.mkdir()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, base, str(sync), str(i), str(PROCESSES), str(TRIALS)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(PROCESSES)
-    ]
-    outcomes = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+    # The barrier of each round: every racer writes a byte to `ready` and blocks reading its own `go`
+    # pipe; once all have written, the test writes each of them its byte at once (one pipe a racer: a
+    # fast racer cannot take a slow one's byte of the same round).
+    ready_r, ready_w = os.pipe()
+    gos = [os.pipe() for _ in range(PROCESSES)]
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACER, base, str(ready_w), str(go_r), str(TRIALS)],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                pass_fds=(ready_w, go_r),
+            )
+            for go_r, _ in gos
+        ]
+        os.close(ready_w)
+        ready_w = -1
+        for _ in range(TRIALS + 1):  # each round's start, then the last: every racer done
+            heard, deadline = 0, time.monotonic() + 600
+            while heard < PROCESSES:
+                # Every second (not a spin): a racer that exited before the last round fails the test.
+                if select.select([ready_r], [], [], 1.0)[0]:
+                    heard += len(os.read(ready_r, PROCESSES - heard))
+                early = [p.returncode for p in procs if p.poll() is not None]
+                assert not early and time.monotonic() < deadline, f"racers exited early: {early}"
+            for _, go_w in gos:
+                os.write(go_w, b"g")
+        outcomes = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for fd in [ready_r, ready_w, *(fd for pair in gos for fd in pair)]:
+            if fd >= 0:
+                os.close(fd)
     return [[o[t] for o in outcomes] for t in range(TRIALS)]
 
 

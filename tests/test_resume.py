@@ -15,7 +15,6 @@ from conftest import TINY, andrea, last_logged_step, lock_released, start_traine
 from tiny import tiny_config
 
 from andrea_core.checkpoint import checkpoint_name, encode
-from andrea_core.config import load_run_config
 from andrea_core.run.loss_log import read_history
 from andrea_core.run.rundir import LOSS_LOG, RUN_YAML, RunDir
 from andrea_core.train.trainer import Trainer
@@ -75,10 +74,10 @@ def _losses(run, lo: int, hi: int) -> np.ndarray:
     return np.array([e.loss for e in read_history(RunDir(str(run))) if lo <= e.step <= hi])
 
 
-def test_resume_with_zeroed_adam_moments_departs_while_true_resume_matches(tmp_path):
-    cfg = load_run_config(TINY)
-    base = tmp_path / "base"
-    Trainer(str(base), cfg, max_steps=140).train()
+def test_resume_with_zeroed_adam_moments_departs_while_true_resume_matches(tmp_path, tiny_reference):
+    """Both resume tiny_reference's checkpoint 100 to 140 in this process: its own steps 101..140 (an
+    uninterrupted run; the schedule is the config's, whatever --max-steps) are the baseline."""
+    base = tiny_reference
 
     def resume_from_100(name: str, zero_moments: bool):
         run = tmp_path / name
@@ -106,12 +105,11 @@ def test_resume_with_zeroed_adam_moments_departs_while_true_resume_matches(tmp_p
     assert not (true / LOSS_LOG).read_text().count('"segment":2')  # a fresh run dir: one segment
 
 
-def test_resume_at_or_past_max_steps_does_nothing(tmp_path):
-    run = tmp_path / "run"
-    andrea("train", "--config", TINY, "--run-dir", str(run), "--max-steps", "20")
+def test_resume_at_or_past_max_steps_does_nothing(tmp_path, tiny_reference):
+    run = shutil.copytree(tiny_reference, tmp_path / "run")  # andrea-tiny at step 300
     before = (run / LOSS_LOG).read_bytes()
-    proc = andrea("train", "--run-dir", str(run), "--max-steps", "20")
-    assert "already at step 20" in proc.stdout
+    proc = andrea("train", "--run-dir", str(run), "--max-steps", "300")
+    assert "already at step 300" in proc.stdout
     assert (run / LOSS_LOG).read_bytes() == before
 
 

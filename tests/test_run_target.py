@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, _env, andrea, last_logged_step, start_trainer, wait_for
+from conftest import _env, andrea, last_logged_step, start_trainer, wait_for
 from tiny import tiny_config
 
 from andrea_core.config import ConfigError
@@ -93,13 +91,8 @@ def test_a_pivot_keeps_the_target_or_records_its_own_and_status_says_pivoting(tm
     assert "training steps 201..220" in out and last_logged_step(run) == 220
 
     # A pivot killed half way: PIVOTING, naming both ways out.
-    killed = subprocess.run(
-        [sys.executable, "-m", "andrea_core", "pivot", str(run), "--policy", "tiny-mix", "--no-restart"],
-        env={**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"},
-        cwd=REPO,
-        capture_output=True,
-        timeout=900,
-    )
+    env = {**_env(), "ANDREA_TEST_PIVOT_KILL_AFTER": "archive-move-1"}
+    killed = andrea("pivot", str(run), "--policy", "tiny-mix", "--no-restart", env=env, check=False)
     assert killed.returncode == -signal.SIGKILL
     st = status(run)
     assert st["state"] == "pivoting" and st["pivot"]["policy"] == "tiny-mix", st
