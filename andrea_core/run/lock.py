@@ -621,6 +621,7 @@ class Lease:
         self.renew_s = me.lease_renew_s or DEFAULT_LEASE_RENEW_S
         self.ttl_s = me.lease_ttl_s or DEFAULT_LEASE_TTL_S
         self.confirmed_at = awake_clock()  # taken before the write that made it ours
+        self.written_at = awake_clock()  # after the last write of the lock that went through
         self.lost: str | None = None
         self.failing: str | None = None  # why the renewals fail now (None: the last one went through)
         self._mutex = threading.Lock()
@@ -711,7 +712,7 @@ class Lease:
                     f"{t0 - self.confirmed_at:.0f}s after the last renewal that went through)"
                 )
                 self.failing = None
-            elif (gap := awake_clock() - self.confirmed_at) > self.ttl_s - self.renew_s:
+            elif (gap := awake_clock() - self.written_at) > self.ttl_s - self.renew_s:
                 margin = self.ttl_s - gap
                 self.log(
                     f"warning: the lease of {self.run.url} was renewed {gap:.1f}s after the last renewal "
@@ -720,7 +721,7 @@ class Lease:
                     + " a trainer waiting on it takes the run over; this process was paused or starved "
                     "(SIGSTOP, a suspend, an overloaded machine, a slow store)"
                 )
-            self.me, self.confirmed_at = renewed, t0
+            self.me, self.confirmed_at, self.written_at = renewed, t0, awake_clock()
 
     def _lose(self, why: str) -> None:
         self.lost = why
@@ -733,8 +734,8 @@ class Lease:
             detail += ", released"
         return (
             f"this trainer (pid {self.me.pid} on {self.me.host}) lost its lease on {self.run.url} "
-            f"(generation {self.me.generation}; the lock is {detail}; its last renewal began "
-            f"{awake_clock() - self.confirmed_at:.1f}s ago, ttl {self.ttl_s:g}s): it writes nothing more "
+            f"(generation {self.me.generation}; the lock is {detail}; its last renewal went through "
+            f"{awake_clock() - self.written_at:.1f}s ago, ttl {self.ttl_s:g}s): it writes nothing more "
             "and stops"
         )
 
