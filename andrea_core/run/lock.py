@@ -706,13 +706,14 @@ class Lease:
                     )
                 self.failing = why
                 raise
+            written = awake_clock()  # at once: a pause after this is not counted as the renewal's lateness
             if self.failing is not None:
                 self.log(
                     f"the lease of {self.run.url} is renewed again (generation {self.me.generation}, "
                     f"{t0 - self.confirmed_at:.0f}s after the last renewal that went through)"
                 )
                 self.failing = None
-            elif (gap := awake_clock() - self.written_at) > self.ttl_s - self.renew_s:
+            elif (gap := written - self.written_at) > self.ttl_s - self.renew_s:
                 margin = self.ttl_s - gap
                 self.log(
                     f"warning: the lease of {self.run.url} was renewed {gap:.1f}s after the last renewal "
@@ -721,7 +722,7 @@ class Lease:
                     + " a trainer waiting on it takes the run over; this process was paused or starved "
                     "(SIGSTOP, a suspend, an overloaded machine, a slow store)"
                 )
-            self.me, self.confirmed_at, self.written_at = renewed, t0, awake_clock()
+            self.me, self.confirmed_at, self.written_at = renewed, t0, written
 
     def _lose(self, why: str) -> None:
         self.lost = why
