@@ -656,6 +656,12 @@ class Lease:
     def generation(self) -> int:
         return self.me.generation
 
+    @property
+    def margin_s(self) -> float:
+        """ttl - renew: the fence's free window, and how late a renewal may come before a waiter could
+        take the run over (design.md "The margin")."""
+        return self.ttl_s - self.renew_s
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._renew_forever, name="andrea-lease", daemon=True)
         self._thread.start()
@@ -713,7 +719,7 @@ class Lease:
                     f"{t0 - self.confirmed_at:.0f}s after the last renewal that went through)"
                 )
                 self.failing = None
-            elif (gap := written - self.written_at) > self.ttl_s - self.renew_s:
+            elif (gap := written - self.written_at) > self.margin_s:
                 margin = self.ttl_s - gap
                 self.log(
                     f"warning: the lease of {self.run.url} was renewed {gap:.1f}s after the last renewal "
@@ -752,7 +758,7 @@ class Lease:
         is due for renewal and the renewal fails; pass if it is (re)confirmed as ours."""
         if self.lost is not None:
             raise LeaseLost(f"not writing {what}: {self.lost}" if what else self.lost)
-        if awake_clock() - self.confirmed_at < self.ttl_s - self.renew_s:
+        if awake_clock() - self.confirmed_at < self.margin_s:
             return
         self.confirm(what)
 
