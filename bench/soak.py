@@ -2051,13 +2051,13 @@ class Soak:
         before = self._guard_events()
         first = len(self.procs)  # this fault's trainers are spawned from here on (the reference's too)
         step = max(self.checkpoints(), default=0)
-        # A checkpoint that both runs keep for good (the phase's boundary, or step 50: keep_every) at
-        # least rollback_margin before D: else the guard takes the oldest kept before the spike, which
-        # is the soak's faults' (an off-grid SIGTERM or SIGUSR1 checkpoint), not the reference's.
+        # A checkpoint (the phase's boundary, or one from step 50 on) at least rollback_margin before D:
+        # else a branch's or a phase's rollback goes to its floor, remedied from there.
         D = max(step + f["ahead"], (self._phase_start() or 10 * self.every) + margin + f["ahead"])
-        # A grid checkpoint this run never wrote (a full disk's) sends its rollback further back than the
-        # reference's; the remedy starts from the same anchor all the same (guard.py remedy_from), so
-        # every later step is the reference's: the soak throws that case as it comes.
+        # A checkpoint this run never wrote (a full disk's) may send its rollback further back than the
+        # reference's (retention keeps every one that may become the rollback point, so only that far);
+        # the remedy starts from the same anchor all the same (guard.py remedy_from), so every later
+        # step is the reference's: the soak throws that case as it comes.
         self.poisoned.append(Remedies(before).data_step(D))
         listed = self.checkpoints()
         extra = {"ANDREA_TEST_GUARD_SIGNAL": f"{f['kill']}:SIGKILL"} if f["kill"] != "after" else {}
@@ -2097,7 +2097,8 @@ class Soak:
         kept = [
             s for s in far if s % (10 * self.every) == 0 or s in {x[1] for x in self.events if x[0] != "data"}
         ]
-        if e.rolled_back_to not in listed or (far and e.rolled_back_to > D - margin):
+        initial = e.rolled_back_to == 0 == floor and not far  # the initial weights: step 0's checkpoint
+        if (e.rolled_back_to not in listed and not initial) or (far and e.rolled_back_to > D - margin):
             self.violate(
                 "11", f"the rollback at {D} went to {e.rolled_back_to}, not a kept checkpoint {listed}"
             )

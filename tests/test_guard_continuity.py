@@ -1,9 +1,10 @@
 """The divergence guard where runs diverge (issue 41), through real trainer processes on andrea-tiny:
 a fork and a pivot that set the learning rate 300x are caught within a few steps (and the branch stops:
 its divergence is its result), a pivot to other data fires nothing, oscillation and drift are caught,
-and a non-finite step under checkpoints every 10 with the default retention rolls back to a kept
-checkpoint, not to the initial weights. The runs start from copies of the session's trained reference
-(andrea-tiny to step 300, checkpoints 100, 200, 300: tests/guard_parent.py)."""
+a non-finite step under checkpoints every 10 with the default retention rolls back by its margin,
+and checkpoints a fault left unwritten change what is retrained, never the remedy. The runs start
+from copies of the session's trained reference (andrea-tiny to step 300, checkpoints 100, 200, 300:
+tests/guard_parent.py)."""
 
 from __future__ import annotations
 
@@ -128,17 +129,78 @@ def test_oscillation_and_drift_through_the_trainer(parent, noise, within):
         assert first.kind in ("loss-rise", "grad-norm-spike"), first
 
 
-def test_a_non_finite_step_under_tight_retention_rolls_back_to_a_kept_checkpoint(tmp_path):
+def test_a_non_finite_step_under_tight_retention_rolls_back_by_its_margin(tmp_path):
     """The issue's case 3: checkpoints every 10, the default retention (newest 5), a NaN gradient at data
-    position 85. No checkpoint is left 50 steps before it (the run is younger than the rollback point
-    retention keeps: 69 steps back), so the rollback goes to the oldest kept one before the spike, 40,
-    not to the initial weights (today: step 0, checkpoints 40..80 set aside)."""
+    position 85. Retention keeps every checkpoint that may still become the guard's rollback point (the
+    69 steps before the newest; it used to keep the newest 5 and the one already that far back, none
+    in a run this young), so the rollback goes 50 steps back, to 30, as had every checkpoint been kept:
+    not to 40 (the oldest kept: a margin of 45) nor to the initial weights (today's case 3)."""
     cfg = tiny_config(tmp_path, train__checkpoint_every=10, train__max_steps=100, train__log_every=50)
     run = tmp_path / "run"
     proc = train(run, "--config", cfg, ANDREA_TEST_GUARD_NAN_AT="85")
     (event,) = read_events(RunDir(str(run)))
-    assert (event.kind, event.step, event.rolled_back_to) == ("non-finite-grad-norm", 85, 40)
-    assert "back to step_000040.bin" in proc.stdout + proc.stderr
+    assert (event.kind, event.step, event.rolled_back_to, event.remedy_from) == (
+        "non-finite-grad-norm",
+        85,
+        30,
+        35,
+    )
+    assert "back to step_000030.bin" in proc.stdout + proc.stderr
+
+
+def _events(run: Path) -> list[tuple]:
+    return [
+        (
+            e.number,
+            e.action,
+            e.step,
+            e.spike_start,
+            e.kind,
+            e.remedy_from,
+            e.skip,
+            e.lr_scale,
+            e.cooldown,
+            e.level,
+        )
+        for e in read_events(RunDir(str(run)))
+    ]
+
+
+def test_checkpoints_a_fault_left_unwritten_change_what_is_retrained_never_the_remedy(tmp_path):
+    """Issue 48 (the S3 soak, seed 11723): a full cache left the keep_every checkpoint 50 unwritten, and
+    under the soak's retention (checkpoints every 5, the newest 3, every 50th) nothing else lived long
+    enough to be 69 steps back: the divergence at 125 went back to 100 with its remedy after 100, where
+    the run without the fault went back to 50 with its remedy after 75, and the two trained on other
+    data from step 76. Here the same settings, one run straight to 130 with a NaN at 125, the other
+    missing checkpoints 50 and 75 (each gone after the trainer passed it, as a failed write leaves it):
+    the rollbacks' targets differ (75 against 70), the remedies do not (after 75, the same skip, rate
+    and cooldown), and the two runs are the same, step for step and bit for bit."""
+    cfg = tiny_config(
+        tmp_path,
+        train__checkpoint_every=5,
+        train__log_every=50,
+        retention__keep_last=3,
+        retention__keep_every=50,
+    )
+    nan = {"ANDREA_TEST_GUARD_NAN_AT": "125"}
+    straight, faulted = tmp_path / "straight", tmp_path / "faulted"
+    train(straight, "--config", cfg, "--max-steps", "130", **nan)
+    train(faulted, "--config", cfg, "--max-steps", "52", **nan)
+    (faulted / "step_000050.bin").unlink()
+    train(faulted, "--max-steps", "77", **nan)
+    (faulted / "step_000075.bin").unlink()
+    train(faulted, "--max-steps", "130", **nan)
+    events = {run.name: read_events(RunDir(str(run))) for run in (straight, faulted)}
+    assert [e.rolled_back_to for e in events["straight"]] == [75]
+    assert [e.rolled_back_to for e in events["faulted"]] == [70]
+    assert _events(straight) == _events(faulted) and _events(straight)[0][5] == 75
+    history = {
+        run.name: [(e.step, e.loss, e.lr, e.arm, e.grad_norm) for e in read_history(RunDir(str(run)))]
+        for run in (straight, faulted)
+    }
+    assert [h[0] for h in history["straight"]] == list(range(1, 131))
+    assert history["straight"] == history["faulted"]
+    assert (straight / "step_000130.bin").read_bytes() == (faulted / "step_000130.bin").read_bytes()
 
 
 def test_restart_replays_what_came_before_its_floor(parent, tmp_path):

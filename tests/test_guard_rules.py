@@ -239,11 +239,11 @@ def test_escalation_compounds_within_the_window_only(tmp_path):
 
 def test_the_floor_keeps_a_rollback_inside_its_own_timeline(tmp_path):
     """A branch forked at 200 never goes back past its fork point: with nothing rollback_margin back,
-    to the oldest of its own checkpoints; with none of its own, it stops. A run from step 0 with no
-    checkpoint before the spike goes back to the initial weights; with one, to its oldest (not step 0
-    and every step since: the issue's case 3). The remedy acts after 213 - 50 = 163 wherever the
-    rollback went at or before it (the initial weights included); after the target itself in the
-    fallbacks, whose target is past 163."""
+    to its fork point; with that checkpoint gone, it stops. A run from step 0 with no checkpoint
+    rollback_margin before the spike goes back to the initial weights (step 0's checkpoint, which no
+    fault leaves unwritten; retention keeps any that may become the rollback point, so only a young
+    run or a fault comes here). The remedy acts after 213 - 50 = 163 wherever the rollback went at or
+    before it; after the fork point where that is past 163."""
     d = Divergence("loss-spike", 215, 213, 9.0, 3.0, 6.0)
     to = [(e.rolled_back_to, e.remedy_from, e.skip) for e in (
         planned(tmp_path, [], d, [150, 200, 210], 200),
@@ -252,7 +252,7 @@ def test_the_floor_keeps_a_rollback_inside_its_own_timeline(tmp_path):
         planned(tmp_path, [], d, [100, 170, 180], 0),
         planned(tmp_path, [], d, [100, 160], 0),
     )]  # fmt: skip
-    assert to == [(200, 200, 15), (0, 163, 52), (170, 170, 45), (100, 163, 52), (160, 163, 52)]
+    assert to == [(200, 200, 15), (0, 163, 52), (0, 163, 52), (100, 163, 52), (160, 163, 52)]
     stop = planned(tmp_path, [], d, [150], 200)
     assert (stop.action, stop.rolled_back_to, stop.remedy_from) == ("stop", None, None)
     margin0 = Guard(RunDir(str(tmp_path / "run")), replace(G, rollback_margin=0), VOCAB, writes=False)
@@ -315,18 +315,56 @@ def test_format_1_lines_read_as_remedy_from_their_checkpoint():
 def test_retention_keeps_the_guards_rollback_point():
     """The issue's case 3: checkpoints every 10, the default retention (newest 5). After checkpoint 80
     retention used to keep 40..80 only, and a divergence at 85 went back to the initial weights. Now the
-    newest checkpoint at least rollback_margin + 2 (detection lag) steps before step 81 stays: 20."""
+    newest checkpoint at least rollback_margin + 19 (detection lag) steps before step 81 stays (10), and
+    every one after it, which may still become it (20, 30)."""
     steps = list(range(10, 90, 10))
     reach = rollback_reach(G)
     assert reach == 50 + 20 - 1  # the rise rule's 20 steps are the longest lag
     plan = plan_retention(steps, RetentionConfig(), {}, 80, reach)
-    assert sorted(plan.keep) == [10, 40, 50, 60, 70, 80] and plan.delete == [20, 30]
-    assert "rollback point" in plan.keep[10][0]
-    # And for any divergence detected after 80 (its spike at most rise_steps - 1 earlier), the plan finds it.
-    for step in range(81, 91):
-        spike_start = step - G.rise_steps + 1
-        assert [s for s in plan.keep if s <= spike_start - G.rollback_margin], step
+    assert sorted(plan.keep) == steps and plan.delete == []
+    assert "rollback point (at least 69" in plan.keep[10][0] and "may become" in plan.keep[20][0]
     assert plan_retention(steps, RetentionConfig(), {}, 80, None).delete == [10, 20, 30]
+
+
+@pytest.mark.parametrize(
+    "every, keep_last, keep_every, lost",
+    [
+        (10, 5, None, set()),  # the issue's case 3, run long
+        (5, 3, 50, {50}),  # the S3 soak's settings, its keep_every checkpoint 50 never written
+        (5, 3, 50, {50, 75, 100, 105}),
+        (10, 5, None, {10, 20}),  # a young run's first checkpoints never written
+        (1, 2, None, {7, 8, 9, 60}),  # checkpoints every step, as the pivot tests take them
+        (100, 5, 10_000, set()),  # the defaults: nothing kept beyond the newest 5
+    ],
+)
+def test_retention_pass_by_pass_leaves_the_rollback_a_run_keeping_everything_would_take(
+    tmp_path, every, keep_last, keep_every, lost
+):
+    """Retention as the trainer applies it, after each checkpoint (those in `lost` never written, as a
+    full disk leaves them): before each next checkpoint, every divergence the guard may see (each step
+    up to it, each spike start within the detection lag) plans the same rollback from what retention
+    kept as from every checkpoint written, and the same remedy as from every checkpoint of a run without
+    the faults; and what is kept beyond keep_last is bounded by the reach."""
+    cfg, reach = RetentionConfig(keep_last=keep_last, keep_every=keep_every), rollback_reach(G)
+    (tmp_path / "run").mkdir()
+    guard = Guard(RunDir(str(tmp_path / "run")), G, VOCAB, log=lambda _: None, writes=False)
+    written: list[int] = []
+    kept: list[int] = []
+    for newest in range(every, 700 + 1, every):
+        if newest in lost:
+            continue
+        written.append(newest)
+        unfaulted = list(range(every, newest + 1, every))
+        kept = sorted(plan_retention(kept + [newest], cfg, {}, newest, reach).keep)
+        assert set(kept) <= set(written) and kept[-1] == newest
+        beyond = [s for s in kept if s < newest - keep_last * every and (not keep_every or s % keep_every)]
+        assert len(beyond) <= reach // every + 1, (newest, kept)
+        for step in range(newest + 1, newest + every + 1):
+            for spike_start in range(step - G.rise_steps + 1, step + 1):
+                d = Divergence("loss-rise", step, spike_start, 9.0, 3.0, 4.0)
+                a, b, c = (guard.plan(d, ckpts, 0) for ckpts in (kept, written, unfaulted))
+                assert (a.rolled_back_to, a.remedy_from) == (b.rolled_back_to, b.remedy_from), (newest, d)
+                assert (a.remedy_from, a.skip) == (c.remedy_from, c.skip), (newest, d)
 
 
 # --- item 5: guard.jsonl is input -----------------------------------------------------------------

@@ -148,9 +148,14 @@ def test_retention_keeps_the_checkpoint_of_a_pivot_under_way(tmp_path):
 
 def _fast_trainer(tmp_path: Path) -> subprocess.Popen:
     """A trainer of tmp_path/run that checkpoints every step and keeps the newest two: retention deletes
-    a checkpoint two steps after it is written, the window a pivot's boundary races."""
+    a checkpoint two steps after it is written, the window a pivot's boundary races (the guard off: its
+    rollback point would keep the newest 69)."""
     config = tiny_config(
-        tmp_path, train__checkpoint_every=1, retention__keep_last=2, retention__keep_every=None
+        tmp_path,
+        train__checkpoint_every=1,
+        retention__keep_last=2,
+        retention__keep_every=None,
+        train__guard__enabled=False,
     )
     run_dir = str(tmp_path / "run")
     return start_trainer("--config", config, "--run-dir", run_dir, "--max-steps", "100000", "--pace", "0.05")

@@ -104,13 +104,20 @@ def test_gc_dry_run_shows_and_gc_does(tmp_path, capsys):
     assert held["released"] is True
 
 
+# The guard's reach on a grid of checkpoints every 10 as it is on a real run's every 100 (7 steps, not 69:
+# retention keeps every checkpoint within the reach, which is test_guard_rules' and test_guard_continuity's).
+SCALED_GUARD = {"rollback_margin": 5, "rise_steps": 0}
+
+
 def retention_config(tmp_path: Path) -> str:
     """andrea-tiny, narrower and shorter-context, on a grid 10x finer than a real run's: checkpoint_every
     10, keep_last 3, keep_every 50 (the plan of checkpoint_every 100, keep_every 500 in a tenth of the
-    steps)."""
+    steps), and the guard's reach scaled with them: rollback_margin 5, no rise rule, so the rollback
+    point is 5 + 3 - 1 = 7 steps back (69 on the real grid: under one interval, as there)."""
     doc = yaml.safe_load(Path(TINY).read_text())
     doc["model"].update(n_layer=1, n_embd=32, block_size=32)
     doc["train"].update(batch_size=4, log_every=50, checkpoint_every=10)
+    doc["train"]["guard"] = {**doc["train"].get("guard", {}), **SCALED_GUARD}
     doc["retention"] = {"keep_last": 3, "keep_every": 50}
     path = tmp_path / "retention.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -187,7 +194,13 @@ def test_retention_over_a_run_with_a_pivot_and_a_fork_on_s3(s3_bucket, tmp_path)
 
 def test_a_retention_error_is_logged_as_such_and_retried_at_the_next_checkpoint(tmp_path, monkeypatch):
     cfg = load_run_config(
-        tiny_config(tmp_path, train__checkpoint_every=10, retention__keep_last=2, retention__keep_every=None)
+        tiny_config(
+            tmp_path,
+            train__checkpoint_every=10,
+            retention__keep_last=2,
+            retention__keep_every=None,
+            **{f"train__guard__{k}": v for k, v in SCALED_GUARD.items()},
+        )
     )
     url = str(tmp_path / "run")
     denied: list[str] = []

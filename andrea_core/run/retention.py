@@ -10,7 +10,8 @@ parameters). A checkpoint stays if it is
   - newer than the newest valid checkpoint (a bad file is evidence; it is never deleted here),
   - the divergence guard's rollback point: the newest checkpoint at least `rollback_reach` steps before
     the step after the newest (train.guard.rollback_margin plus the steps a divergence may have begun
-    before it is detected: `rollback_reach`), so that a rollback always has a checkpoint of its own.
+    before it is detected: `rollback_reach`), and every checkpoint newer than that, which may still
+    become it: a rollback goes where it would had every checkpoint been kept.
 Nothing is deleted before the newest checkpoint has been read back and validated, so that no run is
 ever left with only a broken checkpoint. Only top-level checkpoints are considered: archive/ and
 refused/ are never touched.
@@ -92,9 +93,17 @@ def plan_retention(
             keep[s].extend(protected[s])
         if s > newest:
             keep[s].append("newer than the newest valid checkpoint (kept as evidence)")
-    far = [s for s in older if reach is not None and s <= newest + 1 - reach]
-    if far and far[-1] not in keep:  # named only where it is what keeps the checkpoint
-        keep[far[-1]].append(f"the guard's rollback point (at least {reach} steps back)")
+    if reach is not None:
+        # The rollback point, and every checkpoint that may still become it: what the guard would roll
+        # back to is then what it would be had every checkpoint been kept (docs/design.md "A rollback
+        # point always exists"). Reasons are named only where they are what keeps a checkpoint.
+        bound = newest + 1 - reach
+        far = [s for s in older if s <= bound]
+        if far and far[-1] not in keep:
+            keep[far[-1]].append(f"the guard's rollback point (at least {reach} steps back)")
+        for s in older:
+            if s > bound and s not in keep:
+                keep[s].append(f"may become the guard's rollback point (within {reach} steps)")
     return RetentionPlan(
         newest, {s: keep[s] for s in steps if s in keep}, [s for s in steps if s not in keep]
     )

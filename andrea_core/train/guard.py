@@ -337,29 +337,28 @@ class Guard:
             raise divergence
 
     def plan(self, d: Divergence, checkpoints: list[int], floor: int) -> GuardEvent:
-        """The event answering `d`: a rollback to the newest of `checkpoints` (valid, oldest first) at
-        least rollback_margin steps before the spike began (none: the oldest one before the spike; none
-        at all: the initial weights of a run from step 0), escalated by the rollbacks before it in its
+        """The event answering `d`: a rollback to the newest of `checkpoints` (valid, oldest first), or
+        of the initial weights in a run from step 0, at least rollback_margin steps before the spike
+        began, but not before `floor` (the oldest step this run may go back to: its fork point or its
+        phase's start; before it the run was another); escalated by the rollbacks before it in its
         region; or the stop, past the bound, in a fork branch under in_branch "stop", or with nothing to
-        roll back to. `floor`: the oldest step
-        this run may go back to (its fork point or its phase's start: before it the run was another).
-        The remedy acts after `remedy_from` = max(target, spike_start - rollback_margin), not after the
-        target: which checkpoints a fault left changes what is retrained, never the remedy."""
+        roll back to. The remedy acts after `remedy_from` = max(target, spike_start - rollback_margin),
+        not after the target: which checkpoints a fault left changes what is retrained, never the
+        remedy."""
         c = self.cfg
         region = [e for e in self.events if e.action == "rollback" and e.step >= d.step - c.rollback_window]
         level = len(region)
         allowed = [s for s in checkpoints if floor <= s < d.spike_start]
-        far = [s for s in allowed if s <= d.spike_start - c.rollback_margin]
+        # The initial weights are a pure function of the seed: a checkpoint at step 0 that no fault can
+        # leave unwritten, so a young run's rollback honours the margin too (docs/design.md "A rollback
+        # point always exists").
+        candidates = ([0] if floor == 0 and 0 not in allowed else []) + allowed
+        far = [s for s in candidates if s <= max(d.spike_start - c.rollback_margin, floor)]
         target: int | None
         if far:
             target = far[-1]
         elif allowed:
-            # None far enough back (retention keeps one once the run is rollback_reach steps long):
-            # the oldest kept checkpoint of this timeline before the spike, rather than the initial
-            # weights and every step since (docs/design.md "A rollback point always exists").
-            target = allowed[0]
-        elif floor == 0:
-            target = 0  # the initial weights: a pure function of the seed
+            target = allowed[0]  # the floor's own checkpoint refused (torn): the oldest after it
         else:
             target = None
         stop = level >= c.max_rollbacks or target is None or self.branch_stops(d)
