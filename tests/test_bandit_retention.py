@@ -21,12 +21,12 @@ from tests.test_data_state import train
 MIX = str(REPO / "configs" / "andrea-tiny-mix.yaml")
 
 
-def trained_with_retention(path, stops: list[int]) -> tuple[RunDir, dict[int, dict]]:
-    """A run of andrea-tiny-mix's config (checkpoint_every 50, keep_last 5) whose bandit trains to each
-    step of `stops` in turn, writing the state, a checkpoint and running retention as the trainer does.
-    Returns the run and the mixer state of every checkpoint written."""
+def trained_with_retention(path, stops: list[int], **overrides) -> tuple[RunDir, dict[int, dict]]:
+    """A run of andrea-tiny-mix's config (checkpoint_every 50, keep_last 5; `overrides` set) whose bandit
+    trains to each step of `stops` in turn, writing the state, a checkpoint and running retention as the
+    trainer does. Returns the run and the mixer state of every checkpoint written."""
     run = RunDir(str(path))
-    record = create_run(run, load_run_config(MIX))
+    record = create_run(run, load_run_config(MIX).with_overrides(overrides))
     policy, _ = load_policy(record.config.data.policy)
     arms = [a.name for a in policy.arms]
     store = BanditStore(run, policy, record.config.train.checkpoint_every, warn=print)
@@ -64,6 +64,26 @@ def test_every_kept_checkpoint_has_its_bandit(tmp_path):
         store, mixer = restored(run, step, log)
         assert store.restored and log == [], f"step {step}: {log}"
         assert mixer.state_dict() == states[step]
+
+
+def test_the_checkpoints_that_may_become_the_guards_rollback_point_keep_their_bandit(tmp_path):
+    """Checkpoints every 10, the newest 2: retention keeps the guard's rollback point (69 steps back)
+    and every newer checkpoint, each of which a rollback may restore; their bandits stay in the file,
+    written by the save itself (not only put back after retention, a write later)."""
+    stops = list(range(10, 210, 10))
+    run, states = trained_with_retention(
+        tmp_path / "run",
+        stops,
+        **{"train.checkpoint_every": 10, "retention.keep_last": 2, "retention.keep_every": None},
+    )
+    kept = run.checkpoint_steps()
+    assert kept == [130, 140, 150, 160, 170, 180, 190, 200]  # 130: 71 steps before 201
+    doc = run.read_json(STATE)
+    assert sorted([doc["step"], *(e["step"] for e in doc["previous"])]) == kept
+    for step in (130, 170):
+        log: list[str] = []
+        store, mixer = restored(run, step, log)
+        assert store.restored and log == [] and mixer.state_dict() == states[step], step
 
 
 def test_a_fork_point_keeps_its_bandit_as_long_as_its_checkpoint(tmp_path):

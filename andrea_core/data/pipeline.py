@@ -153,7 +153,13 @@ class DataPipeline:
         """The pipeline of a run directory: its policy in force, its frozen tokenizer, its bandit store."""
         pipeline = cls(cfg, read_policy(run), warn, run_tokenizer(run, cfg))
         pipeline.store = BanditStore(
-            run, pipeline.policy, cfg.train.checkpoint_every, pipeline.unavailable, warn, cfg.retention
+            run,
+            pipeline.policy,
+            cfg.train.checkpoint_every,
+            pipeline.unavailable,
+            warn,
+            cfg.retention,
+            cfg.train.guard,
         )
         return pipeline
 

@@ -11,9 +11,10 @@ Write order. The trainer writes the state of step S before the checkpoint of ste
 A crash between the two leaves a state for S and no checkpoint S: the resume then takes checkpoint P,
 the one before, and finds P's state under `previous`, because a save always keeps the state it
 replaces. Besides, the file keeps the state of every checkpoint that retention keeps once S is
-written (retention.py: the newest keep_last, multiples of keep_every, pivot boundaries, fork points),
-so that a fork or a resume from any checkpoint on disk restores that checkpoint's bandit, and no
-state outlives its checkpoint for more than one save.
+written (retention.py: the newest keep_last, multiples of keep_every, pivot boundaries, fork points,
+the guard's rollback point and the checkpoints that may become it), so that a fork, a resume or a
+rollback to any checkpoint on disk restores that checkpoint's bandit, and no state outlives its
+checkpoint for more than one save.
 
 On load (docs/design.md "Data mixer"): a state written under another policy hash is not loaded (the bandit
 starts fresh, as at a pivot) and is moved aside into archive/, never overwritten; an arm of the state
@@ -31,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from andrea_core.config import ConfigError, RetentionConfig
+from andrea_core.config import ConfigError, GuardConfig, RetentionConfig
 from andrea_core.data.mixer import Mixer
 from andrea_core.data.policy import Policy
 from andrea_core.run.lineage import phases
 from andrea_core.run.record import read_run
-from andrea_core.run.retention import plan_retention, protected_steps
+from andrea_core.run.retention import plan_retention, protected_steps, rollback_reach
 from andrea_core.run.rundir import ARCHIVE, RUN_YAML, STATE, RunDir
 
 FORMAT = 1
@@ -59,13 +60,15 @@ class BanditStore:
         unavailable: dict[str, str] | None = None,
         warn: Callable[[str], None] = print,
         retention: RetentionConfig | None = None,
+        guard: GuardConfig | None = None,
     ):
         self.run = run
         self.policy = policy
         self.every = checkpoint_every
-        # The retention the trainer applies after each checkpoint (its frozen run.yaml's, read once at
-        # its start); None reads the run's own at each save (a bare directory: the defaults).
-        self.retention = retention
+        # The retention the trainer applies after each checkpoint, the guard's rollback point included
+        # (its frozen run.yaml's, read once at its start); None reads the run's own at each save (a
+        # bare directory: the defaults).
+        self.retention, self.guard = retention, guard
         self.unavailable = unavailable or {}  # arm -> why its source is unavailable here
         self.warn = warn
         self.phase = Phase(1, 0)
@@ -219,19 +222,23 @@ class BanditStore:
     def kept_checkpoints(self, step: int, on_disk: set[int]) -> set[int]:
         """The checkpoints on disk (`on_disk`: listed by the caller) that retention keeps once
         checkpoint `step` is written: the states to keep with them."""
-        retention = self.retention or read_run_retention(self.run)
-        steps = sorted({*on_disk, step})
-        rules = plan_retention(steps, retention, {}, newest=step)
+        if self.retention is not None and self.guard is not None:
+            retention, guard = self.retention, self.guard
+        else:
+            retention, guard = read_run_rules(self.run)
+        steps, reach = sorted({*on_disk, step}), rollback_reach(guard)
+        rules = plan_retention(steps, retention, {}, step, reach)
         if not rules.delete:  # the rules alone keep them all: no protection to read (as apply_retention)
             return set(rules.keep)
-        return set(plan_retention(steps, retention, protected_steps(self.run, steps), newest=step).keep)
+        return set(plan_retention(steps, retention, protected_steps(self.run, steps), step, reach).keep)
 
 
-def read_run_retention(run: RunDir) -> RetentionConfig:
-    """The run's retention settings (the defaults for a bare directory without run.yaml)."""
+def read_run_rules(run: RunDir) -> tuple[RetentionConfig, GuardConfig]:
+    """The run's retention and guard settings (the defaults for a bare directory without run.yaml)."""
     if not run.exists(RUN_YAML):
-        return RetentionConfig()
-    return read_run(run).config.retention
+        return RetentionConfig(), GuardConfig()
+    config = read_run(run).config
+    return config.retention, config.train.guard
 
 
 def _strip(entry: dict[str, Any]) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def plan_retention(
     reach: int | None = None,
 ) -> RetentionPlan:
     """Pure: which of `steps` stay and which go, given the newest valid checkpoint `newest`; `reach`
-    (rollback_reach): the guard's rollback point is kept too."""
+    (rollback_reach): the guard's rollback point, and every newer checkpoint, are kept too."""
     keep: dict[int, list[str]] = defaultdict(list)
     older = [s for s in steps if s <= newest]
     if cfg.keep_last is None:
