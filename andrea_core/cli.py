@@ -650,7 +650,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] == ["train"]:
+    trainer_process = argv is None and sys.argv[1:2] == ["train"]
+    if trainer_process:
         # This process is a trainer: before anything else (and before torch), hold the trainer signals,
         # take a nonce (andrea_core.signals) and install the handlers that turn a signal into a flag.
         signals.become_trainer_process()
@@ -688,6 +689,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"andrea: error: {e}", file=sys.stderr)
         _train_error(args, str(e))
         return 2
+    finally:
+        if trainer_process:
+            signals.settle()  # its status is decided: a late stop must not turn it into death by signal
 
 
 def _train_error(args: argparse.Namespace, message: str) -> None:

@@ -100,6 +100,16 @@ def install() -> TrainerSignals:
     return _installed
 
 
+def settle() -> None:
+    """The trainer's end is decided (its last checkpoint written, its lease released, its status
+    chosen): the trainer signals are ignored from now on. A stop that comes now has nothing left to
+    stop, and Python's finalization would put the default action back under the handlers: a SIGTERM
+    in those last tenths of a second (a unit stopped as the run completes, a flow run cancelled as it
+    ends) killed a trainer that had exited cleanly, status -15 in place of 0."""
+    for signum in TRAINER_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def uninstall() -> None:
     """Restore the default handlers (for in-process use such as tests and benchmarks)."""
     global _installed

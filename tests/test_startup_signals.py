@@ -3,6 +3,7 @@ saying so; and the commands that never train never import torch."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, andrea, start_trainer
+from conftest import REPO, _env, andrea, start_trainer, wait_for
 
 from andrea_core.run.rundir import RunDir
 from tests.tiny import tiny_config
@@ -141,3 +142,32 @@ def test_a_two_rank_cpu_job_becomes_the_torchrun_agent_without_importing_torch(t
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "TORCH False andrea_core.train.distributed", proc.stdout
+
+
+def test_a_stop_while_a_completed_trainer_exits_leaves_its_exit_status_0(tmp_path):
+    """The end of a trainer's life, the other window (the chaos soak, 2026-12-07: a request's stop, then
+    the soak's SIGTERM as the trainer exited, status -15): once it has said "completed", the trainer
+    signals reach a process whose work is done, and Python's finalization put their default action
+    back (here 1.5-2.7 s of exit at load 10): each killed it, a unit failed, a flow run crashed. Sent
+    every 2 ms from that line to the process's end, in turn, none changes its status: 0."""
+    run = tmp_path / "run"
+    log = tmp_path / "train.log"
+    config = tiny_config(tmp_path, train__checkpoint_every=2, train__sample_every=10**6)
+    proc = start_trainer("--config", config, "--run-dir", str(run), "--max-steps", "2", log=log, cold=True)
+    try:
+        wait_for(lambda: "completed step 2" in log.read_text() or proc.poll() is not None, what="step 2")
+        sent = 0
+        for signum in itertools.cycle((signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)):
+            if proc.poll() is not None:
+                break
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                break
+            sent += 1
+            time.sleep(0.002)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait(60) == 0 and sent > 0, (proc.returncode, sent, log.read_text()[-2000:])
+    assert RunDir(str(run)).checkpoint_steps() == [2]
