@@ -37,7 +37,7 @@ from andrea_core.data.mixer import Mixer
 from andrea_core.data.policy import Policy
 from andrea_core.run.lineage import phases
 from andrea_core.run.record import read_run
-from andrea_core.run.retention import plan_retention, protected_steps, rollback_reach
+from andrea_core.run.retention import plan_retention, protected_steps, run_reach
 from andrea_core.run.rundir import ARCHIVE, RUN_YAML, STATE, RunDir
 
 FORMAT = 1
@@ -67,7 +67,7 @@ class BanditStore:
         self.every = checkpoint_every
         # The retention the trainer applies after each checkpoint, the guard's rollback point included
         # (its frozen run.yaml's, read once at its start); None reads the run's own at each save (a
-        # bare directory: the defaults).
+        # bare directory: retention's defaults, no guard).
         self.retention, self.guard = retention, guard
         self.unavailable = unavailable or {}  # arm -> why its source is unavailable here
         self.warn = warn
@@ -222,23 +222,19 @@ class BanditStore:
     def kept_checkpoints(self, step: int, on_disk: set[int]) -> set[int]:
         """The checkpoints on disk (`on_disk`: listed by the caller) that retention keeps once
         checkpoint `step` is written: the states to keep with them."""
-        if self.retention is not None and self.guard is not None:
-            retention, guard = self.retention, self.guard
-        else:
-            retention, guard = read_run_rules(self.run)
-        steps, reach = sorted({*on_disk, step}), rollback_reach(guard)
+        retention = self.retention or read_run_retention(self.run)
+        steps, reach = sorted({*on_disk, step}), run_reach(self.run, self.guard)  # as apply_retention
         rules = plan_retention(steps, retention, {}, step, reach)
         if not rules.delete:  # the rules alone keep them all: no protection to read (as apply_retention)
             return set(rules.keep)
         return set(plan_retention(steps, retention, protected_steps(self.run, steps), step, reach).keep)
 
 
-def read_run_rules(run: RunDir) -> tuple[RetentionConfig, GuardConfig]:
-    """The run's retention and guard settings (the defaults for a bare directory without run.yaml)."""
+def read_run_retention(run: RunDir) -> RetentionConfig:
+    """The run's retention settings (the defaults for a bare directory without run.yaml)."""
     if not run.exists(RUN_YAML):
-        return RetentionConfig(), GuardConfig()
-    config = read_run(run).config
-    return config.retention, config.train.guard
+        return RetentionConfig()
+    return read_run(run).config.retention
 
 
 def _strip(entry: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,17 @@ def rollback_reach(guard: GuardConfig) -> int | None:
     return guard.rollback_margin + max(guard.consecutive, guard.rise_steps) - 1
 
 
+def run_reach(run: RunDir, guard: GuardConfig | None = None) -> int | None:
+    """rollback_reach of `guard`, or where none is given of the run's run.yaml (None without one: no
+    guard to keep a rollback point for)."""
+    if guard is not None:
+        return rollback_reach(guard)
+    try:
+        return rollback_reach(read_run(run).config.train.guard)
+    except FileNotFoundError:
+        return None
+
+
 def plan_retention(
     steps: list[int],
     cfg: RetentionConfig,
@@ -123,13 +134,7 @@ def apply_retention(
     newest valid one (the `andrea gc` case). `guard`: the run's guard settings where the caller holds
     them (the trainer: its frozen run.yaml, read once at its start); None reads them from run.yaml."""
     steps = run.checkpoint_steps()
-    if guard is not None:
-        reach = rollback_reach(guard)
-    else:
-        try:
-            reach = rollback_reach(read_run(run).config.train.guard)
-        except FileNotFoundError:  # no run.yaml: no guard to keep a rollback point for
-            reach = None
+    reach = run_reach(run, guard)
     if newest is None:
         ckpt = run.newest_valid_checkpoint(n_params, warn=log)
         if ckpt is None:
