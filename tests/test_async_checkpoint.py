@@ -278,6 +278,39 @@ def test_sigusr1_and_sigterm_wait_for_the_write_in_flight(tmp_path, reference, s
     assert not [p for p in run.iterdir() if ".tmp." in p.name]
 
 
+def test_a_sigterm_during_a_grid_steps_checkpoint_exits_with_that_checkpoint(tmp_path, reference, sigio):
+    """A stop that lands after a grid step was taken, while its checkpoint waits for the write in flight:
+    that step is the one in flight. The trainer trains nothing more, says so, and exits 0 with that
+    checkpoint, whose write began before the signal and ends after it (docs/design.md "Signals"; a
+    cancelled flow run met it, tests/test_prefect_flows.py)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    log = tmp_path / "train.log"
+    args = ["--config", tiny_config(tmp_path), "--run-dir", str(run), "--max-steps", "70"]
+    proc = start_trainer(*args, log=log)
+    held = HeldOpen(run / temp_name(20, proc.pid))
+    try:
+        # Step 40's loss is logged once its end was reached with no stop asked for; its checkpoint then
+        # waits for step 20's write, held open here: the SIGTERM lands inside step 40's save.
+        wait_for(lambda: last_logged_step(run) >= 40, timeout=SLOW, what="step 40's loss")
+        assert len(sigio) == 1 and not (run / checkpoint_name(20)).exists()
+        proc.send_signal(signal.SIGTERM)
+        held.release()
+        assert proc.wait(timeout=SLOW) == 0
+    finally:
+        held.release()
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "SIGTERM during step 40's checkpoint: exiting with it" in text
+    assert "checkpointing step" not in text
+    assert "SIGTERM: stopped at step 40, checkpoint step_000040.bin" in text
+    assert [e.step for e in read_history(RunDir(run))] == list(range(1, 41))
+    assert RunDir(run).checkpoint_steps() == [20, 40]
+    assert (run / checkpoint_name(20)).read_bytes() == reference[20]
+    assert (run / checkpoint_name(40)).read_bytes() == reference[40]
+
+
 def test_failed_write_is_logged_and_retried_at_the_next_boundary(tmp_path, reference):
     run = tmp_path / "run"
     run.mkdir()

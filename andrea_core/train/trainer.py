@@ -726,7 +726,9 @@ class Trainer:
             flags = distributed.share_flags(self.world, received)  # every rank, this step
             on_grid = step % t.checkpoint_every == 0
             audit = step % t.audit_every == 0 or flags.checkpoint or step == self.max_steps
-            if on_grid or step == self.max_steps or flags.stop or flags.checkpoint:
+            stop_seen = flags.stop  # one landing later is acted on once this step's work is done
+            checkpointed = on_grid or step == self.max_steps or flags.stop or flags.checkpoint
+            if checkpointed:
                 if flags.checkpoint and not on_grid:
                     self.log(f"SIGUSR1: checkpoint of step {step} requested")
                 if flags.stop:
@@ -741,6 +743,10 @@ class Trainer:
                     self._read(current)
                     last_saved = self.save(step)
             if flags.stop:
+                if not stop_seen and checkpointed:
+                    # It landed while this step's checkpoint was written or audited: that step was the
+                    # one in flight, and its checkpoint, begun before the signal, is the one it asks for.
+                    self.log(f"{flags.stop} during step {step}'s checkpoint: exiting with it")
                 return self._finish(step, flags.stop, last_saved)
             if step < self.max_steps:
                 # Only now: batch step+1 is drawn from the mixer that has heard of step-1 and that any
