@@ -12,9 +12,9 @@ PYTHON=${PYTHON:-python3}
 mlflow_stamp=.venv-mlflow/.andrea-installed
 install_mlflow() {
   [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow || return 1
-  .venv-mlflow/bin/python -m pip install --quiet --disable-pip-version-check -r tests/mlflow-server.txt 2>&1 \
+  .venv-mlflow/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r tests/mlflow-server.txt 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
-  .venv-mlflow/bin/python -c "import mlflow.server" || return 1
+  env -u PYTHONDONTWRITEBYTECODE .venv-mlflow/bin/python -c "import mlflow.server" || return 1  # compiled once (setup.sh)
   cp tests/mlflow-server.txt "$mlflow_stamp"
 }
 mlflow_pid=
@@ -36,6 +36,10 @@ fi
 [ "$mlflow_rc" = 0 ] || echo "test: the MLflow server failed to install or import (.venv-mlflow, tests/mlflow-server.txt)" >&2
 [ "$setup_rc" = 0 ] && [ "$mlflow_rc" = 0 ] || exit 1
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+# Every process the suite starts imports andrea_core, the tests' helpers and torch: their bytecode is
+# cached in __pycache__ (ignored by git) whatever the caller's environment says, not compiled anew by
+# each of the suite's few hundred cold starts.
+unset PYTHONDONTWRITEBYTECODE
 mkdir -p "$PREFECT_HOME"
 # Programs some tests need, from Debian's packages where missing, once: the Prefect UI test drives a
 # headless Chromium, the systemd unit test runs systemd-analyze, the pid-namespace lock test unshare(1),

@@ -57,6 +57,19 @@ IMPORT_TIME_PREFIXES = (
 )  # fmt: skip
 # Modules that iterate os.environ at import, and how a child redoes what they read (None: cold).
 ITERATING_IMPORTS = {"fsspec/config.py": "fsspec", "tqdm/utils.py": None}
+# CPU seconds of warm children whose exit this process has read but whose server it has not yet reaped:
+# a server's children are its own children, not ours, so RUSAGE_CHILDREN counts them only once we wait
+# for the server. cpu_seconds() adds these, so that a test's figure counts the children it started.
+_unreaped_children_cpu = 0.0
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, of every descendant it waited for, and of the warm children whose exit
+    it has read (tests/conftest.py's per-module figures)."""
+    import resource
+
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + _unreaped_children_cpu
 
 
 def _proc_regions() -> tuple[int, int, int, int]:
@@ -232,15 +245,16 @@ class Server:
     def _reap(self) -> None:
         while self.children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
             conn = self.children.pop(pid, None)
             if conn is not None:
+                cpu = usage.ru_utime + usage.ru_stime  # the child's and its reaped descendants'
                 with contextlib.suppress(OSError):
-                    conn.send(json.dumps({"status": status}).encode())
+                    conn.send(json.dumps({"status": status, "cpu_s": cpu}).encode())
                 conn.close()
 
     def _request(self, conn: socket.socket) -> None:
@@ -413,6 +427,7 @@ class WarmPopen(subprocess.Popen):
     def __init__(self, launcher: WarmLauncher, args, nice: int = 0, **kwargs) -> None:
         """`nice`: the child's niceness above this process's, as `nice -n NICE ARGS` would start it."""
         self._launcher, self._conn, self.warm, self._nice = launcher, None, False, int(nice)
+        self._server: _Server | None = None
         super().__init__(args, **kwargs)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -454,11 +469,12 @@ class WarmPopen(subprocess.Popen):
             raise RuntimeError(f"warm launcher refused to fork: {reply['refused']}")
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
-    def _adopt(self, pid: int, conn: socket.socket) -> None:
+    def _adopt(self, pid: int, conn: socket.socket, server: _Server) -> None:
         """The forked child's pid and the connection its exit status comes back on: set by the
         launcher, under its lock, before the server lists this Popen among its children (another
         thread's start may poll them)."""
         self.pid, self._conn, self.warm, self._child_created = pid, conn, True, True
+        self._server = server
 
     def _try_wait(self, wait_flags):
         if self._conn is None:
@@ -472,7 +488,10 @@ class WarmPopen(subprocess.Popen):
         self._conn = None
         if not data:  # the server is gone: the child's status cannot be known
             raise ChildProcessError(f"warm launcher lost child {self.pid}")
-        return self.pid, json.loads(data)["status"]
+        reply = json.loads(data)
+        if self._server is not None:
+            self._server.children_cpu(reply.get("cpu_s", 0.0))
+        return self.pid, reply["status"]
 
     def _internal_poll(self, _deadstate=None, **_):
         if not self.warm:
@@ -501,6 +520,7 @@ class _Server:
         self.folder = tempfile.mkdtemp(prefix="warm-launcher-")
         self.sock_path = os.path.join(self.folder, "sock")
         self.children: weakref.WeakSet[WarmPopen] = weakref.WeakSet()  # forked by it, perhaps running
+        self._children_cpu = 0.0  # of its children whose exit was read (cpu_seconds)
         server_env = {**env, ROOM_VAR: "x" * ENV_ROOM, BLAS_VAR: env.get("OPENBLAS_NUM_THREADS", "")}
         server_env[LOAD_VAR] = ",".join(load_vars)
         server_env["OPENBLAS_NUM_THREADS"] = "1"  # no BLAS pool in the server; a child gets its own
@@ -541,10 +561,19 @@ class _Server:
         """Whether a child it forked may still run (its exit status comes through this server)."""
         return any(child.poll() is None for child in list(self.children))
 
+    def children_cpu(self, seconds: float) -> None:
+        """A child's CPU seconds, read with its exit: counted by cpu_seconds until this server is reaped."""
+        global _unreaped_children_cpu
+        self._children_cpu += seconds
+        _unreaped_children_cpu += seconds
+
     def stop(self) -> None:
+        global _unreaped_children_cpu
         if self.proc.poll() is None:
             self.proc.terminate()
-        self.proc.wait()
+        if self.proc.wait() is not None and self._children_cpu:  # now in our RUSAGE_CHILDREN
+            _unreaped_children_cpu -= self._children_cpu
+            self._children_cpu = 0.0
         if self._lifeline >= 0:  # once: a number closed twice may be another thread's new pipe by then
             os.close(self._lifeline)
             self._lifeline = -1
@@ -602,7 +631,7 @@ class WarmLauncher:
             self.servers.remove(server)
             self.servers.insert(0, server)
             if conn is not None:
-                popen._adopt(reply["pid"], conn)
+                popen._adopt(reply["pid"], conn, server)
                 server.children.add(popen)
                 self.warm += 1
             return reply
