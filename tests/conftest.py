@@ -388,6 +388,7 @@ _last_times = read_module_times()
 SLOWEST_FIRST = sorted(_last_times, key=_last_times.__getitem__, reverse=True)
 _module_seconds: dict[str, float] = {}
 _module_cpu: dict[str, float] = {}
+_test_cpu: dict[str, float] = {}  # by node id: test-output/test-cpu.txt
 CPU_PROPERTY = "cpu_s"  # a phase's CPU seconds, carried to the controller in the report's user_properties
 
 
@@ -424,6 +425,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _module_seconds[stem] = _module_seconds.get(stem, 0.0) + report.duration
     cpu = dict(report.user_properties).get(f"{CPU_PROPERTY}:{report.when}", 0.0)
     _module_cpu[stem] = _module_cpu.get(stem, 0.0) + cpu
+    _test_cpu[report.nodeid] = _test_cpu.get(report.nodeid, 0.0) + cpu
 
 
 def _report_module_times(terminalreporter) -> None:
@@ -440,6 +442,12 @@ def _report_module_times(terminalreporter) -> None:
         terminalreporter.write_line(f"{seconds:8.1f}  {_module_cpu.get(stem, 0.0):8.1f}  {stem}")
     walls, cpus = sum(_module_seconds.values()), sum(_module_cpu.values())
     terminalreporter.write_line(f"{walls:8.1f}  {cpus:8.1f}  in all (the workers together)")
+    # Each test's CPU seconds (a module fixture's set-up counts for the test that first needed it).
+    by_test = sorted(_test_cpu.items(), key=lambda kv: -kv[1])
+    out = REPO / "test-output" / "test-cpu.txt"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("".join(f"{cpu:8.1f}  {nodeid}\n" for nodeid, cpu in by_test))
+    terminalreporter.write_line(f"each test's CPU seconds, most first: {out.relative_to(REPO)}")
     target = os.environ.get("ANDREA_MODULE_TIMES")
     if target:
         merged = read_module_times(Path(target)) | {k: round(v, 1) for k, v in _module_seconds.items()}
