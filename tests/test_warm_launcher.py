@@ -66,6 +66,10 @@ elif action == "proc":
                       "nice": os.getpriority(os.PRIO_PROCESS, 0)}))
 elif action == "time":
     print(time.time())
+elif action == "burn":  # this much CPU time, then the CPU time it took
+    while time.process_time() < float(sys.argv[2]):
+        pass
+    print(time.process_time())
 elif action == "state":
     def proc(name):
         return [x.decode() for x in open(f"/proc/self/{name}", "rb").read().split(b"\0")]
@@ -255,6 +259,26 @@ def test_a_warm_child_spawns_its_own_children_and_joins_its_threads(probe):
     assert warm.returncode == 0 and pid == grandchild_parent and grandchild_code == "7"
     warm, cold = both(launcher, env, root, "thread", text=True)
     assert warm.stdout == cold.stdout == "main done\nthread done\n"  # non-daemon threads joined at exit
+
+
+def test_a_warm_childs_cpu_time_counts_once_its_exit_is_read_and_once_only(probe):
+    """The suite's CPU figures (conftest): a warm child is its server's child, not this process's, so
+    its CPU time comes with its exit status and counts from then; once its server is reaped (and the
+    child's time is in this process's RUSAGE_CHILDREN through it), it is no longer added."""
+    import warm_launcher
+
+    _, env, root = probe
+    launcher = WarmLauncher(["wprobe"], env, str(root))
+    unreaped = warm_launcher._unreaped_children_cpu
+    try:
+        before = warm_launcher.cpu_seconds()
+        argv = [sys.executable, "-m", "wprobe", "burn", "0.5"]
+        burnt = float(launcher.run(argv, env=env, cwd=root, capture_output=True, text=True).stdout)
+        assert burnt >= 0.5 and warm_launcher._unreaped_children_cpu - unreaped >= burnt
+        assert warm_launcher.cpu_seconds() - before >= burnt
+    finally:
+        launcher.stop()
+    assert warm_launcher._unreaped_children_cpu == pytest.approx(unreaped, abs=1e-9)
 
 
 def test_a_server_with_threads_refuses_to_fork(probe):

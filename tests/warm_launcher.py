@@ -571,9 +571,9 @@ class _Server:
         global _unreaped_children_cpu
         if self.proc.poll() is None:
             self.proc.terminate()
-        if self.proc.wait() is not None and self._children_cpu:  # now in our RUSAGE_CHILDREN
-            _unreaped_children_cpu -= self._children_cpu
-            self._children_cpu = 0.0
+        self.proc.wait()
+        _unreaped_children_cpu -= self._children_cpu  # now in our RUSAGE_CHILDREN, through the server's
+        self._children_cpu = 0.0
         if self._lifeline >= 0:  # once: a number closed twice may be another thread's new pipe by then
             os.close(self._lifeline)
             self._lifeline = -1
