@@ -67,8 +67,9 @@ fi
 # server starting, a lease's ttl, a trainer's first step), which a third worker fills. Modules go out in
 # collection order, slowest first (tests/module_times.txt), not by their count of tests.
 # ANDREA_TEST_WORKERS=N for another number; 0 runs them in this process, one after another.
-# At the end each module's seconds are printed, slowest first, and merged into tests/module_times.txt,
-# from which the next run's order is taken.
+# At the end each module's wall and CPU seconds are printed, slowest first, the wall seconds merged into
+# tests/module_times.txt, from which the next run's order is taken; each test's CPU seconds go to
+# test-output/test-cpu.txt (tests/conftest.py).
 workers="${ANDREA_TEST_WORKERS:-3}"
 export ANDREA_MODULE_TIMES="${ANDREA_MODULE_TIMES:-$PWD/tests/module_times.txt}"
 .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -442,7 +442,9 @@ def _report_module_times(terminalreporter) -> None:
         terminalreporter.write_line(f"{seconds:8.1f}  {_module_cpu.get(stem, 0.0):8.1f}  {stem}")
     walls, cpus = sum(_module_seconds.values()), sum(_module_cpu.values())
     terminalreporter.write_line(f"{walls:8.1f}  {cpus:8.1f}  in all (the workers together)")
-    # Each test's CPU seconds (a module fixture's set-up counts for the test that first needed it).
+    # Each test's CPU seconds: a module fixture's set-up counts for the test that first needed it, and
+    # the session's servers (a Prefect server's, moto's, the warm launcher's whole lives) for the last
+    # test of each worker, in whose teardown they are stopped and reaped.
     by_test = sorted(_test_cpu.items(), key=lambda kv: -kv[1])
     out = REPO / "test-output" / "test-cpu.txt"
     out.parent.mkdir(exist_ok=True)
