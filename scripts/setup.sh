@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+source scripts/pins.sh
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
@@ -11,14 +12,13 @@ fi
 stamp=.venv/.andrea-installed
 if [ ! -f "$stamp" ] || ! cat requirements.txt constraints.txt | cmp -s - "$stamp"; then
   echo "setup: installing pinned dependencies (requirements.txt, their own dependencies: constraints.txt)"
-  # --no-compile: pip would compile every file of every package (about 35 s of a fresh setup's 83, on
-  # one core), most of which no process ever imports. The import check below compiles what every
-  # andrea process imports, once, into .venv (whatever PYTHONDONTWRITEBYTECODE says); anything else is
-  # compiled by its first import.
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt -c constraints.txt 2>&1 \
-    | grep -v "is ignored: it is neither a file nor a directory" || true
+  # From the wheelhouse of these pins, filled the first time, and no bytecode compiled (scripts/pins.sh):
+  # pip would compile every file of every package (about 35 s of a fresh setup's 83, on one core), most
+  # of which no process imports. The import check below compiles what every andrea process imports,
+  # once, into .venv (whatever PYTHONDONTWRITEBYTECODE says); anything else its first import compiles.
+  pinned_install .venv/bin/python -r requirements.txt -c constraints.txt || true
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps -e . 2>&1 \
-    | grep -v "is ignored: it is neither a file nor a directory" || true
+    | _pip_quiet
   env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import torch, prefect, fsspec, yaml, numpy, s3fs
 import andrea_core.cli, andrea_core.train.trainer, flows.train, flows.pivot, flows.audit_fork" \
     || { echo "setup: dependencies failed to import" >&2; exit 1; }

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+source scripts/pins.sh
 # The MLflow tracking server tests/test_mlflow.py starts: a venv of its own (mlflow 3.17 wants
 # pyarrow<26; the product itself speaks MLflow's REST API through httpx and needs no mlflow).
 # ANDREA_SKIP_MLFLOW_SERVER=1 leaves it out (tests/test_mlflow.py then fails, naming it).
@@ -12,8 +13,7 @@ PYTHON=${PYTHON:-python3}
 mlflow_stamp=.venv-mlflow/.andrea-installed
 install_mlflow() {
   [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow || return 1
-  .venv-mlflow/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -r tests/mlflow-server.txt 2>&1 \
-    | grep -v "is ignored: it is neither a file nor a directory" || true
+  pinned_install .venv-mlflow/bin/python -r tests/mlflow-server.txt || true  # scripts/pins.sh
   env -u PYTHONDONTWRITEBYTECODE .venv-mlflow/bin/python -c "import mlflow.server" || return 1  # compiled once (setup.sh)
   cp tests/mlflow-server.txt "$mlflow_stamp"
 }
