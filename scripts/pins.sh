@@ -3,18 +3,18 @@
 # pinned_install PYTHON PIP-ARGS...: `PYTHON -m pip install PIP-ARGS` (no bytecode compiled: see
 # setup.sh), from a wheelhouse kept between clones on this machine. Most of a fresh install was pip
 # reading package indexes (about 25 s of CPU for ~180 pinned packages, before any file is unpacked);
-# the wheelhouse is filled once per set of pins (the same look-ups) and every later
-# install of that set reads only it (--no-index). ANDREA_WHEELHOUSE=DIR puts the wheelhouses there
-# (default ~/.cache/andrea/wheels, one folder per set of pins, named by their hash); ANDREA_WHEELHOUSE=
-# (empty) keeps none. Should the wheelhouse fail (a wheel removed by hand), pip installs from the
-# indexes as before.
+# the wheelhouse is filled once per set of pins (the same look-ups) and every later install of that set
+# reads only it (--no-index). ANDREA_WHEELHOUSE=DIR puts the wheelhouses there (default
+# ~/.cache/andrea-wheels, apart from the data caches; a folder per set of pins, named by their hash);
+# ANDREA_WHEELHOUSE= (empty) keeps none. Should the wheelhouse fail (a wheel removed by hand), pip
+# installs from the indexes as before.
 pinned_install() {
   local -
   set -o pipefail
   local python=$1
   shift
   local pip=("$python" -m pip install --quiet --disable-pip-version-check --no-compile)
-  local root=${ANDREA_WHEELHOUSE-${XDG_CACHE_HOME:-$HOME/.cache}/andrea/wheels}
+  local root=${ANDREA_WHEELHOUSE-${XDG_CACHE_HOME:-$HOME/.cache}/andrea-wheels}
   if [ -n "$root" ]; then
     # The set of pins: the files named by -r/-c, and the interpreter the wheels are built for.
     local key arg
