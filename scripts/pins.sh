@@ -38,6 +38,17 @@ pinned_install() {
       fi
     fi
     if [ -f "$house/.complete" ]; then
+      touch "$house/.complete" # in use: kept by the pruning below
+      # Wheelhouses of pins no setup has used for 30 days go, and fills killed halfway a day ago.
+      local other
+      for other in "$root"/*/ "$root"/.partial-*/; do
+        other=${other%/}
+        if [ ! -d "$other" ] || [ "$other" = "$house" ]; then continue; fi
+        case $other in
+          */.partial-*) if [ -n "$(find "$other" -maxdepth 0 -mmin +1440)" ]; then rm -rf "$other"; fi ;;
+          *) if [ -n "$(find "$other/.complete" -mtime +30 2>/dev/null)" ]; then rm -rf "$other"; fi ;;
+        esac
+      done
       if "${pip[@]}" --no-index --find-links "$house" "$@" 2>&1 | _pip_quiet; then
         return 0
       fi
