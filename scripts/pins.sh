@@ -6,8 +6,8 @@
 # the wheelhouse is filled once per set of pins (the same look-ups) and every later install of that set
 # reads only it (--no-index). ANDREA_WHEELHOUSE=DIR puts the wheelhouses there (default
 # ~/.cache/andrea-wheels, apart from the data caches; a folder per set of pins, named by their hash);
-# ANDREA_WHEELHOUSE= (empty) keeps none. Should the wheelhouse fail (a wheel removed by hand), pip
-# installs from the indexes as before.
+# ANDREA_WHEELHOUSE= (empty) keeps none. Should the wheelhouse fail (a wheel torn or removed by hand),
+# it is removed and pip installs from the indexes as before.
 pinned_install() {
   local -
   set -o pipefail
@@ -52,7 +52,9 @@ pinned_install() {
       if "${pip[@]}" --no-index --find-links "$house" "$@" 2>&1 | _pip_quiet; then
         return 0
       fi
-      echo "setup: the wheelhouse $house did not install; from the package indexes instead" >&2
+      # A wheel torn or removed by hand: the next setup fills it anew.
+      echo "setup: the wheelhouse $house did not install (removed); from the package indexes instead" >&2
+      rm -rf "$house"
     fi
   fi
   "${pip[@]}" "$@" 2>&1 | _pip_quiet
