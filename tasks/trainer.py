@@ -90,6 +90,13 @@ def run_trainer(
         APILogWorker.drain_all(timeout=5)
         raise
     outcome = trainer.outcome()
+    if outcome.reason in ("SIGTERM", "SIGINT") and _cancellation_requested():
+        # The cancellation's SIGTERM reached the trainer but not this loop: Prefect's handler raises
+        # TerminationSignal, and Python drops an exception raised while a finalizer (__del__) runs
+        # ("Exception ignored in ...": a loaded machine, 2026-12-07). The flow run is cancelling, so
+        # this stop is its cancellation, as if the exception had come.
+        _finish(trainer, progress, outcome, "cancelled")
+        return _cancelled(outcome, "its flow run cancelling")
     result = outcome.to_dict()
     if outcome.reason in ("SIGTERM", "SIGINT"):
         result["summary"] += (
