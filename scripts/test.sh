@@ -14,7 +14,8 @@ mlflow_stamp=.venv-mlflow/.andrea-installed
 install_mlflow() {
   [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow || return 1
   pinned_install .venv-mlflow/bin/python -r tests/mlflow-server.txt || true  # scripts/pins.sh
-  env -u PYTHONDONTWRITEBYTECODE .venv-mlflow/bin/python -c "import mlflow.server" || return 1  # compiled once (setup.sh)
+  # Its imports compiled into the venv once, as setup.sh does for .venv (pins.sh installs no bytecode).
+  env -u PYTHONDONTWRITEBYTECODE .venv-mlflow/bin/python -c "import mlflow.server" || return 1
   cp tests/mlflow-server.txt "$mlflow_stamp"
 }
 mlflow_pid=
