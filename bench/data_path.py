@@ -53,56 +53,67 @@ def main_120m(args: argparse.Namespace) -> None:
     from andrea_core.data.tokens import ByteTokenizer
     from bench.data_prepare import generate
 
-    work = Path(tempfile.mkdtemp(prefix="andrea-bench-120m-"))
-    os.environ["ANDREA_CACHE_DIR"] = str(work / "cache")
-    os.environ["ANDREA_SHARD_TOKENS"] = str(args.shard_mb << 20)
-    generate(work / "corpus", args.corpus_mb)
-    cfg = load_run_config("andrea-120m").with_overrides({"data.tokenizer": "bytes", "model.vocab_size": 256})
-    quiet = lambda line: None  # noqa: E731
-    one = f"name: one\narms:\n  - {{name: posts, kind: jsonl, paths: [{work / 'corpus'}]}}\n"
-    t0 = time.perf_counter()
-    posts = DataPipeline(cfg, parse_policy(load_yaml(one, "p"), "p"), quiet, ByteTokenizer()).arms["posts"]
-    built = time.perf_counter() - t0
-    # An llm.c arm of the same tokens, in 4 shards plus a val shard, as another tool would have written.
-    (work / "llmc").mkdir()
-    train = np.concatenate(posts.train.parts)
-    for i, part in enumerate(np.array_split(train, 4)):
+    with tempfile.TemporaryDirectory(prefix="andrea-bench-120m-") as tmp:  # ~10 MB a run: never left
+        work = Path(tmp)
+        os.environ["ANDREA_CACHE_DIR"] = str(work / "cache")
+        os.environ["ANDREA_SHARD_TOKENS"] = str(args.shard_mb << 20)
+        generate(work / "corpus", args.corpus_mb)
+        cfg = load_run_config("andrea-120m").with_overrides(
+            {"data.tokenizer": "bytes", "model.vocab_size": 256}
+        )
+        quiet = lambda line: None  # noqa: E731
+        one = f"name: one\narms:\n  - {{name: posts, kind: jsonl, paths: [{work / 'corpus'}]}}\n"
+        t0 = time.perf_counter()
+        posts = DataPipeline(cfg, parse_policy(load_yaml(one, "p"), "p"), quiet, ByteTokenizer()).arms[
+            "posts"
+        ]
+        built = time.perf_counter() - t0
+        # An llm.c arm of the same tokens, in 4 shards plus a val shard, as another tool would have written.
+        (work / "llmc").mkdir()
+        train = np.concatenate(posts.train.parts)
+        for i, part in enumerate(np.array_split(train, 4)):
+            header = np.zeros(256, "<i4")
+            header[:3] = (20240520, 1, len(part))
+            (work / "llmc" / f"c_train_{i:06d}.bin").write_bytes(
+                header.tobytes() + part.astype("<u2").tobytes()
+            )
+        val = np.concatenate(posts.val.parts)
         header = np.zeros(256, "<i4")
-        header[:3] = (20240520, 1, len(part))
-        (work / "llmc" / f"c_train_{i:06d}.bin").write_bytes(header.tobytes() + part.astype("<u2").tobytes())
-    val = np.concatenate(posts.val.parts)
-    header = np.zeros(256, "<i4")
-    header[:3] = (20240520, 1, len(val))
-    (work / "llmc" / "c_val_000000.bin").write_bytes(header.tobytes() + val.astype("<u2").tobytes())
-    del train, val
-    text = (
-        f"name: two\nmixer: exp3\narms:\n  - {{name: posts, kind: jsonl, paths: [{work / 'corpus'}]}}\n"
-        f"  - {{name: llmc, kind: tokens, tokenizer: bytes, paths: [{work / 'llmc'}]}}\n"
-    )
-    data = DataPipeline(cfg, parse_policy(load_yaml(text, "p"), "p"), quiet, ByteTokenizer())
-    for step in range(1, 51):  # warm the page cache the way a running trainer has it warm
-        data.observe(step, data.batch(step).arm, 3.0)
-    t0 = time.perf_counter()
-    for step in range(51, 51 + args.batches):
-        batch = data.batch(step)
-        data.observe(step, batch.arm, 3.0 + (step % 7) * 0.01)
-    data_s = (time.perf_counter() - t0) / args.batches
-    B, T = cfg.train.batch_size, cfg.model.block_size
-    shards = {a: len(arm.train.parts) for a, arm in data.arms.items()}
-    print(f"120M shape: batch {B}x{T}; corpus {args.corpus_mb} MB of JSON Lines, cache built in {built:.1f}s")
-    print(
-        "arms (train tokens, shards): "
-        + ", ".join(f"{a} {len(x.train):,} in {shards[a]}" for a, x in data.arms.items())
-    )
-    print(
-        f"data path: {1 / data_s:,.0f} batches/s ({data_s * 1e6:,.0f} us/batch, "
-        f"{B * T / data_s:,.0f} tokens/s)"
-    )
-    print(
-        f"against the 120M trainer on an H200 ({H200_120M_STEP_S * 1e3:.0f} ms/step): the data path delivers "
-        f"{H200_120M_STEP_S / data_s:,.1f}x the batches it consumes (target >= 20x)"
-    )
-    print(f"{cpu_model()}, load average {os.getloadavg()[0]:.2f}")
+        header[:3] = (20240520, 1, len(val))
+        (work / "llmc" / "c_val_000000.bin").write_bytes(header.tobytes() + val.astype("<u2").tobytes())
+        del train, val
+        text = (
+            f"name: two\nmixer: exp3\narms:\n  - {{name: posts, kind: jsonl, paths: [{work / 'corpus'}]}}\n"
+            f"  - {{name: llmc, kind: tokens, tokenizer: bytes, paths: [{work / 'llmc'}]}}\n"
+        )
+        data = DataPipeline(cfg, parse_policy(load_yaml(text, "p"), "p"), quiet, ByteTokenizer())
+        for step in range(1, 51):  # warm the page cache the way a running trainer has it warm
+            data.observe(step, data.batch(step).arm, 3.0)
+        t0 = time.perf_counter()
+        for step in range(51, 51 + args.batches):
+            batch = data.batch(step)
+            data.observe(step, batch.arm, 3.0 + (step % 7) * 0.01)
+        data_s = (time.perf_counter() - t0) / args.batches
+        B, T = cfg.train.batch_size, cfg.model.block_size
+        shards = {a: len(arm.train.parts) for a, arm in data.arms.items()}
+        print(
+            f"120M shape: batch {B}x{T}; corpus {args.corpus_mb} MB of JSON Lines, "
+            f"cache built in {built:.1f}s"
+        )
+        print(
+            "arms (train tokens, shards): "
+            + ", ".join(f"{a} {len(x.train):,} in {shards[a]}" for a, x in data.arms.items())
+        )
+        print(
+            f"data path: {1 / data_s:,.0f} batches/s ({data_s * 1e6:,.0f} us/batch, "
+            f"{B * T / data_s:,.0f} tokens/s)"
+        )
+        print(
+            f"against the 120M trainer on an H200 ({H200_120M_STEP_S * 1e3:.0f} ms/step): "
+            f"the data path delivers {H200_120M_STEP_S / data_s:,.1f}x the batches it consumes "
+            "(target >= 20x)"
+        )
+        print(f"{cpu_model()}, load average {os.getloadavg()[0]:.2f}")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ def main() -> None:
         print(f"  {'all':16s} {sum(per.values()):6.1f}")
     finally:
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the moto log and two run configs: nothing to keep
 
 
 if __name__ == "__main__":

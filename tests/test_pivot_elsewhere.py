@@ -80,18 +80,24 @@ def andrea_from(prefix: list[str], env: dict[str, str], *args: str) -> subproces
 
 
 def _answer(log: Path, line: str, grid_after: int) -> tuple[str, int] | None:
-    """How the trainer answered the checkpoint request it logged as `line`: ("in flight", N) once it
-    checkpointed step N off the grid for it (SIGUSR1's checkpoint of the step in flight), ("grid", N)
-    once a grid checkpoint N > `grid_after` came first (the step in flight may have been a grid one)."""
+    """How the trainer answered the checkpoint request it logged as `line`: the first checkpoint N >
+    `grid_after` written after that line, ("in flight", N) off the grid (only a request makes one:
+    its "SIGUSR1: checkpoint of step N requested" precedes it), ("grid", N) on it (the step in flight
+    was a grid one). The SIGUSR1 line may precede `line`: an earlier request whose flag landed just
+    after a grid step cleared it asks again at the next step, while this one is taken."""
     text = log.read_text()
     if line not in text:
         return None
     rest = text[text.index(line) :]
-    if (asked := re.search(r"SIGUSR1: checkpoint of step (\d+) requested", rest)) is not None:
-        written = f"checkpoint step_{int(asked[1]):06d}.bin (" in rest
-        return ("in flight", int(asked[1])) if written else None
-    grid = [int(n) for n in re.findall(r"checkpoint step_(\d+)\.bin \(", rest) if int(n) > grid_after]
-    return ("grid", grid[0]) if grid else None
+    written = [int(n) for n in re.findall(r"checkpoint step_(\d+)\.bin \(", rest) if int(n) > grid_after]
+    if not written:
+        return None
+    step = written[0]
+    if step % EVERY == 0:
+        return ("grid", step)
+    asked = text.index(f"SIGUSR1: checkpoint of step {step} requested")
+    assert asked < text.index(f"checkpoint step_{step:06d}.bin ("), text[asked - 2000 :]
+    return ("in flight", step)
 
 
 @pytest.mark.parametrize(
