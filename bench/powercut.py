@@ -19,13 +19,16 @@ when armed twice.)
     python bench/powercut.py BACKING MOUNTPOINT CONTROL_SOCKET    # serves until unmounted
 
 `Layer` starts one and talks to it (a JSON line each way on a unix socket): `cut()` returns what was
-dropped, `arm()` a fault, `hits()` the faults that fired. Mount options: use_ino (st_ino is ours),
+dropped, `arm()` a fault, `hits()` the faults that fired, `call("replaced", since=t)` the names a
+rename replaced since monotonic time t (a reader that found one absent met libfuse's path race, below
+in bench/README.md). Mount options: use_ino (st_ino is ours),
 hard_remove (an unlinked open file keeps working, no .fuse_hidden names), attr/entry/negative
 timeouts 0 (the kernel asks again after a cut); flock and fcntl locks are the kernel's own (no lock op).
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -95,6 +98,9 @@ class PowerCutFS:
         self.faults: list[dict] = []  # armed: {"op", "match", "count"}
         self.fired: list[dict] = []
         self.internal: list[str] = []  # the layer's own bugs (an op that raised): the soak reports them
+        # Renames that replaced a name (monotonic time, path), the newest 4096: a reader that found the
+        # name absent meanwhile met libfuse's path race, not a missing file (soak invariant (10)).
+        self.replaced: collections.deque = collections.deque(maxlen=4096)
         self.stats = {"fsync": 0, "fsyncdir": 0, "cuts": 0}
 
     # --- fusepy's entry point ------------------------------------------------------------------
@@ -420,6 +426,7 @@ class PowerCutFS:
             elif src.kind == stat.S_IFDIR:
                 raise _err(errno.ENOTDIR)
             self._drop_name(dd, dname)
+            self.replaced.append((time.monotonic(), new))
         self._dirty_dir(sd)
         del sd.entries[sname]
         src.nlink -= 1
@@ -573,6 +580,8 @@ class PowerCutFS:
                 return {"unfired": left}
             if op == "fired":
                 return {"fired": self.fired[req.get("since", 0) :], "n": len(self.fired)}
+            if op == "replaced":  # the names replaced by a rename at or after monotonic time `since`
+                return {"paths": sorted({p for t, p in self.replaced if t >= req["since"]})}
             if op == "rot":
                 return self.rot(req["path"], req["how"], req.get("at", 0.5))
             if op == "stats":

@@ -435,3 +435,54 @@ def test_a_read_error_on_the_policy_in_force_is_not_a_pivot_to_another_policy(la
     again = andrea(*argv).stdout
     assert "is already in force" in again and "nothing done" in again, again
     assert phases(run) == closed
+
+
+def test_a_status_that_met_the_layers_rename_race_is_told_apart_from_a_wrong_answer(layer):
+    """Invariant (10) through the layer: libfuse's path race can make a lock being replaced by its
+    renewal look absent to a reader (bench/README.md, the layer's limits), so `andrea status` may say
+    STOPPED of a live trainer there and nowhere else. The layer names each name a rename replaced
+    (not a rename to a new name); the soak excuses exactly that answer (STOPPED, no trainer running)
+    when the lock was replaced during the read, counts it apart, and judges every other answer."""
+    import time
+    import types
+    from collections import Counter
+
+    from soak import Soak
+
+    from andrea_core.run.rundir import LOCK
+
+    run = layer.mount / "run"
+    run.mkdir()
+    t0 = time.monotonic()
+    write(run / "new.tmp", b"1", sync=False)
+    os.rename(run / "new.tmp", run / "fresh.json")  # to a new name: nothing replaced
+    assert layer.call("replaced", since=t0)["paths"] == []
+    write(run / LOCK, b"{}", sync=False)
+    write(run / "lock.tmp", b"{}", sync=False)
+    os.rename(run / "lock.tmp", run / LOCK)  # a renewal: the lock's name replaced
+    assert layer.call("replaced", since=t0)["paths"] == [f"/run/{LOCK}"]
+    assert layer.call("replaced", since=time.monotonic())["paths"] == []  # only since the read began
+
+    def judged(text: str, since: float, with_layer: bool = True) -> tuple[Counter, list]:
+        soak = Soak.__new__(Soak)
+        soak.store = types.SimpleNamespace(layer=layer if with_layer else None)
+        soak.readers, soak.violations, soak.fault_i = Counter(), [], 7
+        proc = types.SimpleNamespace(text=lambda: text, tail=lambda: text)
+        soak._status_truth(proc, alive=True, since=since)
+        return soak.readers, soak.violations
+
+    stopped = "/runs/x: STOPPED: no trainer running, before its target (step 100); ..."
+    readers, violations = judged(stopped, t0)
+    assert violations == [] and readers == Counter(
+        {"alive -> STOPPED, the lock replaced under the read (the layer's race)": 1}
+    )
+    # No renewal under the read, no layer (an object store), or another answer: judged, a violation.
+    for text, since, with_layer in (
+        (stopped, time.monotonic(), True),
+        (stopped, t0, False),
+        ("/runs/x: CRASHED: trainer pid 9 (started ...) is dead but its lock remains", t0, True),
+        ("/runs/x: COMPLETED: no trainer running; trained to step 100", t0, True),
+    ):
+        readers, violations = judged(text, since, with_layer)
+        assert [v[:2] for v in violations] == [(7, "10")], (text, with_layer)
+        assert "the layer's race" not in str(readers)
