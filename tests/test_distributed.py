@@ -35,9 +35,9 @@ def _config(tmp_path: Path, steps: int, every: int, **overrides) -> str:
     return tiny_config(tmp_path, train__max_steps=steps, train__checkpoint_every=every, **overrides)
 
 
-def _train(config: str, run: Path, nproc: int = 1, *extra: str) -> None:
+def _train(config: str, run: Path, nproc: int = 1, *extra: str, env: dict[str, str] | None = None) -> None:
     args = ["train", "--config", config, "--run-dir", str(run), *CPU, *extra]
-    andrea(*args, *(["--nproc-per-node", str(nproc)] if nproc > 1 else []), timeout=300)
+    andrea(*args, *(["--nproc-per-node", str(nproc)] if nproc > 1 else []), timeout=300, env=env)
 
 
 def _losses(run: Path) -> dict[int, tuple[float, str]]:
@@ -166,7 +166,11 @@ def test_two_ranks_compute_what_one_process_does(tmp_path, accum, runs_60):
         config = _config(tmp_path, steps, every, train__grad_accum_steps=accum)
         one, two = tmp_path / "one", tmp_path / "two"
         _train(config, one)
-        _train(config, two, 2)
+        # The job's temporary folder of its own: the agent's log folder (torchrun's `torchelastic_*`,
+        # never removed by torch) is gone when the job ends; torch's compile cache may stay.
+        (tmp := tmp_path / "tmp").mkdir()
+        _train(config, two, 2, env=_env() | {"TMPDIR": str(tmp)})
+        assert {p.name for p in tmp.iterdir()} <= {"torchinductor_root"}, list(tmp.iterdir())
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     assert [a[s][1] for s in a] == [b[s][1] for s in a]  # one mixer decision per step, on every rank
@@ -275,6 +279,7 @@ def test_two_node_stand_in(tmp_path, runs_60):
     for node in range(2):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "andrea"]
+        argv += ["--log-dir", str(tmp_path / f"node{node}-logs")]  # plain torchrun's: not in /tmp for good
         argv += ["-m", "andrea_core", "train", "--config", config, "--run-dir", str(run), *CPU]
         log = open(tmp_path / f"node{node}.log", "wb")  # noqa: SIM115
         agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO))

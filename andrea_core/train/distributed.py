@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -175,9 +177,24 @@ def share_flags(world: World, received: TrainerSignals, consume: bool = True) ->
 
 
 def run_agent(argv: list[str]) -> int:
-    """torchrun's agent in this process, with one difference: a SIGTERM (or SIGINT) to the agent, which
+    """torchrun's agent in this process, with two differences: a SIGTERM (or SIGINT) to the agent, which
     it forwards to every rank, ends in exit 0 when every rank then exited 0 (each checkpointed the same
-    step), as a single trainer's SIGTERM does. Plain torchrun reports its own signal as a failure."""
+    step), as a single trainer's SIGTERM does (plain torchrun reports its own signal as a failure); and
+    the log folder torchrun makes for every job (a `torchelastic_*` in the temporary folder, never
+    removed, empty unless a rank left an error file) is one of ours, removed at the end when empty."""
+    if any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv):
+        return _run_agent(argv)
+    logs = tempfile.mkdtemp(prefix="andrea-torchrun-")
+    try:
+        return _run_agent([f"--log-dir={logs}", *argv])
+    finally:
+        if any(files for _, _, files in os.walk(logs)):
+            print(f"andrea: torchrun's files kept in {logs}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def _run_agent(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server import local_elastic_agent
     from torch.distributed.elastic.multiprocessing import SignalException
