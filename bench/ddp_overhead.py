@@ -110,6 +110,7 @@ def main() -> None:
         t1, tn = _median_step(folder / "one", a.skip), _median_step(folder / "many", a.skip)
         flags = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}"]
+            + [f"--log-dir={folder / 'torchrun-logs'}"]  # plain torchrun's, else left in /tmp for good
             + [__file__, "--flag-worker", "--flag-iterations", str(a.flag_iterations), "--device", a.device],
             check=True,
             capture_output=True,
