@@ -390,6 +390,7 @@ _module_seconds: dict[str, float] = {}
 _module_cpu: dict[str, float] = {}
 _test_cpu: dict[str, float] = {}  # by node id: test-output/test-cpu.txt
 CPU_PROPERTY = "cpu_s"  # a phase's CPU seconds, carried to the controller in the report's user_properties
+SESSION = "(the workers' session servers)"  # their stop at each worker's end: a row of its own
 
 
 def _timed_phase(item: pytest.Item, when: str):
@@ -414,18 +415,25 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item):
-    yield from _timed_phase(item, "teardown")
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    # The last test's teardown is also the session's: this worker's servers (a Prefect server's, moto's,
+    # the warm launcher's whole lives) are stopped and reaped in it, and counted apart (SESSION).
+    yield from _timed_phase(item, "teardown" if nextitem is not None else "session")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add each phase's duration and CPU time to its module's totals (under xdist the controller sees
     every report)."""
     stem = Path(report.nodeid.split("::", 1)[0]).stem
+    properties = dict(report.user_properties)
+    if report.when == "teardown" and f"{CPU_PROPERTY}:session" in properties:
+        stem = nodeid = SESSION  # a worker's last teardown: its session's servers, not its last test's
+        cpu = properties[f"{CPU_PROPERTY}:session"]
+    else:
+        nodeid, cpu = report.nodeid, properties.get(f"{CPU_PROPERTY}:{report.when}", 0.0)
     _module_seconds[stem] = _module_seconds.get(stem, 0.0) + report.duration
-    cpu = dict(report.user_properties).get(f"{CPU_PROPERTY}:{report.when}", 0.0)
     _module_cpu[stem] = _module_cpu.get(stem, 0.0) + cpu
-    _test_cpu[report.nodeid] = _test_cpu.get(report.nodeid, 0.0) + cpu
+    _test_cpu[nodeid] = _test_cpu.get(nodeid, 0.0) + cpu
 
 
 def _report_module_times(terminalreporter) -> None:
@@ -442,9 +450,9 @@ def _report_module_times(terminalreporter) -> None:
         terminalreporter.write_line(f"{seconds:8.1f}  {_module_cpu.get(stem, 0.0):8.1f}  {stem}")
     walls, cpus = sum(_module_seconds.values()), sum(_module_cpu.values())
     terminalreporter.write_line(f"{walls:8.1f}  {cpus:8.1f}  in all (the workers together)")
-    # Each test's CPU seconds: a module fixture's set-up counts for the test that first needed it, and
-    # the session's servers (a Prefect server's, moto's, the warm launcher's whole lives) for the last
-    # test of each worker, in whose teardown they are stopped and reaped.
+    # Each test's CPU seconds: a module fixture's set-up counts for the test that first needed it; the
+    # session's servers (a Prefect server's, moto's, the warm launcher's whole lives), stopped and reaped
+    # in the teardown of each worker's last test, count under SESSION.
     by_test = sorted(_test_cpu.items(), key=lambda kv: -kv[1])
     out = REPO / "test-output" / "test-cpu.txt"
     out.parent.mkdir(exist_ok=True)
@@ -452,7 +460,8 @@ def _report_module_times(terminalreporter) -> None:
     terminalreporter.write_line(f"each test's CPU seconds, most first: {out.relative_to(REPO)}")
     target = os.environ.get("ANDREA_MODULE_TIMES")
     if target:
-        merged = read_module_times(Path(target)) | {k: round(v, 1) for k, v in _module_seconds.items()}
+        ran = {k: round(v, 1) for k, v in _module_seconds.items() if k != SESSION}
+        merged = read_module_times(Path(target)) | ran
         lines = [f"{stem} {merged[stem]}" for stem in sorted(merged, key=lambda k: -merged[k])]
         header = "# seconds a test module, slowest first: written by scripts/test.sh (tests/conftest.py)\n"
         Path(target).write_text(header + "\n".join(lines) + "\n")
