@@ -46,6 +46,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -1806,18 +1807,26 @@ class Soak:
 
         # (10) status's speed on the stepped machine, once ten steps are logged since the step, against
         # the rate the soak saw this trainer's steps at over status's own window, the last minute up to
-        # its answer (the soak's clock, never stepped; the checkpoints and audits that window holds, not
-        # a burst: ten steps between two checkpoints ran 44.7 steps/s where the trainer's last minute,
-        # a checkpoint every 5 steps, held 6.2, once a warm status answered at once): within x3.
+        # the newest step it read (the soak's clock, never stepped; the checkpoints and audits that
+        # window holds, not a burst: ten steps between two checkpoints ran 44.7 steps/s where the
+        # trainer's last minute, a checkpoint every 5 steps, held 6.2, once a warm status answered at
+        # once): within x3. Up to its answer instead, the window held the steps logged while status ran:
+        # a trainer started 15 steps before, an audit's 3 s pause after them, read 13.85 steps/s against
+        # 4.44 (the S3 round of 2026-12-07, fault 544; status's 13.85 was the steps it measured).
         def since_step() -> list[float]:
             return [
                 t for t, line in list(holder.lines) if t > stepped + 0.5 and re.search(r"step \d+/", line)
             ]
 
-        def last_minute(answered: float) -> list[float]:
-            return [
-                t for t, line in list(holder.lines) if answered - 60 <= t and re.search(r"step \d+/", line)
+        def last_minute(newest: int) -> list[float]:
+            """The soak's stamps of the step lines of status's window: the minute up to the line of the
+            newest step status read (`newest`), not up to its answer: the steps logged while it ran
+            (an audit's pause among them) are not in what it measured."""
+            logged = [
+                (t, int(m[1])) for t, line in list(holder.lines) if (m := re.search(r"step (\d+)/", line))
             ]
+            end = next((t for t, step in logged if step == newest), None)
+            return [] if end is None else [t for t, step in logged if end - 60 <= t <= end and step <= newest]
 
         deadline = time.monotonic() + 120
         while len(since_step()) < 10 and holder.popen.poll() is None and time.monotonic() < deadline:
@@ -1827,10 +1836,15 @@ class Soak:
             d["status not asked (the trainer ended)"] += 1
             return
         rc, out = self.tool("status", ["status", self.store.run_url])
-        steps = last_minute(time.time())
+        newest = re.search(r"^\s*step\s+(\d+) of ", out, re.M)
+        steps = []
+        if newest:  # its line may reach the soak just after status read the step from .loss.json
+            deadline = time.monotonic() + 10
+            while len(steps := last_minute(int(newest[1]))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
         m = re.search(r"speed\s+[\d,]+ tokens/s, ([\d.]+) steps/s", out)
-        truth = (len(steps) - 1) / max(steps[-1] - steps[0], 1e-3)
-        if rc != 0 or m is None:
+        truth = (len(steps) - 1) / max(steps[-1] - steps[0], 1e-3) if len(steps) > 1 else math.nan
+        if rc != 0 or m is None or len(steps) < 2:
             self.violate(
                 "10",
                 f"after a clock step of {f['shift_s']:+g}s and {len(steps)} steps since, status gave no "
