@@ -96,7 +96,7 @@ def _answer(log: Path, line: str, grid_after: int) -> tuple[str, int] | None:
     if step % EVERY == 0:
         return ("grid", step)
     asked = text.index(f"SIGUSR1: checkpoint of step {step} requested")
-    assert asked < text.index(f"checkpoint step_{step:06d}.bin ("), text[asked - 2000 :]
+    assert asked < text.index(f"checkpoint step_{step:06d}.bin ("), text[max(0, asked - 2000) :]
     return ("in flight", step)
 
 
