@@ -680,11 +680,12 @@ class Soak:
             return None
         with self.launcher_lock:
             if self.launcher is None:
-                from warm_launcher import WarmLauncher
+                from warm_launcher import ANDREA_PRELOAD, WarmLauncher
 
-                preload = ["andrea_core.cli", "andrea_core.train.trainer"]
                 load_vars = ("ANDREA_SOAK_CLOCK_FILE",)
-                self.launcher = WarmLauncher(preload, env, str(REPO), max_servers=3, load_vars=load_vars)
+                self.launcher = WarmLauncher(
+                    list(ANDREA_PRELOAD), env, str(REPO), max_servers=3, load_vars=load_vars
+                )
             return self.launcher
 
     def tool(self, what: str, argv: list[str], timeout: float = TOOL_BOUND, **extra: str) -> tuple[int, str]:

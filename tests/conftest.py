@@ -150,10 +150,10 @@ def warm_launcher():
     if os.environ.get("ANDREA_WARM_LAUNCHER", "1") == "0":
         return None
     if _launcher is None:
-        from warm_launcher import WarmLauncher
+        from warm_launcher import ANDREA_PRELOAD, WarmLauncher
 
         _sweep_dead_launcher_folders()
-        _launcher = WarmLauncher(["andrea_core.cli", "andrea_core.train.trainer"], _env(), str(REPO))
+        _launcher = WarmLauncher(list(ANDREA_PRELOAD), _env(), str(REPO))
         atexit.register(_stop_launcher_at_exit, os.getpid())
     return _launcher
 
@@ -257,18 +257,24 @@ def flock_held_elsewhere(path: Path) -> Iterator[int]:
 
 
 def wait_for(
-    predicate: Callable[[], object], timeout: float = 300, what: str = "condition", every: float = 0.02
+    predicate: Callable[[], object],
+    timeout: float = 300,
+    what: str = "condition",
+    every: float | None = None,
 ) -> object:
-    """`predicate()`'s first truthy value, polled every `every` seconds (20 ms). A wait, not a timing
+    """`predicate()`'s first truthy value, polled every `every` seconds; by default every 20 ms, and
+    every 50 ms once it has waited 2 s (a wait that long is for a trainer's steps, which a poll 30 ms
+    later still sees; an S3 predicate costs 6.7 ms of CPU a call here and in moto). A wait, not a timing
     assertion: the default is generous so that a loaded machine is slow, not red (a `mix` fixture's first
     checkpoint took over 120 s at load 14). A predicate that asks a server (Prefect's API) or parses a
     whole file polls slower: each call costs the server, or this process, CPU the trainers need."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline = start + timeout
+    while (now := time.monotonic()) < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(every)
+        time.sleep(every or (0.02 if now - start < 2 else 0.05))
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
@@ -467,6 +473,52 @@ def _report_module_times(terminalreporter) -> None:
         Path(target).write_text(header + "\n".join(lines) + "\n")
 
 
+# The modules whose tests use the worker's Prefect server (the prefect_server fixture, directly or
+# through another): one work unit, so that one worker starts the one server of the session and creates
+# the deployments once (REUSE_DEPLOYMENTS), where three workers each started one (8.7 CPU-s to healthy,
+# 1.3 CPU-s a minute idle) and deployed to it. The collection fails naming a module missing here.
+PREFECT_SERVER_MODULES = frozenset(
+    {
+        "test_prefect_flows",
+        "test_prefect_dashboard",
+        "test_cli_pivot_fork",
+        "test_audit_fork_flow",
+        "test_pivot_checks",
+        "test_train_flow_cancel",
+        "test_train_settings",
+    }
+)
+PREFECT_SERVER_UNIT = "(the modules of the Prefect server)"
+
+
+def work_unit(nodeid: str) -> str:
+    """The work unit a test goes out in: its module's file, or PREFECT_SERVER_UNIT for those modules."""
+    path = nodeid.split("::", 1)[0]
+    return PREFECT_SERVER_UNIT if Path(path).stem in PREFECT_SERVER_MODULES else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadfile (scripts/test.sh) with the Prefect server's modules as one unit (work_unit)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PrefectServerModulesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return PrefectServerModulesTogether(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order kept
+    unlisted = sorted(
+        {i.path.stem for i in items if "prefect_server" in i.fixturenames} - PREFECT_SERVER_MODULES
+    )
+    if unlisted:
+        raise pytest.UsageError(
+            f"tests/conftest.py: PREFECT_SERVER_MODULES misses {', '.join(unlisted)}, whose tests use "
+            "the prefect_server fixture: add them (else a worker of their own starts a second server)"
+        )

@@ -50,7 +50,9 @@ class S3Server:
         fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = self.endpoint
 
     def client(self, **options):
-        """A fresh s3fs client (no listing cache: other processes write to the same buckets)."""
+        """A fresh s3fs client (no listing cache: other processes write to the same buckets), on this
+        process's one botocore session: a session of its own parses botocore's endpoint and S3 models
+        again (0.07-0.13 CPU-s a client, 0.005 on a shared session)."""
         import s3fs
 
         return s3fs.S3FileSystem(
@@ -59,6 +61,7 @@ class S3Server:
             secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
             use_listings_cache=False,
             skip_instance_cache=True,
+            session=_botocore_session(),
             **options,
         )
 
@@ -97,6 +100,18 @@ def start_s3_server(
         proc.kill()
         proc.wait()
     raise RuntimeError("moto S3 server did not start on 127.0.0.1")
+
+
+_sessions: dict[int, object] = {}
+
+
+def _botocore_session():
+    """This process's aiobotocore session (a forked child makes its own)."""
+    import aiobotocore.session
+
+    if os.getpid() not in _sessions:
+        _sessions[os.getpid()] = aiobotocore.session.AioSession()
+    return _sessions[os.getpid()]
 
 
 class ThrottledLink:

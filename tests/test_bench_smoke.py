@@ -32,9 +32,9 @@ def bench_launcher():
     if os.environ.get("ANDREA_WARM_LAUNCHER", "1") == "0":
         yield None
         return
-    from warm_launcher import WarmLauncher
+    from warm_launcher import ANDREA_PRELOAD, WarmLauncher
 
-    _launcher = WarmLauncher(["andrea_core.cli", "andrea_core.train.trainer", "bench"], _env(), str(REPO))
+    _launcher = WarmLauncher([*ANDREA_PRELOAD, "bench"], _env(), str(REPO))
     try:
         yield _launcher
     finally:
