@@ -205,25 +205,28 @@ def warm_launcher_server():
         report.write_text("\n".join(lines + [f"server started: {why}" for why in _launcher.started]) + "\n")
 
 
-_IMPORTED = """import runpy, sys
-module = sys.argv.pop(1)
+_IMPORTED = """import json, runpy, sys
+modules = sys.argv.pop(1).split(",")
 sys.argv = ["andrea", *sys.argv[1:]]
 try:
     runpy.run_module("andrea_core", run_name="__main__")
 except SystemExit as e:
     assert not e.code, f"exit {e.code}"
-print("imported:", module in sys.modules)
+print("imported:", json.dumps(sorted(m for m in modules if m in sys.modules)))
 """
 
 
 def andrea_imports(module: str, *args: str, timeout: float = 300) -> bool:
-    """Whether `andrea ARGS`, run to a clean exit in a fresh process, imported `module`."""
+    """Whether `andrea ARGS`, run to a clean exit in a fresh process, imported `module` (any of them,
+    when it names several, comma-separated)."""
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORTED, module, *args],
         capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, f"andrea {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
-    return {"imported: True": True, "imported: False": False}[proc.stdout.splitlines()[-1]]
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("imported: "), proc.stdout
+    return bool(json.loads(last.removeprefix("imported: ")))
 
 
 def start_trainer(

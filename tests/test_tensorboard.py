@@ -259,3 +259,20 @@ def test_events_a_full_disk_tore_are_finished_at_the_next_flush_and_none_is_lost
         for tag, div in (("train/loss", 7), ("train/lr", 11)):
             shown = [(e.step, e.value) for e in acc.Scalars(tag)]
             assert shown == [(s, float(np.float32(s / div))) for s in range(1, 2101)], (tag, len(shown))
+
+
+def test_the_event_files_checksum_is_tfrecords_masked_crc32c():
+    """andrea's masked CRC-32C (the TFRecord framing of every event) is bit-equal to tensorboard's own,
+    on CRC-32C's check value and on data of every length up to two tables' worth and a large one."""
+    import random
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as theirs
+
+    from andrea_core.train.tensorboard import masked_crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the reference is CRC-32C (Castagnoli)
+    rng = random.Random(1)
+    cases = [b"", b"123456789", bytes(range(256)) * 2, b"\xff" * 1000]
+    cases += [rng.randbytes(n) for n in (*range(1, 520), 70_000)]
+    assert [masked_crc32c(d) for d in cases] == [theirs(d) for d in cases]

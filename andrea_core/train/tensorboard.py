@@ -223,10 +223,31 @@ def _event(p: tuple):
     return [event_pb2.Event(wall_time=t, step=step, summary=summary_pb2.Summary(value=[value]))]
 
 
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)  # Castagnoli's polynomial, reflected
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's masked CRC-32C of `data`. Ours, not tensorboard's: its one lives in its TensorFlow
+    stub package, whose import (boto3, absl: 0.2-0.27 CPU-s) every trainer start paid for a checksum."""
+    crc, table = 0xFFFFFFFF, _CRC32C_TABLE
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def _record(events: list) -> bytes:
     """TFRecord framing: length, its masked CRC32C, the serialized event, its masked CRC32C."""
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
     out = []
     for event in events:
         data = event.SerializeToString()
