@@ -40,9 +40,13 @@ print(json.dumps({"before": before, "after": peak()}))
 """
 
 
+WORDS = "the model reads every shard of the corpus once and the bandit mixes arms".split()
+
+
 def paragraph(i: int) -> str:
-    words = "the model reads every shard of the corpus once and the bandit mixes arms".split()
-    return f"doc {i}: " + " ".join(words[(i + k) % len(words)] for k in range(1200)) + ".\n"
+    """Document i: 1200 words, WORDS from the i-th on, round and round."""
+    turned = WORDS[i % len(WORDS) :] + WORDS[: i % len(WORDS)]
+    return f"doc {i}: " + " ".join((turned * (1200 // len(WORDS) + 1))[:1200]) + ".\n"
 
 
 def write_corpus(kind: str, folder, file_bytes: int) -> tuple[str, int]:

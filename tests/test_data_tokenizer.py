@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from conftest import REPO, _env, andrea, refused
 from tiny import tiny_config
 
 from andrea_core.config import ConfigError, load_run_config
-from andrea_core.data import tokens
+from andrea_core.data import sources, tokens
 from andrea_core.data.pipeline import DataPipeline
 from andrea_core.data.policy import ArmSpec, load_policy, read_policy
 from andrea_core.data.sources import open_source
@@ -155,6 +156,17 @@ def test_creating_an_andrea_12m_run_trains_its_bpe_on_bounded_text(tmp_path, mon
 
     real_train_bpe = tokens.train_bpe
     monkeypatch.setattr(tokens, "train_bpe", recorded_train_bpe)
+    # Each file's documents extracted once in this test (a docstrings arm parses every file of its
+    # packages: 3 passes below at ~8 CPU-s each), the same text for the creation and the checks after it.
+    extracted: dict[tuple[str, Path], tuple[str, ...]] = {}
+    real_extract = sources._extract
+
+    def extract_once(kind: str, f: Path):
+        if (kind, f) not in extracted:
+            extracted[kind, f] = tuple(real_extract(kind, f))
+        return iter(extracted[kind, f])
+
+    monkeypatch.setattr(sources, "_extract", extract_once)
     t0 = time.perf_counter()
     create_run(run, cfg)
     elapsed = time.perf_counter() - t0
