@@ -104,7 +104,7 @@ def test_trainer_losses_with_dropout_are_a_plain_loops_bit_for_bit(tmp_path):
 NEVER_AT_START = "torch._dynamo,tensorboard.compat.tensorflow_stub"
 
 
-def test_a_trainer_start_and_resume_never_import_torch_dynamo(tmp_path):
+def test_a_trainer_start_and_resume_import_nothing_they_never_use(tmp_path):
     """A real `andrea train` that creates a run, trains, writes its TensorBoard events and checkpoints,
     and one that resumes it, import none of NEVER_AT_START."""
     config = tiny_config(tmp_path, train__max_steps=4, train__checkpoint_every=2)
