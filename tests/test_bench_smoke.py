@@ -115,6 +115,13 @@ def test_checkpoint_checksum_prints_every_hash_and_each_ratio(tmp_path):
         assert re.search(rf"{what}\s+legacy .* checksummed .* time ratio\s+{NUMBER}", out), out
 
 
+def test_source_listing_lists_each_arm_kind_three_ways_and_prints_the_ratio():
+    """The bench itself asserts the three listings equal; here each arm's row and its ratio."""
+    out = bench("source_listing.py", "--repeats", "1")
+    for arm in ("stdlib", "docstrings \\(default packages\\)", "docstrings \\(tiny-mix", "prose"):
+        assert re.search(rf"^{arm}.*\s(\d+)\s+({NUMBER} \(\s*{NUMBER}\)\s+){{3}}{NUMBER}x$", out, re.M), out
+
+
 def test_dashboard_prints_before_now_and_the_status_read():
     out = bench("dashboard.py", "--steps", "600", "--segments", "3", "--repeats", "1")
     assert "dashboard of a run of 600 steps in 3 segments" in out, out
