@@ -17,8 +17,7 @@ if [ ! -f "$stamp" ] || ! cat requirements.txt constraints.txt | cmp -s - "$stam
   # of which no process imports. The import check below compiles what every andrea process imports,
   # once, into .venv (whatever PYTHONDONTWRITEBYTECODE says); anything else its first import compiles.
   pinned_install .venv/bin/python -r requirements.txt -c constraints.txt || true
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile --no-deps -e . 2>&1 \
-    | _pip_quiet
+  editable_install .venv/bin/python
   env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import torch, prefect, fsspec, yaml, numpy, s3fs
 import andrea_core.cli, andrea_core.train.trainer, flows.train, flows.pivot, flows.audit_fork" \
     || { echo "setup: dependencies failed to import" >&2; exit 1; }
