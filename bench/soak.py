@@ -822,6 +822,19 @@ class Soak:
         if rc == 0:
             self._status_truth(p, alive=False)
 
+    def status_read(self) -> tuple[int, Proc]:
+        """`andrea status` of the run now, judged (10) when it answers: alive if this host's trainer ran
+        from before it started to after it ended (unknown otherwise), the read's start the `since` that
+        tells the layer's race apart (as the readers fault's reads). Its exit status and its Proc."""
+        holder = self.trainer
+        alive_before = holder is not None and holder.popen.poll() is None
+        since = time.monotonic()
+        rc, p = self.tool_proc("status", ["status", self.store.run_url])
+        if rc == 0:
+            alive = alive_before and holder.popen.poll() is None
+            self._status_truth(p, alive=True if alive else None, since=since)
+        return rc, p
+
     def _status_truth(self, p: Proc, alive: bool | None, since: float | None = None) -> None:
         """(10) `andrea status`'s state against the truth: a trainer of this host alive throughout is
         TRAINING (never CRASHED, STOPPED or COMPLETED); none alive is never TRAINING. None: unknown.
@@ -2047,10 +2060,8 @@ class Soak:
             else:
                 self.violate("7", f"a trainer did not start with the cache full:\n{self.trainer.tail()}")
                 self.trainer.expect_exit = True
-            rc, p = self.tool_proc("status", ["status", self.store.run_url])
-            if rc == 0:
-                self._status_truth(p, alive=self.trainer.popen.poll() is None or None)
-            else:
+            rc, p = self.status_read()
+            if rc != 0:
                 self.violate("7", f"andrea status on a full cache exited {rc}:\n{p.text()[-2000:]}")
         finally:
             filler.unlink(missing_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -486,3 +487,24 @@ def test_a_status_that_met_the_layers_rename_race_is_told_apart_from_a_wrong_ans
         readers, violations = judged(text, since, with_layer)
         assert [v[:2] for v in violations] == [(7, "10")], (text, with_layer)
         assert "the layer's race" not in str(readers)
+
+    # Soak.status_read, the other faults' reads of a live trainer (the full cache's): the read's start
+    # taken before it, the trainer alive from before to after; the lock renewed during the read.
+    def read_during_renewal(what: str, argv: list[str]) -> tuple[int, types.SimpleNamespace]:
+        write(run / "lock.tmp", b"{}", sync=False)
+        os.rename(run / "lock.tmp", run / LOCK)
+        return 0, types.SimpleNamespace(text=lambda: stopped, tail=lambda: stopped)
+
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        soak = Soak.__new__(Soak)
+        soak.store = types.SimpleNamespace(layer=layer, run_url=str(run))
+        soak.readers, soak.violations, soak.fault_i = Counter(), [], 619
+        soak.trainer, soak.tool_proc = types.SimpleNamespace(popen=holder), read_during_renewal
+        assert soak.status_read()[0] == 0
+        assert soak.violations == [] and soak.readers == Counter(
+            {"alive -> STOPPED, the lock replaced under the read (the layer's race)": 1}
+        )
+    finally:
+        holder.kill()
+        holder.wait()
