@@ -527,6 +527,22 @@ class Violation(Exception):
     pass
 
 
+def retention_missing(
+    need: set[int], published: set[int], have: set[int], damaged: set[int], refused: set[int]
+) -> tuple[list[int], set[int]]:
+    """(8)'s verdict: the checkpoints `need`ed, and the newest three published or had, that the run
+    does not have; and those lost to the soak's own damage, never counted missing. A checkpoint the
+    soak damaged itself (bitrot: the newest at a kill, torn or flipped) is refused by the next start
+    and moved to refused/ (nothing is deleted); the run has it again only if it trains through that
+    step again and that write goes through. Lost to the fault, not to retention, where refused/ holds
+    it (a 230-fault prefix of seed 1 tore step_012765.bin, the one checkpoint a full disk had let
+    through since 12265, and ended retraining at 12695); one refused that the soak did not damage is
+    missing like any other."""
+    lost = (damaged & refused) - have
+    need = need | set(sorted((published - lost) | have)[-3:])
+    return sorted(need - have - lost), lost
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace, work: Path):
         self.args = args
@@ -578,6 +594,7 @@ class Soak:
         self.fault_i = -1
         # Every checkpoint a listing of the store showed, and when it last did (invariant (8)).
         self.listed: dict[int, float] = {}
+        self.damaged: set[int] = set()  # the run's checkpoints the soak tore or flipped itself (bitrot)
         # Each pivot's boundary and when it was done: its closed phase's tail was published before.
         self.closed: list[tuple[int, float]] = []
         self.readers: Counter = (
@@ -1476,6 +1493,7 @@ class Soak:
             self._rot_a_boundary(f, name)
             return
         rot = self.store.layer.call("rot", path=f"/run/{name}", how=f["how"], at=f["at"])
+        self.damaged.add(have[-1])
         self.did[self._kind][f"{f['how']}ped" if f["how"] == "flip" else "torn"] += 1
         t = self.trainer = self.start_trainer()
         if not self.wait_training(t):
@@ -2722,8 +2740,14 @@ class Soak:
         need = {e[1] for e in self.events if e[0] != "data"} | {
             s for s in published if s % (10 * self.every) == 0
         }
-        need |= set(sorted(published | have)[-3:])
-        missing = sorted(need - have)
+        refused = {
+            int(m.group(1))
+            for a in (got / "refused").glob("step_*.bin.*")
+            if (m := re.match(r"step_(\d+)\.bin\.", a.name))
+        }
+        missing, lost = retention_missing(need, published, have, self.damaged, refused)
+        if lost:
+            print(f"(8) lost to the soak's own bitrot, refused and not written again: {sorted(lost)}")
         if missing:
             self.violate("8", f"retention did not keep {[checkpoint_name(s) for s in missing]}")
 
