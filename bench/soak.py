@@ -531,7 +531,7 @@ def retention_missing(
     need: set[int], published: set[int], have: set[int], damaged: set[int], refused: set[int]
 ) -> tuple[list[int], set[int]]:
     """(8)'s verdict: the checkpoints `need`ed, and the newest three published or had, that the run
-    does not have; and those lost to the soak's own damage, never counted missing. A checkpoint the
+    does not have; and those of them lost to the soak's own damage, never counted missing. A checkpoint the
     soak damaged itself (bitrot: the newest at a kill, torn or flipped) is refused by the next start
     and moved to refused/ (nothing is deleted); the run has it again only if it trains through that
     step again and that write goes through. Lost to the fault, not to retention, where refused/ holds
@@ -539,8 +539,9 @@ def retention_missing(
     through since 12265, and ended retraining at 12695); one refused that the soak did not damage is
     missing like any other."""
     lost = (damaged & refused) - have
+    excused = lost & (need | set(sorted(published | have)[-3:]))  # what would have been missing
     need = need | set(sorted((published - lost) | have)[-3:])
-    return sorted(need - have - lost), lost
+    return sorted(need - have - lost), excused
 
 
 class Soak:

@@ -521,6 +521,9 @@ def test_the_soaks_retention_verdict_excuses_only_what_it_damaged_itself_and_the
     need = {12250, 12300, 12600, 12650}  # multiples of keep_every and events, as the soak gathers them
     published = have | {12765}
     assert retention_missing(need, published, have, {12765}, {12765}) == ([], {12765})
+    # One damaged and refused that retention would have let go anyway (not needed): not named.
+    both = {12005, 12765}
+    assert retention_missing(need, published | {12005}, have, both, both) == ([], {12765})
     # Not damaged by the soak, or damaged but not found in refused/ (deleted), or a keep_every multiple
     # the run lost otherwise: missing, named.
     assert retention_missing(need, published, have, set(), {12765}) == ([12765], set())
