@@ -70,7 +70,7 @@ from s3_relay import Relay, RelayFaults  # noqa: E402 (tests/s3_relay.py)
 
 from andrea_core.checkpoint import checkpoint_name  # noqa: E402
 from andrea_core.run.loss_log import newest_segments, parse_entries  # noqa: E402
-from andrea_core.run.rundir import LOCK  # noqa: E402
+from andrea_core.run.rundir import LOCK, REFUSED  # noqa: E402
 from andrea_core.run.store import REPLACE_WAIT_S  # noqa: E402
 
 PYTHON = sys.executable
@@ -2743,7 +2743,7 @@ class Soak:
         }
         refused = {
             int(m.group(1))
-            for a in (got / "refused").glob("step_*.bin.*")
+            for a in (got / REFUSED).glob("step_*.bin.*")  # the trainer's name there: step_N.bin.TIME
             if (m := re.match(r"step_(\d+)\.bin\.", a.name))
         }
         missing, lost = retention_missing(need, published, have, self.damaged, refused)

@@ -73,7 +73,7 @@ def _listing(arm: ArmSpec, find) -> list[Path]:
     files = []
     for root in sources._site_packages():
         files.extend(find(root, pats, frozenset()))
-    return sorted({f for f in files if f.is_file() and f.stat().st_size > 200})
+    return sorted({f for f in files if f.is_file() and f.stat().st_size > sources.PROSE_MIN_BYTES})
 
 
 def _rglob_find(root: Path, patterns: tuple[str, ...], skip: frozenset[str]) -> list[Path]:
