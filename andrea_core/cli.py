@@ -385,7 +385,14 @@ def cmd_pivot(args: argparse.Namespace) -> int:
         line += f"; resumed at step {resumed['first_step']}, trainer pid {resumed['pid']}"
         if "host" in resumed:  # started there, not by this pivot: its output is that host's
             line += f" on {resumed['host']} (cannot be checked from here)"
-        else:
+        if "started" in resumed:  # another took the run first: the one started here is refused or waits
+            started = resumed["started"]
+            if started["ended"]:
+                line += f"; the one this pivot started found the run taken: {started['ended']}"
+            else:
+                line += f"; the one this pivot started, pid {started['pid']}, waits for the run "
+                line += f"(output in {pivot.trainer_log_path(run)})"
+        elif "host" not in resumed:
             line += f" (output in {pivot.trainer_log_path(run)})"
     else:
         line += "; trainer left stopped"

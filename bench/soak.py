@@ -2342,11 +2342,22 @@ class Soak:
         done = re.search(r"already \(.*\): nothing done; trainer pid (\d+) on (\S+) holds the", pivot.text())
         if m is None and done is not None and done.group(2) == host:
             m = done
-        if m is None and kept is not None:
+        # Or the soak's restart took the released lock between the install and the pivot's own trainer's
+        # start (fault 144, 2026-12-07): the pivot names it, and its own trainer apart, refused or
+        # waiting on that lease (stopped here, as the trainer it would have been).
+        started = r"; the one this pivot started(?:, pid (\d+), waits for the run| found the run taken)"
+        own = re.search(started, pivot.text())
+        if kept is not None and (m is None or own is not None):
             pid, on = int(kept.group(1)), kept.group(2)
             mine = self.trainer.popen.poll() is None and self.trainer.pid == pid and self.host == on
             if mine and lock.get("pid") == pid and lock.get("host") == on and on != host:
-                d["the new phase already trained elsewhere: no second trainer started"] += 1
+                if own is None:
+                    d["the new phase already trained elsewhere: no second trainer started"] += 1
+                    return
+                if own.group(1) is not None:  # it may have been refused since: gone is fine
+                    self._terminate(int(own.group(1)), gone_ok=True)
+                d["the soak's restart took the new phase first, named; the pivot's own "
+                  + ("waited, stopped" if own.group(1) else "refused")] += 1  # fmt: skip
                 return
         if not m or lock.get("pid") != int(m.group(1)) or lock.get("host") != host:
             self.violate(
@@ -2354,11 +2365,18 @@ class Soak:
                 f"pivot --restart: no resumed trainer of {host} holds the lock ({lock}):\n{pivot.tail()}",
             )
             return
-        pid = int(m.group(1))
+        if self._terminate(int(m.group(1))):
+            d["restarted on the pivoting host"] += 1
+            self.host = host
+
+    def _terminate(self, pid: int, gone_ok: bool = False) -> bool:
+        """SIGTERM a trainer `pivot --restart` started (not the soak's child: checked to be a trainer of
+        the run first) and wait for its exit; False if it is not one (a violation unless `gone_ok`)."""
         if not self._our_trainer(pid):
+            if gone_ok:
+                return False
             self.violate("11", f"pivot --restart: pid {pid} is not a trainer of the run")
-            return
-        d["restarted on the pivoting host"] += 1
+            return False
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + TERM_BOUND
         while time.monotonic() < deadline and self._our_trainer(pid):
@@ -2368,7 +2386,7 @@ class Soak:
                 "7", f"the restarted trainer pid {pid} did not stop within {TERM_BOUND:g}s of SIGTERM"
             )
             os.kill(pid, signal.SIGKILL)
-        self.host = host
+        return True
 
     # --- the soak --------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -488,5 +489,67 @@ def test_a_rerun_pivot_finds_the_new_phase_trained_on_another_host_and_starts_no
             subprocess.run(["kill", "-9", started[1]], check=False)  # the old code's second trainer
         other.send_signal(signal.SIGTERM)
         assert other.wait(120) == 0, (tmp_path / "host-b.log").read_text()
+    steps = [json.loads(x)["step"] for x in run.read_bytes(LOSS_LOG).splitlines() if x.strip()]
+    assert steps[:21] == list(range(1, 22)) and steps == sorted(set(steps)), steps
+
+
+def test_a_trainer_restarted_elsewhere_that_takes_the_run_before_the_pivots_own_is_the_one_named(
+    tmp_path, tmp_path_factory
+):
+    """Issue 48 (the soak's pivot-remote, seed 1, fault 144): after the install, a trainer restarted on
+    another host (systemd there) took the released lock before the trainer `pivot --restart` had just
+    started could, and trained the new phase. The pivot confirmed that trainer's first step but named
+    its own trainer's pid with the other's host ("trainer pid P on soak-b"), a process that host never
+    had; and had its own trainer been refused before the other's first step, it failed the pivot ("the
+    trainer ended before logging a step"). Now the holder is named with its own host, the started one
+    apart with how it ended, and the pivot waits for the holder's first step."""
+    run = _run_at_20(tmp_path, tmp_path_factory)
+    # The pivot's trainer (it inherits this env) holds its start-up until the test ends it: host-b's
+    # trainer takes the run first, for certain.
+    env = _env() | FAST_LEASE | {"ANDREA_TEST_STARTUP_DELAY": "300"}
+    argv = ["pivot", run.url, "--policy", "tiny-mix", "--max-steps", "100000", "--timeout", "300"]
+    launcher = warm_launcher()
+    pivot = (launcher.popen if launcher else subprocess.Popen)(
+        [sys.executable, "-m", "andrea_core", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    other = None
+    lines: list[str] = []
+    try:
+        for line in pivot.stdout:
+            lines.append(line)
+            if started := re.search(r"resumed trainer pid (\d+) ", line):
+                break
+        assert started, "".join(lines)
+        mine = int(started[1])
+        _, host_b = elsewhere("another-host")
+        # Its first loss entry (logged with the next step) comes seconds after it took the lock.
+        args = ("--run-dir", run.url, "--device", "cpu", "--max-steps", "100000", "--pace", "3")
+        other = start_trainer(*args, env=host_b, log=tmp_path / "host-b.log")
+        wait_for(lambda: json.loads(run.read_bytes(LOCK))["pid"] == other.pid, 300, "host-b's lock")
+        assert b"train" in Path(f"/proc/{mine}/cmdline").read_bytes()  # the pivot's trainer, still held
+        os.kill(mine, signal.SIGTERM)  # it ends before host-b's trainer logs its first step
+        out, _ = pivot.communicate(timeout=600)
+        out = "".join(lines) + out
+        assert pivot.returncode == 0, out
+        assert last_logged_step(run) >= 21
+        assert re.search(
+            rf"resumed at step 21, trainer pid {other.pid} on host-b \(cannot be checked from here\); "
+            rf"the one this pivot started found the run taken: trainer pid {mine} exited with status \d+ ",
+            out,
+        ), out
+        holder = json.loads(run.read_bytes(LOCK))
+        assert (holder["pid"], holder["host"]) == (other.pid, "host-b")
+    finally:
+        if pivot.poll() is None:
+            pivot.kill()
+            pivot.wait()
+        if other is not None:
+            other.send_signal(signal.SIGTERM)
+            assert other.wait(120) == 0, (tmp_path / "host-b.log").read_text()
     steps = [json.loads(x)["step"] for x in run.read_bytes(LOSS_LOG).splitlines() if x.strip()]
     assert steps[:21] == list(range(1, 22)) and steps == sorted(set(steps)), steps

@@ -966,6 +966,31 @@ def confirm_resumed(
     }
 
 
+def _ended_unheld(run: RunDir, resumed: Resumed | None) -> Callable[[], str | None] | None:
+    """How the started trainer ended, once it has and no other trainer holds the run: one restarted
+    elsewhere (systemd there) may take the lock between the install and this one's start, and it trains
+    the new phase (this one is refused, or waits on its lease); its first step is then waited for."""
+    if resumed is None or resumed.ended is None:
+        return None
+
+    def ended() -> str | None:
+        why = resumed.ended()
+        return why if why is not None and _holder(run) is None else None
+
+    return ended
+
+
+def _name_started(confirmed: dict, resumed: Resumed) -> None:
+    """The trainer this pivot started in confirm_resumed's answer: the run's trainer when none held the
+    run at the look (it may have trained and exited already); named apart, as "started" (its pid, and
+    how it ended if it has), when another did. Never one trainer's pid beside the other's host."""
+    started = resumed.info["pid"]
+    if confirmed["pid"] is None:
+        confirmed["pid"] = started
+    elif "host" in confirmed or confirmed["pid"] != started:
+        confirmed["started"] = {"pid": started, "ended": resumed.ended() if resumed.ended else None}
+
+
 def finish_pivot(run: RunDir) -> None:
     """The pivot is complete: the journal goes (the archived phase's folder protects the boundary)."""
     clear_pivot(run)
@@ -1056,12 +1081,12 @@ def run_pivot(
             options["nproc_per_node"] = stopped.get("world_size") or 1
             resumed = restart.start(run, options)
             result["resumed_by"] = resumed.info
-        ended = resumed.ended if resumed is not None else None
+        ended = _ended_unheld(run, resumed)
         result["resumed"] = step(
             "confirm-resumed-trainer", lambda: confirm_resumed(run, journal, timeout_s, ended)
         )
         if resumed is not None and resumed.info.get("pid") is not None:
-            result["resumed"]["pid"] = resumed.info["pid"]  # it may have finished already
+            _name_started(result["resumed"], resumed)
     else:
         result["resumed"] = {"first_step": boundary + 1, "pid": getattr(live_trainer(run), "pid", None)}
     step("finish-pivot", lambda: finish_pivot(run))
