@@ -174,7 +174,7 @@ def test_peer_nanogpt_runs_the_andrea_side_alone_without_a_checkout(tmp_path):
 
 
 def test_s3_requests_counts_each_kind_and_every_fenced_publish_is_an_upload():
-    out = bench("s3_requests.py", "--checkpoints", "2")
+    out = bench("s3_requests.py", "--checkpoints", "2", "--every", "2")  # 14 CPU-s where every 5 took 19
     rows = {k: float(v) for k, v in re.findall(rf"^  ([a-z ]+?)\s+({NUMBER})$", out, re.M)}
     assert rows["all"] == pytest.approx(sum(v for k, v in rows.items() if k != "all"), abs=0.2), out
     # The holder's publishes are multipart uploads (abortable by a taker): created, one part, completed.
