@@ -493,8 +493,9 @@ def test_a_rerun_pivot_finds_the_new_phase_trained_on_another_host_and_starts_no
     assert steps[:21] == list(range(1, 22)) and steps == sorted(set(steps)), steps
 
 
+@pytest.mark.parametrize("own", ["ended", "waiting"])
 def test_a_trainer_restarted_elsewhere_that_takes_the_run_before_the_pivots_own_is_the_one_named(
-    tmp_path, tmp_path_factory
+    tmp_path, tmp_path_factory, own
 ):
     """Issue 48 (the soak's pivot-remote, seed 1, fault 144): after the install, a trainer restarted on
     another host (systemd there) took the released lock before the trainer `pivot --restart` had just
@@ -502,7 +503,7 @@ def test_a_trainer_restarted_elsewhere_that_takes_the_run_before_the_pivots_own_
     its own trainer's pid with the other's host ("trainer pid P on soak-b"), a process that host never
     had; and had its own trainer been refused before the other's first step, it failed the pivot ("the
     trainer ended before logging a step"). Now the holder is named with its own host, the started one
-    apart with how it ended, and the pivot waits for the holder's first step."""
+    apart with how it ended (or that it waits), and the pivot waits for the holder's first step."""
     run = _run_at_20(tmp_path, tmp_path_factory)
     # The pivot's trainer (it inherits this env) holds its start-up until the test ends it: host-b's
     # trainer takes the run first, for certain.
@@ -532,16 +533,20 @@ def test_a_trainer_restarted_elsewhere_that_takes_the_run_before_the_pivots_own_
         other = start_trainer(*args, env=host_b, log=tmp_path / "host-b.log")
         wait_for(lambda: json.loads(run.read_bytes(LOCK))["pid"] == other.pid, 300, "host-b's lock")
         assert b"train" in Path(f"/proc/{mine}/cmdline").read_bytes()  # the pivot's trainer, still held
-        os.kill(mine, signal.SIGTERM)  # it ends before host-b's trainer logs its first step
+        if own == "ended":
+            os.kill(mine, signal.SIGTERM)  # it ends before host-b's trainer logs its first step
         out, _ = pivot.communicate(timeout=600)
         out = "".join(lines) + out
         assert pivot.returncode == 0, out
         assert last_logged_step(run) >= 21
-        assert re.search(
-            rf"resumed at step 21, trainer pid {other.pid} on host-b \(cannot be checked from here\); "
-            rf"the one this pivot started found the run taken: trainer pid {mine} exited with status \d+ ",
-            out,
-        ), out
+        named = rf"resumed at step 21, trainer pid {other.pid} on host-b \(cannot be checked from here\); "
+        if own == "ended":
+            named += rf"the one this pivot started found the run taken: trainer pid {mine} exited with "
+        else:
+            named += rf"the one this pivot started, pid {mine}, waits for the run \(output in "
+            assert Path(f"/proc/{mine}").exists()
+            os.kill(mine, signal.SIGTERM)  # still held in start-up: it ends there
+        assert re.search(named, out), out
         holder = json.loads(run.read_bytes(LOCK))
         assert (holder["pid"], holder["host"]) == (other.pid, "host-b")
     finally:
