@@ -550,6 +550,7 @@ class Soak:
         self.work = work
         self.every = args.every
         self.big = 10**6
+        self.wind_down = threading.Event()  # SIGUSR1: no fault after the one under way, then the checks
         (work / "logs").mkdir()
         self.cache = Path(args.cache) if args.cache else work / "cache"
         self.store = (
@@ -2450,6 +2451,9 @@ class Soak:
             if self.args.time_limit and time.time() - t_start > self.args.time_limit:
                 print(f"time limit: {self.injected} of {len(schedule)} faults injected", flush=True)
                 break
+            if self.wind_down.is_set():
+                print(f"SIGUSR1: {self.injected} of {len(schedule)} faults injected", flush=True)
+                break
             self.injected += 1
             self.fault_i = f["i"]
             n_before = len(self.violations)
@@ -2997,7 +3001,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=40)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--time-limit", type=float, default=0, help="inject no fault after this many seconds")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        help="inject no fault after this many seconds (or after SIGUSR1 comes), then the end checks",
+    )
     ap.add_argument("--store", choices=("local", "s3"), default="local")
     ap.add_argument("--every", type=int, default=5, help="checkpoint_every of the run (5)")
     ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 8 per fault)")
@@ -3072,13 +3081,18 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, interrupted)  # the processes it started are stopped on the way out
     soak = Soak(args, work)
-    aborted = None
+    # SIGUSR1: inject no fault after the one under way, then the end checks, as --time-limit does (a
+    # round started in the background ignores SIGINT: the shell set it so).
+    signal.signal(signal.SIGUSR1, lambda signum, frame: soak.wind_down.set())
+    aborted = interrupted = None
     try:
         try:
             soak.run(schedule)
         except Violation as e:
             aborted = str(e)
-        if aborted is None:
+        except KeyboardInterrupt as e:  # SIGTERM, or SIGINT in a terminal: what was injected, no checks
+            interrupted = str(e) or "SIGINT"
+        if aborted is None and interrupted is None:
             t = time.time()
             ref_root = soak.join_reference()
             t = soak.phase("waiting for the reference", t)
@@ -3151,6 +3165,8 @@ def main() -> int:
             f"warm launcher: {soak.launcher.warm} starts warm, {len(soak.launcher.cold)} cold "
             f"({dict(why)}), {1 + len(soak.launcher.started)} servers"
         )
+    if interrupted:
+        print(f"interrupted ({interrupted}) after {getattr(soak, 'injected', 0)} faults: no end checks")
     print(
         f"violations: {len(soak.violations)}; wall time {wall:.0f} s "
         f"(soak {getattr(soak, 'soak_s', 0):.0f} s)"
@@ -3173,7 +3189,7 @@ def main() -> int:
         print("\n".join(said[-25:]))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if soak.violations or aborted else 0
+    return 1 if soak.violations or aborted or interrupted else 0
 
 
 if __name__ == "__main__":
