@@ -2325,6 +2325,14 @@ class Soak:
             d[".loss.json a byte prefix of before"] += 1
         if f["restart"] and rc == 0:
             self._stop_restarted(p, other)
+        if f["restart"] and f["kill"] == "pivot":
+            # The killed pivot may have started its trainer before it died, one its rerun cannot name (a
+            # trainer elsewhere held the run): left waiting, it takes the run once that one stops, and
+            # the soak's next trainer is refused (seed 5, --kinds pivot-remote, fault 5). Stopped here.
+            known = {q.pid for q in self.procs}
+            for pid in sorted(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()):
+                if pid not in known and self._terminate(pid, gone_ok=True):
+                    d["a killed pivot's own trainer, not named by its rerun, stopped"] += 1
 
     def _stop_restarted(self, pivot: Proc, host: str) -> None:
         """The trainer `pivot --restart` started detached (its pid in the pivot's output and the lock):
