@@ -3017,7 +3017,12 @@ def main() -> int:
     )
     ap.add_argument("--store", choices=("local", "s3"), default="local")
     ap.add_argument("--every", type=int, default=5, help="checkpoint_every of the run (5)")
-    ap.add_argument("--disk-mb", type=int, default=0, help="tmpfs size (default: 48 + 8 per fault)")
+    ap.add_argument(
+        "--disk-mb",
+        type=int,
+        default=0,
+        help="tmpfs size (default: 48 + 8 per fault, or 24 per pivot where that is more)",
+    )
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--work", help="keep the soak's files here (default: a temporary folder, removed)")
     ap.add_argument("--cache", help="ANDREA_CACHE_DIR of every process (default: WORK/cache, built first)")
@@ -3053,7 +3058,9 @@ def main() -> int:
     # What the run keeps grows with it: a checkpoint of every keep_every steps (1.6 MB each: 3.2 GB by
     # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
     # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
-    args.disk_mb = args.disk_mb or 48 + 8 * args.faults
+    # A pivot archives the tail past its boundary (up to 13 checkpoints, 21 MB, seen), so a round of
+    # mostly pivots needs more: 20 pivot-remote faults filled 208 MB (--seed 5, 2026-12-08).
+    disk_mb = args.disk_mb
     args.ref_ahead = args.ref_ahead or 200 * args.every
     if args.ref_ahead <= 0 or args.ref_ahead % (20 * args.every):
         ap.error(
@@ -3078,6 +3085,8 @@ def main() -> int:
             f"--kinds: {unknown} are not fault kinds of --store {args.store} ({', '.join(KINDS[args.store])})"
         )
     schedule = draw_schedule(args.seed, args.faults, args.store, args.every, kinds)
+    pivots = sum(f["kind"] in ("pivot", "pivot-remote") for f in schedule)
+    args.disk_mb = disk_mb or 48 + max(8 * args.faults, 24 * pivots)
     if args.stop_after:
         schedule = schedule[: args.stop_after]
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="andrea-soak-"))
