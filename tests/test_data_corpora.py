@@ -352,6 +352,16 @@ def test_a_changed_source_is_rebuilt_with_a_warning_and_recorded_with_its_step(t
         150, "notes", "changed", old, new,
     )  # fmt: skip
 
+    # A resume from before the change (a rollback to checkpoint 100): steps 101.. are trained again, on
+    # the new source, so the change is recorded at 100 too; a later resume past it records nothing.
+    _, log = start(100, 200)
+    entry = read_data_log(run)[-1]
+    assert (entry["step"], entry["arm"], entry["event"], entry["previous"], entry["fingerprint"]) == (
+        100, "notes", "changed", old, new,
+    ) and "recorded in data.jsonl at step 100" in log  # fmt: skip
+    _, log = start(120, 200)
+    assert read_data_log(run)[-1] == entry and len(read_data_log(run)) == 4 and "changed" not in log
+
     os.remove(f"{root}/more/posts.jsonl")  # the arm's objects are gone: the zombie case
     third, log = start(200, 250)
     assert list(third.arms) == ["notes"] and "posts" in third.unavailable

@@ -97,7 +97,9 @@ def record_data_changes(
     (caps_scaled, warned at every start it holds), and their return to the policy's (caps_restored)."""
     data = run.read_bounded(DATA_LOG) if run.exists(DATA_LOG) else b""
     entries = _entries(run, data, warn)
-    last = {e["arm"]: e for e in entries if e["event"] in ARM_EVENTS}
+    # Each arm's entry in force at `step`: the newest appended at or before it. A resume from before a
+    # recorded change (a rollback, a fork of an earlier step) retrains those steps on today's source.
+    last = {e["arm"]: e for e in entries if e["event"] in ARM_EVENTS and e["step"] <= step}
     now = time.time()
     new: list[dict[str, Any]] = []
     for name, arm in arms.items():
