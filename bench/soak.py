@@ -3055,12 +3055,6 @@ def main() -> int:
         help="local store: the run directory on the tmpfs itself, not through the power-cut layer",
     )
     args = ap.parse_args()
-    # What the run keeps grows with it: a checkpoint of every keep_every steps (1.6 MB each: 3.2 GB by
-    # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
-    # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
-    # A pivot archives the tail past its boundary (up to 13 checkpoints, 21 MB, seen), so a round of
-    # mostly pivots needs more: 20 pivot-remote faults filled 208 MB (--seed 5, 2026-12-08).
-    disk_mb = args.disk_mb
     args.ref_ahead = args.ref_ahead or 200 * args.every
     if args.ref_ahead <= 0 or args.ref_ahead % (20 * args.every):
         ap.error(
@@ -3085,8 +3079,14 @@ def main() -> int:
             f"--kinds: {unknown} are not fault kinds of --store {args.store} ({', '.join(KINDS[args.store])})"
         )
     schedule = draw_schedule(args.seed, args.faults, args.store, args.every, kinds)
+    # What the run keeps grows with it: a checkpoint of every keep_every steps (1.6 MB each: 3.2 GB by
+    # step 100,000, about fault 900) and two branches a fork, each with its copy of the loss log (15 MB
+    # there). 4 MB a fault filled the disk for good at fault 894 (2026-12-04); it is RAM, used as filled.
+    # A pivot archives the tail past its boundary (up to 13 checkpoints, 21 MB, seen), so a round of
+    # mostly pivots needs more: 20 pivot-remote faults filled 208 MB (--seed 5, 2026-12-08).
+    # The whole schedule's, before --stop-after cuts it: a replay of a prefix gets the round's disk.
     pivots = sum(f["kind"] in ("pivot", "pivot-remote") for f in schedule)
-    args.disk_mb = disk_mb or 48 + max(8 * args.faults, 24 * pivots)
+    args.disk_mb = args.disk_mb or 48 + max(8 * args.faults, 24 * pivots)
     if args.stop_after:
         schedule = schedule[: args.stop_after]
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="andrea-soak-"))
